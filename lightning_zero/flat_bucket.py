@@ -1,0 +1,135 @@
+"""``FlatBucket``: parameters that communicate together, flattened into one padded buffer.
+
+Every ZeRO stage is built on this layout. A bucket holds parameters of one optimizer param group and one dtype as
+views into a single flat tensor, padded so that it splits into ``world_size`` equal, contiguous shards; rank ``r``
+owns shard ``r`` of every bucket. Balancing is by elements, not by parameter count: a parameter may straddle two
+ranks' shards, and every rank owns the same number of elements.
+
+    flat:  | p0 ............ | p1 .... | p2 ........... |pad|      (padded_numel = world * shard_numel)
+    owner: | rank 0             | rank 1             |  ...
+
+Note [bucket order]
+Buckets are filled walking the parameters in *reverse* registration order, because backward produces gradients
+roughly in reverse of forward, and buckets are numbered in the order they close. Gradient buckets are launched
+strictly in that order on every rank (a collective issued out of order on one rank would pair with a different
+bucket on another and hang or corrupt both), so this numbering is also what makes early buckets ready early.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSlot:
+    """Where one parameter lives inside its bucket."""
+
+    fqn: str
+    """Fully-qualified name in the module, for messages and checkpoints."""
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+class FlatBucket:
+    """A padded flat buffer whose views are the module's parameters, sharded evenly across ranks.
+
+    After construction each parameter's ``.data`` is a view into ``self.data``; the parameter objects themselves are
+    unchanged, so optimizers, tied weights and user references keep working.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        group_index: int,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        rank: int,
+        world_size: int,
+    ) -> None:
+        assert named_params, "a bucket holds at least one parameter"
+        self.index = index
+        """Position in the launch order (see Note [bucket order])."""
+        self.group_index = group_index
+        """The optimizer param group this bucket's parameters belong to."""
+        self.params: list[nn.Parameter] = [p for _, p in named_params]
+        self.rank = rank
+        self.world_size = world_size
+        first = self.params[0]
+        self.dtype = first.dtype
+        self.device = first.device
+
+        slots: list[ParamSlot] = []
+        offset = 0
+        for fqn, p in named_params:
+            slots.append(ParamSlot(fqn, offset, p.numel(), p.shape))
+            offset += p.numel()
+        self.slots: tuple[ParamSlot, ...] = tuple(slots)
+        self.numel = offset
+        self.shard_numel = -(-offset // world_size)  # ceil: the padding is < world_size elements
+        self.padded_numel = self.shard_numel * world_size
+
+        # Zero padding keeps every reduction and norm over the flat buffer exact.
+        self.data = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for slot, p in zip(self.slots, self.params, strict=True):
+                self.data[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+                p.data = self.param_view(self.data, slot)
+
+    # -- views --------------------------------------------------------------------------------------------------
+    @staticmethod
+    def param_view(flat: Tensor, slot: ParamSlot) -> Tensor:
+        return flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def shard_of(self, flat: Tensor) -> Tensor:
+        """This rank's contiguous shard of a bucket-shaped flat tensor."""
+        return flat[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
+
+    @property
+    def param_shard(self) -> Tensor:
+        """This rank's shard of the parameters: the slice the optimizer updates."""
+        return self.shard_of(self.data)
+
+    def slots_and_params(self) -> Iterator[tuple[ParamSlot, nn.Parameter]]:
+        return zip(self.slots, self.params, strict=True)
+
+    def __repr__(self) -> str:
+        return (
+            f"FlatBucket(index={self.index}, group={self.group_index}, params={len(self.params)}, "
+            f"numel={self.numel}, padded={self.padded_numel}, dtype={self.dtype})"
+        )
+
+
+def build_buckets(
+    groups: Sequence[Sequence[tuple[str, nn.Parameter]]],
+    bucket_numel: int,
+    rank: int,
+    world_size: int,
+    registration_order: Sequence[nn.Parameter],
+) -> list[FlatBucket]:
+    """Pack each param group's parameters into buckets of about ``bucket_numel`` elements, per dtype.
+
+    ``registration_order`` is the module's parameter order; buckets are filled walking it in reverse and numbered as
+    they close (see Note [bucket order]). A bucket never mixes param groups or dtypes.
+    """
+    position = {id(p): i for i, p in enumerate(registration_order)}
+    members: list[tuple[int, int, str, nn.Parameter]] = []  # (position, group, fqn, param)
+    for g, named in enumerate(groups):
+        members.extend((position[id(p)], g, fqn, p) for fqn, p in named)
+    members.sort(key=lambda m: m[0], reverse=True)
+
+    open_buckets: dict[tuple[int, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
+    open_numel: dict[tuple[int, torch.dtype], int] = {}
+    closed: list[tuple[int, list[tuple[str, nn.Parameter]]]] = []
+    for _, g, fqn, p in members:
+        key = (g, p.dtype)
+        open_buckets.setdefault(key, []).append((fqn, p))
+        open_numel[key] = open_numel.get(key, 0) + p.numel()
+        if open_numel[key] >= bucket_numel:
+            closed.append((g, open_buckets.pop(key)))
+            del open_numel[key]
+    closed.extend((g, named) for (g, _), named in open_buckets.items())
+    return [FlatBucket(i, g, named, rank, world_size) for i, (g, named) in enumerate(closed)]

@@ -1,0 +1,329 @@
+"""Gradient reduction: from each rank's local gradients to this rank's averaged gradient shard.
+
+Two storages, one protocol. Both reducers register a post-accumulate-grad hook on every parameter, count arrivals per
+bucket, and reduce-scatter buckets strictly in bucket order (Note [bucket order]); they differ in where gradients
+live between backward and the optimizer step:
+
+- ``FullGradReducer`` (stage 1): each bucket has a persistent full-size gradient buffer and every parameter's
+  ``.grad`` is a view into it, so autograd accumulates in place (no copies). Buckets are reduce-scattered once per
+  optimizer step: from the hooks during the last backward before the step (``overlap_comm``), or at the step.
+- ``ShardedGradReducer`` (stage 2): a full-size buffer exists only while a bucket is filling or in flight; each
+  backward reduce-scatters every bucket and accumulates into a persistent shard, so gradient memory is 1/N.
+
+Note [bucket flush]
+A bucket is launched when all its parameters' gradients have arrived, but some parameters may get no gradient in a
+given backward (unused branches, frozen paths), so some buckets never complete by counting. The first hook of each
+backward queues a callback on the autograd engine that runs when the whole backward is done; it launches every
+bucket not yet launched, in order. Every rank therefore issues every bucket exactly once per reduction, in the same
+order, whatever the data did to its own backward.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
+
+from lightning_zero.collectives import CommLedger, PendingCollective, ProcessGroup, reduce_scatter
+from lightning_zero.config import ZeroConfig, dtype_from_name
+from lightning_zero.flat_bucket import FlatBucket, ParamSlot
+
+
+class BucketState(enum.Enum):
+    """Where a bucket's gradients are in the current reduction round."""
+
+    FILLING = "filling"
+    """Gradients of the current backward are arriving. Stage 1: the full buffer is persistent (1x bucket).
+    Stage 2: a full staging buffer exists from the first arrival (1x bucket, transient)."""
+    IN_FLIGHT = "in_flight"
+    """The reduce-scatter is issued; its buffers are held until it completes."""
+    REDUCED = "reduced"
+    """This rank's averaged shard is final until the next backward adds to it."""
+
+
+class GradientReducer:
+    """The shared protocol: hooks, ordered launch, end-of-backward flush. Subclasses own the storage."""
+
+    def __init__(self, buckets: Sequence[FlatBucket], group: ProcessGroup, config: ZeroConfig, ledger: CommLedger):
+        self.buckets = list(buckets)
+        self.group = group
+        self.world_size = group.size()
+        self.config = config
+        self.ledger = ledger
+        self.require_sync = True
+        """False inside ``no_sync()``: backward only accumulates locally (gradient accumulation)."""
+        self.state = [BucketState.FILLING] * len(self.buckets)
+        self._arrived = [0] * len(self.buckets)
+        self._next_launch = 0
+        self._callback_queued = False
+        self._in_flight: deque[tuple[FlatBucket, PendingCollective]] = deque()
+        self._handles: list[RemovableHandle] = []
+        for bucket in self.buckets:
+            for slot, param in bucket.slots_and_params():
+                hook = partial(self._on_grad_accumulated, bucket, slot)
+                self._handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    # -- subclass storage API ------------------------------------------------------------------------------------
+    def _store(self, bucket: FlatBucket, slot: ParamSlot, param: nn.Parameter) -> None:
+        raise NotImplementedError
+
+    def _communicates_during_backward(self) -> bool:
+        raise NotImplementedError
+
+    def _launch(self, bucket: FlatBucket) -> PendingCollective:
+        raise NotImplementedError
+
+    def _complete(self, bucket: FlatBucket) -> None:
+        """Runs once the bucket's collective has finished (release staging, accumulate)."""
+
+    def grad_shard(self, bucket: FlatBucket) -> Tensor:
+        """This rank's averaged gradient shard of ``bucket`` (valid once ``finish()`` returned)."""
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def state_bytes(self) -> int:
+        """Bytes of gradient storage this rank holds between steps."""
+        raise NotImplementedError
+
+    # -- protocol ------------------------------------------------------------------------------------------------
+    def _reduce_dtype(self, bucket: FlatBucket) -> torch.dtype:
+        name = self.config.reduce_dtype
+        return bucket.dtype if name is None else dtype_from_name(name)
+
+    def _on_grad_accumulated(self, bucket: FlatBucket, slot: ParamSlot, param: nn.Parameter) -> None:
+        if self.state[bucket.index] is not BucketState.FILLING:
+            self._begin_filling(bucket)
+        self._store(bucket, slot, param)
+        if not (self.require_sync and self._communicates_during_backward()):
+            return
+        if not self._callback_queued:
+            # See Note [bucket flush].
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+            self._callback_queued = True
+        self._arrived[bucket.index] += 1
+        if self._arrived[bucket.index] == len(bucket.params):
+            self._launch_complete_in_order()
+
+    def _begin_filling(self, bucket: FlatBucket) -> None:
+        if self.state[bucket.index] is BucketState.IN_FLIGHT:
+            # A backward touches a bucket whose previous reduction is still in flight: finish that one first.
+            self.wait()
+        self.state[bucket.index] = BucketState.FILLING
+
+    def _launch_complete_in_order(self) -> None:
+        """Launch buckets whose gradients have all arrived, never skipping an earlier incomplete one."""
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if self._arrived[bucket.index] < len(bucket.params):
+                return
+            self._launch_one(bucket)
+            self._next_launch += 1
+
+    def _launch_one(self, bucket: FlatBucket) -> None:
+        if self.state[bucket.index] is not BucketState.FILLING:
+            self._begin_filling(bucket)
+        while len(self._in_flight) >= self.config.max_inflight_buckets:
+            self._wait_oldest()
+        pending = self.ledger.record(self._launch(bucket))
+        self.state[bucket.index] = BucketState.IN_FLIGHT
+        self._in_flight.append((bucket, pending))
+        if not self.config.overlap_comm:
+            self.wait()
+
+    def _launch_remaining(self) -> None:
+        for bucket in self.buckets[self._next_launch :]:
+            self._launch_one(bucket)
+        self._next_launch = 0
+        self._arrived = [0] * len(self.buckets)
+
+    def _on_backward_end(self) -> None:
+        self._callback_queued = False
+        self._launch_remaining()
+
+    def _wait_oldest(self) -> None:
+        bucket, pending = self._in_flight.popleft()
+        pending.wait()
+        self._complete(bucket)
+        self.state[bucket.index] = BucketState.REDUCED
+
+    def wait(self) -> None:
+        while self._in_flight:
+            self._wait_oldest()
+
+    def finish(self) -> None:
+        """Make every bucket's gradient shard final: launch what the hooks did not, then wait for all of it."""
+        if any(state is BucketState.FILLING for state in self.state):
+            self._launch_remaining()
+        self.wait()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without communication, for every backward inside the context."""
+        previous = self.require_sync
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class FullGradReducer(GradientReducer):
+    """Stage 1: persistent full gradient buffers, ``param.grad`` as views, one reduction per optimizer step.
+
+    Note [repeated reduction]
+    The reduce-scatter writes this rank's averaged shard into its own slice of the buffer and leaves the other slices
+    divided by N; we zero them. If another backward then accumulates before the step (several backward passes with
+    sync on), the buffer holds ``avg_old`` in our slice plus new local gradients everywhere. Reducing again divides
+    every slice by N and sums across ranks, so our slice is first multiplied by N: the result is
+    ``avg_old + avg_new``, exactly what DDP's in-place all-reduce gives for the same sequence.
+    """
+
+    def __init__(self, buckets: Sequence[FlatBucket], group: ProcessGroup, config: ZeroConfig, ledger: CommLedger):
+        self.grads = [torch.zeros_like(b.data) for b in buckets]
+        """(padded_numel,) per bucket; parameters' ``.grad`` are views into it."""
+        self._reduced: list[Tensor | None] = [None] * len(buckets)
+        super().__init__(buckets, group, config, ledger)
+        self._attach_grad_views()
+
+    def _attach_grad_views(self) -> None:
+        for bucket, flat in zip(self.buckets, self.grads, strict=True):
+            for slot, param in bucket.slots_and_params():
+                param.grad = FlatBucket.param_view(flat, slot)
+
+    def _communicates_during_backward(self) -> bool:
+        return self.config.overlap_comm
+
+    def _store(self, bucket: FlatBucket, slot: ParamSlot, param: nn.Parameter) -> None:
+        view = FlatBucket.param_view(self.grads[bucket.index], slot)
+        grad = param.grad
+        if grad is not None and grad.data_ptr() != view.data_ptr():
+            # Something replaced .grad (e.g. ``module.zero_grad(set_to_none=True)``): autograd then allocated a
+            # fresh tensor holding this backward's gradient. Fold it back into the flat buffer.
+            view.copy_(grad)
+            param.grad = view
+
+    def _launch(self, bucket: FlatBucket) -> PendingCollective:
+        flat = self.grads[bucket.index]
+        own = bucket.shard_of(flat)
+        previous = self._reduced[bucket.index]  # not None: reduced before, and not zeroed since
+        if previous is not None and previous.data_ptr() == own.data_ptr():
+            own.mul_(self.world_size)  # Note [repeated reduction]
+        reduce_dtype = self._reduce_dtype(bucket)
+        if reduce_dtype == flat.dtype:
+            self._reduced[bucket.index] = own
+            return reduce_scatter(own, flat, self.group)
+        # Communicate in another dtype: the reduced shard lives apart from the buffer, which is zeroed after.
+        send = flat.to(reduce_dtype)
+        out = torch.empty(bucket.shard_numel, dtype=reduce_dtype, device=flat.device)
+        pending = reduce_scatter(out, send, self.group)
+        if previous is None:
+            self._reduced[bucket.index] = out
+            return pending
+        return _accumulate_into(previous, out, pending)
+
+    def _complete(self, bucket: FlatBucket) -> None:
+        flat = self.grads[bucket.index]
+        reduced = self._reduced[bucket.index]
+        if reduced is not None and reduced.data_ptr() == bucket.shard_of(flat).data_ptr():
+            # Keep our averaged slice, clear the rest: Note [repeated reduction].
+            lo, hi = bucket.rank * bucket.shard_numel, (bucket.rank + 1) * bucket.shard_numel
+            flat[:lo].zero_()
+            flat[hi:].zero_()
+        else:
+            flat.zero_()
+
+    def grad_shard(self, bucket: FlatBucket) -> Tensor:
+        reduced = self._reduced[bucket.index]
+        assert reduced is not None, f"{bucket} was not reduced; call finish() first"
+        return reduced
+
+    def zero_grad(self) -> None:
+        self.wait()
+        for flat in self.grads:
+            flat.zero_()
+        self._reduced = [None] * len(self.buckets)
+        self.state = [BucketState.FILLING] * len(self.buckets)
+        self._attach_grad_views()
+
+    def state_bytes(self) -> int:
+        return sum(g.numel() * g.element_size() for g in self.grads)
+
+
+class ShardedGradReducer(GradientReducer):
+    """Stage 2: gradients are reduce-scattered during every backward and only this rank's shard is kept."""
+
+    def __init__(self, buckets: Sequence[FlatBucket], group: ProcessGroup, config: ZeroConfig, ledger: CommLedger):
+        super().__init__(buckets, group, config, ledger)
+        self.shards = [torch.zeros(b.shard_numel, dtype=self._reduce_dtype(b), device=b.device) for b in self.buckets]
+        """(shard_numel,) per bucket: this rank's accumulated, averaged gradient."""
+        self._shard_is_zero = [True] * len(self.buckets)
+        self._staging: list[Tensor | None] = [None] * len(self.buckets)
+
+    def _communicates_during_backward(self) -> bool:
+        return True
+
+    def _store(self, bucket: FlatBucket, slot: ParamSlot, param: nn.Parameter) -> None:
+        staging = self._staging[bucket.index]
+        if staging is None:
+            staging = torch.zeros(bucket.padded_numel, dtype=self._reduce_dtype(bucket), device=bucket.device)
+            self._staging[bucket.index] = staging
+        grad = param.grad
+        assert grad is not None
+        # add_, not copy_: a parameter's gradient can arrive twice in one backward under reentrant recomputation.
+        FlatBucket.param_view(staging, slot).add_(grad)
+        param.grad = None  # the full gradient is freed as soon as it is in the bucket
+
+    def _launch(self, bucket: FlatBucket) -> PendingCollective:
+        staging = self._staging[bucket.index]
+        if staging is None:  # no gradient arrived on this rank: it still contributes zeros
+            staging = torch.zeros(bucket.padded_numel, dtype=self._reduce_dtype(bucket), device=bucket.device)
+        self._staging[bucket.index] = None
+        shard = self.shards[bucket.index]
+        if self._shard_is_zero[bucket.index]:
+            self._shard_is_zero[bucket.index] = False
+            return reduce_scatter(shard, staging, self.group)
+        out = torch.empty_like(shard)
+        return _accumulate_into(shard, out, reduce_scatter(out, staging, self.group))
+
+    def grad_shard(self, bucket: FlatBucket) -> Tensor:
+        return self.shards[bucket.index]
+
+    def zero_grad(self) -> None:
+        self.wait()
+        for shard in self.shards:
+            shard.zero_()
+        self._shard_is_zero = [True] * len(self.buckets)
+        self.state = [BucketState.FILLING] * len(self.buckets)
+        for bucket in self.buckets:
+            for param in bucket.params:
+                param.grad = None
+
+    def state_bytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self.shards)
+
+
+def _accumulate_into(total: Tensor, out: Tensor, pending: PendingCollective) -> PendingCollective:
+    """Once ``pending`` has written ``out``, add it into ``total`` (gradient accumulation across reductions)."""
+    first = pending.finish
+
+    def finish() -> None:
+        if first is not None:
+            first()
+        total.add_(out)
+
+    pending.finish = finish
+    return pending

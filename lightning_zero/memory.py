@@ -1,0 +1,89 @@
+"""Model-state memory per rank: what the sharded objects really hold, and what the ZeRO paper says they should.
+
+``model_state_bytes`` counts the bytes of the tensors themselves (each storage once), not the process RSS, so it is
+exact and free of allocator effects. ``expected_model_state_bytes`` is the paper's formula for the same quantity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from torch import Tensor, nn
+
+from lightning_zero.sharded_optimizer import ZeroOptimizer
+
+
+class ModelStateBytes(NamedTuple):
+    """Bytes of model state held by one rank."""
+
+    parameters: int
+    """Parameters as the module uses them (full for stages 1 and 2), including frozen ones."""
+    gradients: int
+    """Gradient storage kept between steps (full for stage 1, this rank's shard for stage 2)."""
+    master_weights: int
+    """fp32 master shards that are separate tensors (0 when parameters are fp32: they are their own master)."""
+    optimizer_state: int
+    """Optimizer state tensors (e.g. Adam's two moments) for this rank's shard."""
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.master_weights + self.optimizer_state
+
+
+def _nbytes(tensors: Iterable[Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def model_state_bytes(module: nn.Module, optimizers: Iterable[ZeroOptimizer]) -> ModelStateBytes:
+    optimizers = list(optimizers)
+    params = _nbytes(list(module.parameters()) + [b.data for opt in optimizers for b in opt.buckets])
+    grads = sum(opt.reducer.state_bytes() for opt in optimizers)
+    masters = _nbytes(
+        m
+        for opt in optimizers
+        for b, m in zip(opt.buckets, opt.masters, strict=True)
+        if m.untyped_storage().data_ptr() != b.data.untyped_storage().data_ptr()
+    )
+    # Zero-dim entries (Adam's step counter) are bookkeeping, not per-parameter state.
+    state = _nbytes(
+        v
+        for opt in optimizers
+        for per_param in opt.state.values()
+        for v in per_param.values()
+        if isinstance(v, Tensor) and v.dim() > 0
+    )
+    return ModelStateBytes(params, grads, masters, state)
+
+
+def expected_model_state_bytes(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    param_bytes: int = 2,
+    master_bytes: int = 4,
+    optimizer_state_bytes: int = 8,
+) -> ModelStateBytes:
+    """The ZeRO paper's per-rank model state for ``num_params`` (Ψ) parameters on ``world_size`` (N) ranks.
+
+    With bf16 parameters and gradients (2 bytes) and Adam in fp32 (4 master + 8 moments: K = 12) this is 16Ψ for DDP
+    (stage 0), 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N for stages 1, 2 and 3. For fp32 training pass ``master_bytes=0``:
+    the parameters are their own master weights.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"Invalid stage: {stage!r}. Expected 0 (DDP), 1, 2 or 3.")
+    n = world_size
+    psi = num_params
+    params = psi * param_bytes // (n if stage >= 3 else 1)
+    grads = psi * param_bytes // (n if stage >= 2 else 1)
+    masters = psi * master_bytes // (n if stage >= 1 else 1)
+    state = psi * optimizer_state_bytes // (n if stage >= 1 else 1)
+    return ModelStateBytes(params, grads, masters, state)

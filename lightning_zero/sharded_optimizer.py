@@ -1,0 +1,203 @@
+"""``ZeroOptimizer``: the user's optimizer, stepping only this rank's shard (ZeRO stage 1, and the base of 2).
+
+Construction takes a model and an optimizer built over its parameters, exactly as the user wrote it, and:
+
+1. flattens the trainable parameters of each param group into ``FlatBucket``s (module parameters become views);
+2. creates this rank's fp32 master shard of every bucket (an alias of the parameter shard when the parameters are
+   already fp32, so fp32 training keeps no second copy);
+3. re-targets the user's optimizer *in place*: each param group's ``params`` become that group's master shards and
+   its state is emptied, so optimizer state is only ever allocated for 1/N of the model. Hyper-parameters, LR
+   schedulers, ``ReduceLROnPlateau`` and anything else holding the optimizer object keep working unchanged;
+4. hands gradients to a ``GradientReducer`` (full buffers for stage 1, sharded for stage 2).
+
+A step is: finish the gradient reduce-scatters -> master grads -> the user's ``optimizer.step()`` on the shards ->
+copy masters into the parameter shards -> all-gather every bucket in place into the flat parameter buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_zero.collectives import CommLedger, ProcessGroup, all_gather
+from lightning_zero.config import ZeroConfig
+from lightning_zero.flat_bucket import FlatBucket, build_buckets
+from lightning_zero.gradient_reducer import FullGradReducer, GradientReducer, ShardedGradReducer
+
+# Stages compose by choosing where gradients live; everything else is shared.
+_REDUCERS: dict[int, type[GradientReducer]] = {1: FullGradReducer, 2: ShardedGradReducer}
+
+# Optimizers whose update of an element depends on other elements of the same tensor (factored moments, line
+# searches, sparse rows) cannot run on a flat shard.
+_NOT_ELEMENTWISE: tuple[str, ...] = ("LBFGS", "SparseAdam", "Adafactor")
+
+
+class ZeroOptimizer(Optimizer):
+    """Wraps ``optimizer`` so that it holds optimizer state and master weights for this rank's shard only."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        process_group: ProcessGroup,
+        config: ZeroConfig,
+    ) -> None:
+        # Optimizer.__init__ is not called: the param groups, state and defaults are the wrapped optimizer's own
+        # objects, so reading or changing a learning rate through either object is the same thing.
+        self.optimizer = optimizer
+        self.module = module
+        self.group = process_group
+        self.config = config
+        self.ledger = CommLedger()
+        """What this optimizer's collectives moved; ``ledger.last_step`` is the last step's record."""
+        self.rank = process_group.rank()
+        self.world_size = process_group.size()
+
+        named_groups = _trainable_named_groups(module, optimizer)
+        self.buckets = build_buckets(
+            named_groups, config.bucket_numel, self.rank, self.world_size, list(module.parameters())
+        )
+        self._broadcast_from_rank0()
+        self.masters = [_master_shard(b) for b in self.buckets]
+        """This rank's fp32 master weights, one flat shard per bucket (aliasing the param shard when fp32)."""
+        for g, group in enumerate(optimizer.param_groups):
+            group["params"] = [m for b, m in zip(self.buckets, self.masters, strict=True) if b.group_index == g]
+        optimizer.state.clear()
+        self.reducer = _REDUCERS[config.stage](self.buckets, process_group, config, self.ledger)
+
+    # -- the Optimizer surface -----------------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer(stage={self.config.stage}, world_size={self.world_size}, {self.optimizer!r})"
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate locally; the next backward outside reduces (gradient accumulation)."""
+        with self.reducer.no_sync():
+            yield
+
+    def reduce_gradients(self) -> None:
+        """Finish the gradient reduction and expose the averaged shards as the masters' ``.grad``.
+
+        Idempotent within a step; the strategy calls it right after the closure so that hooks and gradient clipping
+        that run before ``step()`` already see the reduced gradients.
+        """
+        self.reducer.finish()
+        for bucket, master in zip(self.buckets, self.masters, strict=True):
+            shard = self.reducer.grad_shard(bucket)
+            master.grad = shard if shard.dtype == master.dtype else shard.to(master.dtype)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.reduce_gradients()
+        self.optimizer.step()
+        self._gather_parameters()
+        for bucket, master in zip(self.buckets, self.masters, strict=True):
+            if master.grad is not self.reducer.grad_shard(bucket):
+                master.grad = None  # a cast copy: free it now, the next step makes a new one
+        self.ledger.end_step()
+        return loss
+
+    def _gather_parameters(self) -> None:
+        pending = []
+        for bucket, master in zip(self.buckets, self.masters, strict=True):
+            shard = bucket.param_shard
+            if master.data_ptr() != shard.data_ptr():
+                shard.copy_(master)  # fp32 master -> low-precision parameter shard
+            pending.append(self.ledger.record(all_gather(bucket.data, shard, self.group)))
+        for p in pending:
+            p.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients of the whole flattened model (``set_to_none`` is accepted for API compatibility:
+        stage 1 keeps its flat gradient buffers allocated, stage 2 frees parameters' gradients either way)."""
+        self.reducer.zero_grad()
+        for master in self.masters:
+            master.grad = None
+
+    def _broadcast_from_rank0(self) -> None:
+        """Start from rank 0's weights, as DDP does, so ranks seeded differently still train one model."""
+        if self.world_size == 1:
+            return
+        source = dist.get_global_rank(self.group, 0)
+        for bucket in self.buckets:
+            dist.broadcast(bucket.data, src=source, group=self.group)
+
+    # -- state dicts: this rank's shard only (sharded checkpointing composes these per rank) ---------------------
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "ZeroOptimizer does not support add_param_group after sharding. HINT: create every param group in "
+            "`configure_optimizers` (or before wrapping the optimizer)."
+        )
+
+
+def _master_shard(bucket: FlatBucket) -> Tensor:
+    shard = bucket.param_shard
+    if shard.dtype == torch.float32:
+        return shard  # the parameters are the master weights
+    return shard.detach().to(torch.float32)
+
+
+def _trainable_named_groups(module: nn.Module, optimizer: Optimizer) -> list[list[tuple[str, nn.Parameter]]]:
+    """Each param group's trainable parameters with their names; rejects what cannot be sharded, saying why."""
+    kind = type(optimizer).__name__
+    if kind in _NOT_ELEMENTWISE:
+        raise TypeError(
+            f"{kind} cannot be sharded by ZeRO: its update of one element depends on other elements of the same "
+            "parameter tensor, which lives on other ranks. HINT: use an element-wise optimizer such as AdamW or SGD."
+        )
+    names = {id(p): name for name, p in module.named_parameters()}
+    seen: dict[int, int] = {}
+    groups: list[list[tuple[str, nn.Parameter]]] = []
+    for g, group in enumerate(optimizer.param_groups):
+        named: list[tuple[str, nn.Parameter]] = []
+        for p in group["params"]:
+            name = names.get(id(p))
+            if name is None:
+                raise ValueError(
+                    f"Param group {g} of {kind} holds a tensor of shape {tuple(p.shape)} that is not a parameter of "
+                    f"the {type(module).__name__} being sharded. HINT: build the optimizer from "
+                    "`model.parameters()` (or named subsets of them)."
+                )
+            if id(p) in seen:
+                raise ValueError(
+                    f"Parameter {name!r} appears in param group {seen[id(p)]} and again in param group {g} of "
+                    f"{kind}. HINT: put each parameter in exactly one param group."
+                )
+            seen[id(p)] = g
+            if p.requires_grad:
+                named.append((name, p))
+        groups.append(named)
+    if not any(groups):
+        raise ValueError(
+            f"{kind} has no trainable parameters to shard (every param group is empty or frozen). HINT: pass the "
+            "model's trainable parameters to the optimizer, e.g. `AdamW(model.parameters())`."
+        )
+    return groups

@@ -1,0 +1,294 @@
+"""``ZeroStrategy``: ZeRO as a Lightning strategy. Thin glue: the sharding itself lives in ``ZeroOptimizer``.
+
+The lifecycle, in Lightning's hook order:
+
+- ``setup_environment``: initialise the process group (gloo on CPU, nccl on CUDA) from the cluster environment.
+- ``setup``: move the module to this rank's device, synchronise it from rank 0, then build the user's optimizers
+  (``configure_optimizers``) and wrap each in a ``ZeroOptimizer`` that shards it.
+- ``optimizer_step``: the gradient reduction is finished right after the closure (forward + backward), so that
+  ``on_before_optimizer_step`` hooks and gradient clipping see the reduced gradients; then the sharded step and the
+  parameter all-gather run.
+- ``block_backward_sync``: Lightning enters it for the non-final micro-batches of gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Iterator
+from contextlib import ExitStack, contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only  # type: ignore[attr-defined]
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.memory import ModelStateBytes, model_state_bytes
+from lightning_zero.sharded_optimizer import ZeroOptimizer
+
+log = logging.getLogger(__name__)
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class ZeroStrategy(ParallelStrategy):
+    """Shard optimizer state (stage 1) and gradients (stage 2) across data-parallel ranks.
+
+    Args:
+        config: the full ``ZeroConfig``. Alternatively pass its fields as keywords: ``ZeroStrategy(stage=1)``.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: nccl on CUDA, gloo on CPU.
+        timeout: timeout of every collective; a rank that stops answering fails the others after this long.
+        start_method: ``"popen"`` re-runs the script per rank (like ``torchrun``); ``"spawn"``/``"fork"``/
+            ``"forkserver"`` start ranks with ``multiprocessing`` (notebooks, tests).
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        config: ZeroConfig | None = None,
+        *,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        **config_kwargs: Any,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if config is not None and config_kwargs:
+            raise TypeError(
+                f"Pass either `config=ZeroConfig(...)` or ZeroConfig fields as keywords, not both (got "
+                f"{sorted(config_kwargs)} as well). HINT: use `dataclasses.replace(config, ...)` to change a config."
+            )
+        self.config = config if config is not None else ZeroConfig.from_kwargs(**config_kwargs)
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(
+                f"Invalid ZeroStrategy start_method: {start_method!r}. Expected 'popen', 'spawn', 'fork' or "
+                "'forkserver'."
+            )
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method: StartMethod = start_method
+        self._num_nodes = 1
+
+    # -- topology (as DDPStrategy) -------------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        group = dist.group.WORLD
+        assert group is not None, "the process group is created in setup_environment()"
+        return group
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+
+    # -- model and optimizers ------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        assert self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        # Parameters are broadcast again bucket by bucket when sharded; buffers (e.g. BatchNorm statistics) only here.
+        _sync_module_states(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        assert self.lightning_module is not None
+        self.optimizers = [
+            ZeroOptimizer(self.lightning_module, optimizer, self.process_group, self.config)
+            for optimizer in self.optimizers
+        ]
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        zero_optimizer = _as_zero_optimizer(optimizer)
+
+        def closure_then_reduce() -> Any:
+            result = closure()
+            zero_optimizer.reduce_gradients()
+            return result
+
+        return super().optimizer_step(zero_optimizer, closure_then_reduce, model, **kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        with ExitStack() as stack:
+            for optimizer in _iter_zero_optimizers(self.optimizers):
+                stack.enter_context(optimizer.no_sync())
+            yield
+
+    # -- introspection -------------------------------------------------------------------------------------------
+    def model_state_bytes(self) -> ModelStateBytes:
+        """This rank's bytes of parameters, gradients, master weights and optimizer state."""
+        assert self.lightning_module is not None
+        return model_state_bytes(self.lightning_module, _iter_zero_optimizers(self.optimizers))
+
+    def communication_per_step(self) -> dict[str, int]:
+        """Bytes this rank sent in the last optimizer step of each optimizer, per collective."""
+        total: dict[str, int] = {}
+        for optimizer in _iter_zero_optimizers(self.optimizers):
+            for kind, nbytes in optimizer.ledger.last_step_bytes().items():
+                total[kind] = total.get(kind, 0) + nbytes
+        return total
+
+    # -- collectives Lightning asks of a strategy (as DDPStrategy) ------------------------------------------------
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        container = [obj]
+        dist.broadcast_object_list(container, src)
+        return container[0]
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        for optimizer in _iter_zero_optimizers(self.optimizers):
+            optimizer.reducer.remove_hooks()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        # `override=True`: importing the package again (autoreload, spawned children) must not fail.
+        for stage in (1, 2):
+            strategy_registry.register(
+                f"zero{stage}",
+                cls,
+                description=f"ZeRO stage {stage}, one process per device launched like torchrun",
+                override=True,
+                stage=stage,
+            )
+            strategy_registry.register(
+                f"zero{stage}_spawn",
+                cls,
+                description=f"ZeRO stage {stage}, processes started with multiprocessing spawn",
+                override=True,
+                stage=stage,
+                start_method="spawn",
+            )
+
+
+def _as_zero_optimizer(optimizer: Any) -> ZeroOptimizer:
+    # LightningOptimizer wraps the strategy's optimizer in manual optimization.
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    if not isinstance(optimizer, ZeroOptimizer):
+        raise TypeError(
+            f"ZeroStrategy expected a ZeroOptimizer but got {type(optimizer).__name__}. HINT: do not replace "
+            "`trainer.optimizers` after setup; return your optimizers from `configure_optimizers`."
+        )
+    return optimizer
+
+
+def _iter_zero_optimizers(optimizers: list[Optimizer]) -> Iterator[ZeroOptimizer]:
+    return (_as_zero_optimizer(o) for o in optimizers)
