@@ -14,8 +14,9 @@ Note [bucket flush]
 A bucket is launched when all its parameters' gradients have arrived, but some parameters may get no gradient in a
 given backward (unused branches, frozen paths), so some buckets never complete by counting. The first hook of each
 backward queues a callback on the autograd engine that runs when the whole backward is done; it launches every
-bucket not yet launched, in order. Every rank therefore issues every bucket exactly once per reduction, in the same
-order, whatever the data did to its own backward.
+bucket not yet launched, in order, and waits for all of them. Every rank therefore issues every bucket exactly once
+per reduction, in the same order, whatever the data did to its own backward, and no reduction is still reading a
+buffer when the next backward starts writing gradients into it.
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ class GradientReducer:
         """This rank's averaged gradient shard of ``bucket`` (valid once ``finish()`` returned)."""
         raise NotImplementedError
 
+    def consume(self) -> None:
+        """The optimizer step has used the reduced shards: the next reduction starts from zero."""
+        raise NotImplementedError
+
     def zero_grad(self) -> None:
         raise NotImplementedError
 
@@ -148,6 +153,9 @@ class GradientReducer:
     def _on_backward_end(self) -> None:
         self._callback_queued = False
         self._launch_remaining()
+        # Nothing stays in flight past the backward that produced it: stage 1's buffers are autograd's
+        # accumulation target for the next backward, and stage 2's staging buffers are memory we promised to free.
+        self.wait()
 
     def _wait_oldest(self) -> None:
         bucket, pending = self._in_flight.popleft()
@@ -182,20 +190,17 @@ class GradientReducer:
 
 
 class FullGradReducer(GradientReducer):
-    """Stage 1: persistent full gradient buffers, ``param.grad`` as views, one reduction per optimizer step.
+    """Stage 1: persistent full gradient buffers, ``param.grad`` as views; reduced at the last backward or the step.
 
-    Note [repeated reduction]
-    The reduce-scatter writes this rank's averaged shard into its own slice of the buffer and leaves the other slices
-    divided by N; we zero them. If another backward then accumulates before the step (several backward passes with
-    sync on), the buffer holds ``avg_old`` in our slice plus new local gradients everywhere. Reducing again divides
-    every slice by N and sums across ranks, so our slice is first multiplied by N: the result is
-    ``avg_old + avg_new``, exactly what DDP's in-place all-reduce gives for the same sequence.
+    Each reduction writes this rank's averaged shard into a separate accumulator and zeroes the full buffer, so
+    several backward passes with sync on (manual optimization) simply add up, exactly like DDP's in-place all-reduce.
     """
 
     def __init__(self, buckets: Sequence[FlatBucket], group: ProcessGroup, config: ZeroConfig, ledger: CommLedger):
         self.grads = [torch.zeros_like(b.data) for b in buckets]
         """(padded_numel,) per bucket; parameters' ``.grad`` are views into it."""
         self._reduced: list[Tensor | None] = [None] * len(buckets)
+        """(shard_numel,) per bucket once reduced in this step: the averaged gradient shard."""
         super().__init__(buckets, group, config, ledger)
         self._attach_grad_views()
 
@@ -218,44 +223,33 @@ class FullGradReducer(GradientReducer):
 
     def _launch(self, bucket: FlatBucket) -> PendingCollective:
         flat = self.grads[bucket.index]
-        own = bucket.shard_of(flat)
-        previous = self._reduced[bucket.index]  # not None: reduced before, and not zeroed since
-        if previous is not None and previous.data_ptr() == own.data_ptr():
-            own.mul_(self.world_size)  # Note [repeated reduction]
         reduce_dtype = self._reduce_dtype(bucket)
-        if reduce_dtype == flat.dtype:
-            self._reduced[bucket.index] = own
-            return reduce_scatter(own, flat, self.group)
-        # Communicate in another dtype: the reduced shard lives apart from the buffer, which is zeroed after.
-        send = flat.to(reduce_dtype)
+        send = flat if reduce_dtype == flat.dtype else flat.to(reduce_dtype)
         out = torch.empty(bucket.shard_numel, dtype=reduce_dtype, device=flat.device)
         pending = reduce_scatter(out, send, self.group)
-        if previous is None:
+        total = self._reduced[bucket.index]
+        if total is None:
             self._reduced[bucket.index] = out
             return pending
-        return _accumulate_into(previous, out, pending)
+        return _accumulate_into(total, out, pending)
 
     def _complete(self, bucket: FlatBucket) -> None:
-        flat = self.grads[bucket.index]
-        reduced = self._reduced[bucket.index]
-        if reduced is not None and reduced.data_ptr() == bucket.shard_of(flat).data_ptr():
-            # Keep our averaged slice, clear the rest: Note [repeated reduction].
-            lo, hi = bucket.rank * bucket.shard_numel, (bucket.rank + 1) * bucket.shard_numel
-            flat[:lo].zero_()
-            flat[hi:].zero_()
-        else:
-            flat.zero_()
+        self.grads[bucket.index].zero_()  # its content now lives, averaged, in the reduced shard
 
     def grad_shard(self, bucket: FlatBucket) -> Tensor:
         reduced = self._reduced[bucket.index]
         assert reduced is not None, f"{bucket} was not reduced; call finish() first"
         return reduced
 
+    def consume(self) -> None:
+        self._reduced = [None] * len(self.buckets)
+
     def zero_grad(self) -> None:
         self.wait()
-        for flat in self.grads:
-            flat.zero_()
-        self._reduced = [None] * len(self.buckets)
+        for bucket, flat in zip(self.buckets, self.grads, strict=True):
+            if self.state[bucket.index] is not BucketState.REDUCED:  # a reduced bucket's buffer is already zero
+                flat.zero_()
+        self.consume()
         self.state = [BucketState.FILLING] * len(self.buckets)
         self._attach_grad_views()
 
@@ -302,11 +296,13 @@ class ShardedGradReducer(GradientReducer):
     def grad_shard(self, bucket: FlatBucket) -> Tensor:
         return self.shards[bucket.index]
 
+    def consume(self) -> None:
+        # No memset: the next reduction overwrites the shard instead of adding to it.
+        self._shard_is_zero = [True] * len(self.buckets)
+
     def zero_grad(self) -> None:
         self.wait()
-        for shard in self.shards:
-            shard.zero_()
-        self._shard_is_zero = [True] * len(self.buckets)
+        self.consume()
         self.state = [BucketState.FILLING] * len(self.buckets)
         for bucket in self.buckets:
             for param in bucket.params:

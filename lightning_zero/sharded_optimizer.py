@@ -106,6 +106,12 @@ class ZeroOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Reduce gradients, step this rank's shard, all-gather the updated parameters.
+
+        The step consumes the gradients (as DeepSpeed's engine does): the next step starts from zero whether or not
+        ``zero_grad()`` is called. A parameter that received no gradient on any rank is stepped with a zero
+        gradient, so weight decay and momentum still apply to it (DDP skips it); freeze it to exclude it.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -113,9 +119,9 @@ class ZeroOptimizer(Optimizer):
         self.reduce_gradients()
         self.optimizer.step()
         self._gather_parameters()
-        for bucket, master in zip(self.buckets, self.masters, strict=True):
-            if master.grad is not self.reducer.grad_shard(bucket):
-                master.grad = None  # a cast copy: free it now, the next step makes a new one
+        self.reducer.consume()
+        for master in self.masters:
+            master.grad = None
         self.ledger.end_step()
         return loss
 

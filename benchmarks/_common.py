@@ -1,0 +1,203 @@
+"""Shared helpers of the benchmarks: run a function on fresh gloo ranks, read a rank's memory high-water mark, count
+tensor bytes, format results.
+
+Not a benchmark itself; imported by ``step_time.py`` and ``collectives.py`` (which run with ``benchmarks/`` first on
+``sys.path``).
+
+* Ranks are started with the ``spawn`` method: each is a freshly ``exec``-ed interpreter, so its peak RSS is its own
+  and environment variables glibc reads at process start (``MALLOC_MMAP_THRESHOLD_``) are honoured. The parent sets
+  them in ``os.environ`` before starting the children, which inherit the environment.
+* Rendezvous goes through a ``FileStore`` in a fresh temporary directory: no ports to pick, no races between runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import platform
+import resource
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+CHILD_ENV: dict[str, str] = {
+    # Serve every allocation >= 64 KiB with its own mmap and unmap it on free (this also switches off glibc's dynamic
+    # threshold, which would otherwise climb to 32 MiB and keep freed tensors in the heap), so peak RSS tracks the
+    # tensors that are really alive.
+    "MALLOC_MMAP_THRESHOLD_": "65536",
+    "OMP_NUM_THREADS": "1",
+}
+_MMAP_PROBE_BYTES = 8 * 2**20  # see mmap_threshold_active
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    env: Mapping[str, str | None] | None = None,
+    timeout: float = 1800.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes joined in a gloo group.
+
+    The children's environment is this process's plus ``CHILD_ENV`` plus ``env`` (a ``None`` value removes the
+    variable). Returns the per-rank results in rank order. ``fn`` must be a module-level function. Raises
+    ``RuntimeError`` with the failing ranks' tracebacks if any rank fails, dies or exceeds ``timeout`` seconds (all
+    ranks are then killed).
+    """
+    for key, value in {**CHILD_ENV, **(env or {})}.items():  # inherited at exec: glibc reads it before any malloc
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="zero_bench_") as tmp:
+        init_method = f"file://{os.path.join(tmp, 'store')}"
+        procs, readers = [], []
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_entry, args=(fn, rank, world_size, init_method, args, writer), daemon=True)
+            proc.start()
+            writer.close()
+            procs.append(proc)
+            readers.append(reader)
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        pending = dict(enumerate(readers))
+        while pending and not failures:
+            ready = mpc.wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                failures.update({r: "timed out" for r in pending})
+            for rank, reader in list(pending.items()):
+                if reader in ready:
+                    del pending[rank]
+                    try:
+                        ok, value = reader.recv()
+                    except EOFError:
+                        ok, value = False, f"died (exit code {procs[rank].exitcode})"
+                    (results if ok else failures)[rank] = value
+        for proc in procs:
+            if failures and proc.is_alive():
+                proc.kill()  # a peer is stuck in a collective that will never complete
+            proc.join()
+    if failures:
+        raise RuntimeError("".join(f"\n--- rank {r} ---\n{msg}" for r, msg in sorted(failures.items())))
+    return [results[r] for r in range(world_size)]
+
+
+def _entry(
+    fn: Callable[..., Any], rank: int, world_size: int, init_method: str, args: tuple[Any, ...], conn: Any
+) -> None:
+    message: tuple[bool, Any]
+    try:
+        torch.set_num_threads(1)  # two ranks on two cores: one compute thread each
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(minutes=10)
+        )
+        dist.barrier()
+        message = (True, fn(rank, world_size, *args))
+        dist.barrier()
+    except BaseException:
+        message = (False, traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    conn.send(message)
+
+
+def memory_status() -> dict[str, int]:
+    """This process's memory in bytes: ``VmHWM`` (peak RSS of the current address space), ``VmRSS`` (now) from
+    ``/proc/self/status``, and ``ru_maxrss`` (peak RSS as the kernel's rusage reports it)."""
+    status: dict[str, int] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                status[key] = int(value.split()[0]) * 1024
+    status["ru_maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return status
+
+
+def mmap_threshold_active() -> bool:
+    """True if ``MALLOC_MMAP_THRESHOLD_`` was in this process's environment at exec (when glibc reads it) and glibc
+    serves an 8 MiB ``malloc`` with mmap (so: true for any fixed threshold up to 8 MiB).
+
+    Call it after some tensor traffic: glibc's default *dynamic* threshold has then risen (up to 32 MiB) past the
+    largest freed tensor and serves the probe from the heap, while a fixed 64 KiB threshold still mmaps it. A glibc
+    chunk's size word sits just before the pointer; bit 1 (``IS_MMAPPED``) marks mmap-served chunks.
+    """
+    with open("/proc/self/environ", "rb") as f:
+        at_exec = any(entry.startswith(b"MALLOC_MMAP_THRESHOLD_=") for entry in f.read().split(b"\0"))
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    ptr = libc.malloc(_MMAP_PROBE_BYTES)
+    try:
+        return at_exec and bool(ctypes.c_size_t.from_address(ptr - ctypes.sizeof(ctypes.c_size_t)).value & 0x2)
+    finally:
+        libc.free(ptr)
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "cpu": _cpu_model(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "backend": "gloo",
+        "child_env": dict(CHILD_ENV),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def tensor_bytes(tensors: list[Tensor]) -> int:
+    """Bytes of distinct storages (a flat buffer and its views count once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def adam_state(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """Per-element optimizer state tensors (the 0-dim step counters are bookkeeping)."""
+    return [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor) and v.dim() > 0]
+
+
+def ring_all_reduce_bytes(numel: int, world: int, element_size: int = 4) -> int:
+    return 2 * numel * element_size * (world - 1) // world
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def summarize(values: list[float]) -> Mapping[str, float]:
+    ordered = sorted(values)
+    return {"median": _median(ordered), "min": ordered[0], "max": ordered[-1]}
+
+
+def _median(ordered: list[float]) -> float:
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2

@@ -1,0 +1,153 @@
+"""Microbenchmark of the gloo collectives ZeRO is built from, on fp32 buckets of several sizes.
+
+    .venv/bin/python benchmarks/collectives.py --world-size 2 --sizes 500000,4000000,25000000 --repeats 5 \\
+        --out benchmarks/results/collectives.json
+
+For a bucket of ``size`` fp32 elements (the full, unsharded bucket) each rank times:
+
+* ``all_reduce``: in place over the bucket (what DDP does);
+* ``reduce_scatter_single``: the bucket in, this rank's 1/N shard out (torch's native gloo reduce-scatter);
+* ``all_to_all_single+sum``: every rank sends chunk r to rank r, then sums the N received chunks into its shard;
+* ``lightning_zero reduce_scatter``: ``lightning_zero.collectives.reduce_scatter`` end to end (on gloo: the
+  all-to-all form above plus its in-place pre-division and its receive-buffer allocation);
+* ``all_gather_single``: a 1/N shard in, the whole bucket out (ZeRO's parameter gather).
+
+Ranks are fresh spawned processes with one compute thread each and the same environment as ``step_time.py``
+(``MALLOC_MMAP_THRESHOLD_=65536``). Each timing starts after a barrier and ends when the collective (and its local
+post-processing) has completed on that rank; an op's time is the slowest rank's. The reported figure is the median of
+``--repeats`` timings after ``--warmup`` untimed ones. "Sent" is what one rank puts on the wire with a
+bandwidth-optimal algorithm, and GB/s is sent bytes / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import _common as bench
+import torch
+import torch.distributed as dist
+
+from lightning_zero.collectives import reduce_scatter
+
+Op = Callable[[int, int], Callable[[], None]]
+"""(bucket numel, world size) -> a closure running the collective once on preallocated buffers."""
+
+
+def _all_reduce(numel: int, world: int) -> Callable[[], None]:
+    buf = torch.ones(numel)
+    return lambda: dist.all_reduce(buf)
+
+
+def _reduce_scatter_single(numel: int, world: int) -> Callable[[], None]:
+    inp, out = torch.ones(numel), torch.empty(numel // world)
+    return lambda: dist.reduce_scatter_single(out, inp)
+
+
+def _all_to_all_sum(numel: int, world: int) -> Callable[[], None]:
+    inp, received, out = torch.ones(numel), torch.empty(numel), torch.empty(numel // world)
+
+    def run() -> None:
+        dist.all_to_all_single(received, inp)
+        torch.sum(received.view(world, -1), dim=0, out=out)
+
+    return run
+
+
+def _lightning_zero_reduce_scatter(numel: int, world: int) -> Callable[[], None]:
+    inp, out = torch.ones(numel), torch.empty(numel // world)
+    return lambda: reduce_scatter(out, inp, dist.group.WORLD).wait()
+
+
+def _all_gather_single(numel: int, world: int) -> Callable[[], None]:
+    out = torch.empty(numel)
+    shard = torch.ones(numel // world)
+    return lambda: dist.all_gather_single(out, shard)
+
+
+# name -> (op, bytes one rank sends for a bucket of ``n`` bytes on ``N`` ranks)
+OPS: dict[str, tuple[Op, Callable[[int, int], int]]] = {
+    "all_reduce": (_all_reduce, lambda n, w: 2 * n * (w - 1) // w),
+    "reduce_scatter_single": (_reduce_scatter_single, lambda n, w: n * (w - 1) // w),
+    "all_to_all_single+sum": (_all_to_all_sum, lambda n, w: n * (w - 1) // w),
+    "lightning_zero reduce_scatter": (_lightning_zero_reduce_scatter, lambda n, w: n * (w - 1) // w),
+    "all_gather_single": (_all_gather_single, lambda n, w: n * (w - 1) // w),
+}
+
+
+def bench_rank(rank: int, world: int, sizes: list[int], warmup: int, repeats: int) -> dict[str, dict[int, list[float]]]:
+    """Runs on every rank: ``{op: {size: [seconds, ...]}}`` for this rank."""
+    times: dict[str, dict[int, list[float]]] = {name: {} for name in OPS}
+    for size in sizes:
+        numel = size - size % world  # the bucket splits into equal shards
+        for name, (make, _) in OPS.items():
+            run = make(numel, world)
+            samples = []
+            for i in range(warmup + repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                run()
+                if i >= warmup:
+                    samples.append(time.perf_counter() - start)
+            times[name][size] = samples
+            del run
+    return times
+
+
+def _size_label(size: int) -> str:
+    return f"{size / 1e6:g}M"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--sizes", default="500000,4000000,25000000", help="comma-separated fp32 element counts")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/collectives.json"))
+    ns = parser.parse_args()
+    sizes = [int(s) for s in ns.sizes.split(",")]
+    per_rank = bench.run_ranks(bench_rank, ns.world_size, (sizes, ns.warmup, ns.repeats))
+
+    results: dict[str, dict[str, Any]] = {}
+    rows = []
+    for name, (_, sent_bytes) in OPS.items():
+        results[name] = {}
+        for size in sizes:
+            slowest = [max(ts) for ts in zip(*(r[name][size] for r in per_rank), strict=True)]
+            median = statistics.median(slowest)
+            sent = sent_bytes(size * 4, ns.world_size)
+            results[name][str(size)] = {**bench.summarize(slowest), "sent_bytes": sent, "samples_s": slowest}
+            rate = sent / median / 1e9
+            rows.append([name, _size_label(size), f"{median * 1e3:.1f}", f"{sent / 2**20:.1f}", f"{rate:.2f}"])
+
+    # One compact view: ms per op (rows) and size (columns).
+    compact = [[name] + [f"{results[name][str(size)]['median'] * 1e3:.1f}" for size in sizes] for name in OPS]
+    text = "\n".join(
+        [
+            bench.markdown_table(["op", "bucket (fp32 elements)", "median ms", "sent MiB/rank", "GB/s"], rows),
+            "",
+            bench.markdown_table(["median ms"] + [_size_label(s) for s in sizes], compact),
+        ]
+    )
+    print(text)
+    ns.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "machine": bench.machine_info(),
+        "world_size": ns.world_size,
+        "warmup": ns.warmup,
+        "repeats": ns.repeats,
+        "results": results,
+        "report_markdown": text,
+    }
+    ns.out.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {ns.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""Step time, peak memory, model-state bytes and communication per step of a ~25M GPT under data-parallel variants.
+
+    .venv/bin/python benchmarks/step_time.py --world-size 2 --steps 20 --warmup 5 --batch-size 8 \\
+        --out benchmarks/results/step_time.json
+
+Every variant trains the same model (``GPTConfig.bench25m()``, seq 128, fp32, AdamW) from the same seed on the same
+per-rank batches, on ``--world-size`` gloo ranks that are fresh spawned processes (one compute thread each, glibc
+``MALLOC_MMAP_THRESHOLD_=65536`` so that peak RSS tracks live tensors). A step is timed from a barrier to the end of
+the optimizer step; the step time of a step is the slowest rank's, and the reported figure is the median over the
+steps after ``--warmup``. ``--repeats R`` runs the variants round-robin R times and reports the spread.
+
+Adding a variant (stage 3, FSDP2, DeepSpeed, ...) is one function decorated with ``@runner("name")``: it receives a
+seeded model factory and the arguments, and returns a ``Prepared`` (a step function plus memory and byte counters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import _common as bench
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_zero import ZeroConfig, ZeroOptimizer, expected_model_state_bytes, model_state_bytes
+from lightning_zero.models import GPT, GPTConfig
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class BenchArgs:
+    """Command-line arguments shared by every rank (each field is a ``--flag``)."""
+
+    world_size: int = 2
+    steps: int = 20
+    """Timed steps per variant."""
+    warmup: int = 5
+    """Untimed steps before them."""
+    batch_size: int = 8
+    """Sequences of ``block_size`` (128) tokens per rank and step."""
+    lr: float = 3e-4
+    seed: int = 1234
+
+
+@dataclass
+class Prepared:
+    """What a runner hands back: how to take one optimizer step, and how to account for it."""
+
+    step: Callable[[Tensor, Tensor], Tensor]
+    """One full training step on a (B, T) batch of inputs and targets; returns the detached loss."""
+    state_bytes: Callable[[], int]
+    """Model-state bytes (parameters, gradients, master weights, optimizer state) this rank holds after a step."""
+    comm_bytes: Callable[[], dict[str, int]]
+    """Bytes this rank sent in the last step, per collective."""
+    comm_source: str
+    """Where ``comm_bytes`` comes from: a measurement, or which theoretical formula."""
+    expected_state_bytes: int
+    """The ZeRO paper's model-state formula for this variant (fp32: 4 B params + 4 B grads + 8 B Adam moments)."""
+
+
+Runner = Callable[[Callable[[], GPT], BenchArgs], Prepared]
+RUNNERS: dict[str, Runner] = {}
+
+
+def runner(name: str) -> Callable[[Runner], Runner]:
+    def register(fn: Runner) -> Runner:
+        RUNNERS[name] = fn
+        return fn
+
+    return register
+
+
+def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """``GPT.loss`` on logits computed through whatever wrapper the variant uses (DDP must see the forward)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def fp32_expected(psi: int, world: int, stage: int) -> int:
+    return expected_model_state_bytes(psi, world, stage, param_bytes=4, master_bytes=0, optimizer_state_bytes=8).total
+
+
+def make_step(forward: Callable[[Tensor], Tensor], opt: torch.optim.Optimizer) -> Callable[[Tensor, Tensor], Tensor]:
+    def step(x: Tensor, y: Tensor) -> Tensor:
+        opt.zero_grad()
+        loss = lm_loss(forward(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def replicated_state_bytes(model: GPT, opt: torch.optim.Optimizer) -> int:
+    """Parameters + ``.grad`` + optimizer state by counting tensors. DDP's flat gradient buckets (another 4 B/param
+    with the default ``gradient_as_bucket_view=False``) are internal to its C++ reducer and not counted."""
+    params = list(model.parameters())
+    return bench.tensor_bytes(params + [p.grad for p in params if p.grad is not None] + bench.adam_state(opt))
+
+
+@runner("ddp")
+def run_ddp(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    psi, world = model.num_parameters(), dist.get_world_size()
+    return Prepared(
+        make_step(DistributedDataParallel(model), opt),
+        lambda: replicated_state_bytes(model, opt),
+        lambda: {"all_reduce": bench.ring_all_reduce_bytes(psi, world)},
+        "theory: ring all-reduce of fp32 grads, 2·Ψ·4·(N−1)/N",
+        fp32_expected(psi, world, 0),
+    )
+
+
+@runner("ddp+torch_zero")
+def run_ddp_torch_zero(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
+    model = build()
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr)
+    psi, world = model.num_parameters(), dist.get_world_size()
+    own = sum(p.numel() for g in opt.optim.param_groups for p in g["params"])  # this rank's partition
+    return Prepared(
+        make_step(DistributedDataParallel(model), opt),
+        lambda: replicated_state_bytes(model, opt.optim),
+        lambda: {"all_reduce": bench.ring_all_reduce_bytes(psi, world), "broadcast": own * 4 * (world - 1)},
+        "theory: ring all-reduce of grads + broadcast of this rank's partition to N−1 peers",
+        fp32_expected(psi, world, 1),
+    )
+
+
+def _run_ours(stage: int, build: Callable[[], GPT], args: BenchArgs) -> Prepared:
+    model = build()
+    zopt = ZeroOptimizer(
+        model, torch.optim.AdamW(model.parameters(), lr=args.lr), dist.group.WORLD, ZeroConfig(stage=stage)
+    )
+    return Prepared(
+        make_step(model, zopt),
+        lambda: model_state_bytes(model, [zopt]).total,
+        zopt.ledger.last_step_bytes,
+        "measured: ZeroOptimizer.ledger",
+        fp32_expected(model.num_parameters(), dist.get_world_size(), stage),
+    )
+
+
+@runner("zero1")
+def run_zero1(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
+    return _run_ours(1, build, args)
+
+
+@runner("zero2")
+def run_zero2(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
+    return _run_ours(2, build, args)
+
+
+def bench_rank(rank: int, world: int, variant: str, args: BenchArgs) -> dict[str, Any]:
+    """Runs on every rank: build, train ``warmup + steps`` steps, report timings, memory and bytes."""
+    baseline = bench.memory_status()
+    config = GPTConfig.bench25m()
+
+    def build() -> GPT:
+        torch.manual_seed(args.seed)  # the same initial weights on every rank and in every variant
+        return GPT(config)
+
+    prepared = RUNNERS[variant](build, args)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # different data per rank, same across variants
+    tokens = [
+        torch.randint(config.vocab_size, (args.batch_size, config.block_size + 1), generator=gen)
+        for _ in range(args.warmup + args.steps)
+    ]
+    times, losses = [], []
+    for batch in tokens:
+        x, y = batch[:, :-1], batch[:, 1:]
+        dist.barrier()
+        start = time.perf_counter()
+        loss = prepared.step(x, y)
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    return {
+        "times": times,
+        "losses": losses,
+        "state_bytes": prepared.state_bytes(),
+        "expected_state_bytes": prepared.expected_state_bytes,
+        "comm_bytes": prepared.comm_bytes(),
+        "comm_source": prepared.comm_source,
+        "memory": bench.memory_status(),
+        "baseline_memory": baseline,
+        "mmap_threshold_active": bench.mmap_threshold_active(),
+    }
+
+
+def aggregate(per_repeat: list[list[dict[str, Any]]], warmup: int) -> dict[str, Any]:
+    """Per-repeat results (each a list over ranks) -> one variant's summary."""
+    medians = []
+    for ranks in per_repeat:
+        slowest = [max(r["times"][i] for r in ranks) for i in range(warmup, len(ranks[0]["times"]))]
+        medians.append(statistics.median(slowest))
+    ranks = per_repeat[-1]
+    comm = ranks[0]["comm_bytes"]
+    return {
+        "step_time_s": bench.summarize(medians) | {"per_repeat": medians},
+        "peak_rss_bytes": max(r["memory"]["VmHWM"] for rs in per_repeat for r in rs),
+        "peak_ru_maxrss_bytes": max(r["memory"]["ru_maxrss"] for rs in per_repeat for r in rs),
+        "baseline_rss_bytes": max(r["baseline_memory"]["VmRSS"] for rs in per_repeat for r in rs),
+        "state_bytes": max(r["state_bytes"] for r in ranks),
+        "expected_state_bytes": ranks[0]["expected_state_bytes"],
+        "comm_bytes": comm,
+        "comm_bytes_total": sum(comm.values()),
+        "comm_source": ranks[0]["comm_source"],
+        "last_loss": statistics.fmean(r["losses"][-1] for r in ranks),
+        "mmap_threshold_active": all(r["mmap_threshold_active"] for rs in per_repeat for r in rs),
+        "raw": per_repeat,
+    }
+
+
+# (header, value of a variant's summary, format, add a "×DDP" column)
+COLUMNS: list[tuple[str, Callable[[dict[str, Any]], float], str, bool]] = [
+    ("step ms (median)", lambda s: s["step_time_s"]["median"] * 1e3, "{:.0f}", True),
+    ("spread over repeats ms", lambda s: (s["step_time_s"]["max"] - s["step_time_s"]["min"]) * 1e3, "{:.0f}", False),
+    ("peak RSS/rank MiB", lambda s: s["peak_rss_bytes"] / MiB, "{:.0f}", True),
+    ("peak − RSS before build MiB", lambda s: (s["peak_rss_bytes"] - s["baseline_rss_bytes"]) / MiB, "{:.0f}", False),
+    ("model state MiB", lambda s: s["state_bytes"] / MiB, "{:.1f}", True),
+    ("(theory)", lambda s: s["expected_state_bytes"] / MiB, "{:.1f}", False),
+    ("sent MiB/step/rank", lambda s: s["comm_bytes_total"] / MiB, "{:.1f}", True),
+    ("last-step loss", lambda s: s["last_loss"], "{:.6f}", False),
+]
+
+
+def report(summary: dict[str, dict[str, Any]], psi: int, world: int) -> str:
+    ddp = summary.get("ddp")
+    header, rows = ["variant"], [[name] for name in summary]
+    for title, value, fmt, ratio in COLUMNS:
+        header += [title, "×DDP"] if ratio else [title]
+        for row, s in zip(rows, summary.values(), strict=True):
+            row.append(fmt.format(value(s)))
+            if ratio:
+                row.append(f"{value(s) / value(ddp):.2f}×" if ddp and value(ddp) else "–")
+    sources = [f"- sent bytes of {name}: {s['comm_source']}" for name, s in summary.items()]
+    lines = [bench.markdown_table(header, rows), "", *sources, ""]
+    theory = bench.ring_all_reduce_bytes(psi, world)
+    checks = []
+    for name, s in summary.items():
+        if s["comm_source"].startswith("measured"):
+            sent, kinds = s["comm_bytes_total"], ", ".join(f"{k}={v:,}" for k, v in s["comm_bytes"].items())
+            checks.append([name, f"{theory:,}", f"{sent:,}", f"{sent / theory:.6f}", kinds])
+    if checks:
+        lines += [
+            f"Bytes per step per rank vs theory 2·Ψ·4·(N−1)/N (Ψ = {psi:,}, N = {world}, fp32):",
+            "",
+            bench.markdown_table(["variant", "theory B", "measured B", "measured/theory", "per collective"], checks),
+            "",
+        ]
+    if ddp:
+        worst = max(abs(s["last_loss"] - ddp["last_loss"]) for s in summary.values())
+        lines.append(f"Loss sanity check: max |loss − DDP loss| at the last step = {worst:.2e}.")
+    if not all(s["mmap_threshold_active"] for s in summary.values()):
+        lines.append("NOTE: MALLOC_MMAP_THRESHOLD_=65536 was not in effect in some rank; peak RSS includes freed heap.")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in fields(BenchArgs):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    parser.add_argument("--repeats", type=int, default=1, help="run all variants round-robin this many times")
+    parser.add_argument("--variants", default=",".join(RUNNERS), help=f"comma-separated subset of {list(RUNNERS)}")
+    parser.add_argument(
+        "--mmap-threshold", type=int, default=65536, help="MALLOC_MMAP_THRESHOLD_ of the ranks; 0: glibc's default"
+    )
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step_time.json"))
+    ns = parser.parse_args()
+    variants = ns.variants.split(",")
+    unknown = sorted(set(variants) - set(RUNNERS))
+    if unknown:
+        parser.error(f"unknown variant(s) {unknown}; known: {list(RUNNERS)}")
+    args = BenchArgs(**{f.name: getattr(ns, f.name) for f in fields(BenchArgs)})
+    env = {"MALLOC_MMAP_THRESHOLD_": str(ns.mmap_threshold) if ns.mmap_threshold else None}
+    raw: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in variants}
+    for repeat in range(ns.repeats):
+        for variant in variants:
+            start = time.monotonic()
+            load = os.getloadavg()[0]
+            ranks = bench.run_ranks(bench_rank, args.world_size, (variant, args), env)
+            for r in ranks:
+                r["loadavg_1min_before_after"] = [load, os.getloadavg()[0]]
+            raw[variant].append(ranks)
+            median = aggregate([ranks], args.warmup)["step_time_s"]["median"]
+            print(
+                f"[{repeat + 1}/{ns.repeats}] {variant}: {median * 1e3:.0f} ms/step, {time.monotonic() - start:.0f} s, "
+                f"1-min load average before/after {load:.1f}/{os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+    summary = {v: aggregate(raw[v], args.warmup) for v in variants}
+    with torch.device("meta"):
+        psi = GPT(GPTConfig.bench25m()).num_parameters()
+    text = report(summary, psi, args.world_size)
+    print(text)
+    ns.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "machine": bench.machine_info(),
+        "args": asdict(args),
+        "repeats": ns.repeats,
+        "malloc_mmap_threshold": ns.mmap_threshold or "glibc default (dynamic)",
+        "num_parameters": psi,
+        "variants": summary,
+        "report_markdown": text,
+    }
+    ns.out.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {ns.out}")
+
+
+if __name__ == "__main__":
+    main()

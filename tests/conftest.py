@@ -1,0 +1,40 @@
+"""Shared pytest configuration: ``gpu`` / ``slow`` markers and an importable ``tests`` package.
+
+Convention: test modules import the harness as ``from tests.harness import run_distributed`` (``tests`` is a
+package, see ``tests/__init__.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# pytest's default "prepend" import mode already puts the repo root on sys.path because ``tests`` is a package;
+# doing it explicitly keeps ``import tests.harness`` (and ``lightning_zero``) working under ``--import-mode=importlib``
+# too. Ranks started by the harness receive this sys.path, so they can unpickle functions from test modules.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--runslow", action="store_true", default=False, help="also run tests marked @pytest.mark.slow")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Registered here (not only in pyproject) so ``--strict-markers`` accepts them wherever pytest is run from.
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped when torch.cuda.is_available() is False")
+    config.addinivalue_line("markers", "slow: long-running; skipped unless --runslow is given")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_slow = None if config.getoption("--runslow") else pytest.mark.skip(reason="slow test: use --runslow")
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if skip_slow is not None and item.get_closest_marker("slow") is not None:
+            item.add_marker(skip_slow)
+        if skip_gpu is not None and item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip_gpu)

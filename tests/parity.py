@@ -1,0 +1,131 @@
+"""Reference training loops for parity tests: the same model, data and optimizer under DDP and under ZeRO.
+
+Everything here runs inside a rank started by ``tests.harness.run_distributed``; results come back as plain lists and
+tensors so that the assertions (and their messages) live in the test, in the parent process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_zero import ZeroConfig, ZeroOptimizer
+from lightning_zero.models.gpt import GPT, GPTConfig
+from lightning_zero.models.mlp import MLP
+from lightning_zero.models.param_groups import param_groups_with_weight_decay
+
+Batch = tuple[Tensor, Tensor]
+
+
+def build_model(name: str) -> nn.Module:
+    torch.manual_seed(1234)
+    if name == "mlp":
+        return MLP(in_features=12, hidden=(32, 24), out_features=5)
+    if name == "gpt":
+        # No biases: a key-projection bias has a mathematically zero gradient (softmax ignores a per-row shift),
+        # so its computed gradient is rounding noise whose sign depends on the summation order of the reduction,
+        # and Adam scales that noise into full-size steps. Any two correct reductions with different orders (our
+        # all-to-all sum vs gloo's ring) then disagree on that one tensor; it says nothing about ZeRO.
+        return GPT(GPTConfig.tiny(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, bias=False))
+    raise ValueError(name)
+
+
+def build_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    if name == "adamw":
+        groups = param_groups_with_weight_decay(model, 0.1)
+        return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
+    if name == "sgd":
+        # Two param groups with different hyper-parameters: the no-decay group also gets its own learning rate.
+        groups = param_groups_with_weight_decay(model, 1e-2, no_decay_overrides={"lr": 0.02})
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+    raise ValueError(name)
+
+
+def batch(model_name: str, rank: int, step: int, micro: int) -> Batch:
+    g = torch.Generator().manual_seed(10_000 * rank + 100 * step + micro)
+    if model_name == "mlp":
+        return torch.randn(6, 12, generator=g), torch.randn(6, 5, generator=g)
+    tokens = torch.randint(0, 64, (4, 17), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_fn(model_name: str, model: nn.Module, data: Batch) -> Tensor:
+    x, y = data
+    if model_name == "mlp":
+        return nn.functional.mse_loss(model(x), y)
+    return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+@dataclass
+class Run:
+    losses: list[float] = field(default_factory=list)
+    weights: dict[str, Tensor] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def train(
+    model_name: str,
+    optimizer_name: str,
+    steps: int,
+    accumulate: int,
+    wrap: Callable[[nn.Module, torch.optim.Optimizer], tuple[nn.Module, Any]],
+) -> Run:
+    """Train ``steps`` optimizer steps of ``accumulate`` micro-batches; ``wrap`` makes (forward module, optimizer)."""
+    rank = dist.get_rank()
+    model = build_model(model_name)
+    forward, optimizer = wrap(model, build_optimizer(optimizer_name, model))
+    run = Run()
+    for step in range(steps):
+        optimizer.zero_grad()
+        total = 0.0
+        for micro in range(accumulate):
+            last = micro == accumulate - 1
+            context = optimizer_no_sync(forward, optimizer) if not last else nullcontext()
+            with context:
+                loss = loss_fn(model_name, forward, batch(model_name, rank, step, micro)) / accumulate
+                loss.backward()
+            total += loss.item()
+        optimizer.step()
+        run.losses.append(total)
+    run.weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return run
+
+
+def optimizer_no_sync(forward: nn.Module, optimizer: Any) -> Any:
+    if isinstance(forward, DistributedDataParallel):
+        return forward.no_sync()
+    return optimizer.no_sync()
+
+
+def ddp(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+    return DistributedDataParallel(model), optimizer
+
+
+def zero(config: ZeroConfig) -> Callable[[nn.Module, torch.optim.Optimizer], tuple[nn.Module, ZeroOptimizer]]:
+    def wrap(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, ZeroOptimizer]:
+        return model, ZeroOptimizer(model, optimizer, dist.group.WORLD, config)
+
+    return wrap
+
+
+def ddp_and_zero(model_name: str, optimizer_name: str, steps: int, accumulate: int, config: ZeroConfig) -> list[Run]:
+    """One rank's [DDP run, ZeRO run] with identical seeds and data."""
+    reference = train(model_name, optimizer_name, steps, accumulate, ddp)
+    sharded = train(model_name, optimizer_name, steps, accumulate, zero(config))
+    return [reference, sharded]
+
+
+def assert_runs_match(reference: Run, candidate: Run, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    torch.testing.assert_close(
+        torch.tensor(candidate.losses), torch.tensor(reference.losses), rtol=rtol, atol=atol, msg="per-step losses"
+    )
+    assert candidate.weights.keys() == reference.weights.keys()
+    for name, expected in reference.weights.items():
+        torch.testing.assert_close(candidate.weights[name], expected, rtol=rtol, atol=atol, msg=f"final {name}")

@@ -1,0 +1,133 @@
+"""ZeroOptimizer beyond the plain loop: data-dependent unused parameters, repeated backward, bad input."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_zero import ZeroConfig, ZeroOptimizer
+from tests.harness import run_distributed
+
+
+class Branchy(nn.Module):
+    """Takes one of two branches depending on the data, so ranks leave different parameters without gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.stem = nn.Linear(8, 16)
+        self.left = nn.Linear(16, 4)
+        self.right = nn.Linear(16, 4)
+        self.never = nn.Linear(16, 4)  # trainable but never used
+
+    def forward(self, x: torch.Tensor, go_left: bool) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        return self.left(h) if go_left else self.right(h)
+
+
+def _branchy(stage: int, backwards_per_step: int) -> list[dict[str, torch.Tensor]]:
+    rank = dist.get_rank()
+    results = []
+    for use_zero in (False, True):
+        model = Branchy()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if use_zero:
+            forward: nn.Module = model
+            optimizer = ZeroOptimizer(model, optimizer, dist.group.WORLD, ZeroConfig(stage=stage, bucket_numel=50))
+        else:
+            forward = DistributedDataParallel(model, find_unused_parameters=True)
+        for step in range(6):
+            optimizer.zero_grad()
+            for micro in range(backwards_per_step):
+                g = torch.Generator().manual_seed(100 * rank + 10 * step + micro)
+                x = torch.randn(5, 8, generator=g)
+                go_left = (rank + step + micro) % 2 == 0  # differs across ranks within a step
+                forward(x, go_left).square().mean().backward()  # sync on every backward, no no_sync()
+            if not use_zero:
+                # Documented semantics (ZeroOptimizer.step): a parameter no rank produced a gradient for is stepped
+                # with a zero gradient. DDP leaves it None, so give the reference the same input.
+                for p in model.parameters():
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+            optimizer.step()
+        results.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return results
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("backwards_per_step", [1, 2])
+def test_rank_dependent_unused_parameters_and_repeated_backward_match_ddp(stage, backwards_per_step):
+    for reference, sharded in run_distributed(_branchy, 2, stage, backwards_per_step):
+        for name, expected in reference.items():
+            torch.testing.assert_close(sharded[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _stage1_module_zero_grad() -> list[torch.Tensor]:
+    """``module.zero_grad()`` sets ``.grad`` to None behind the flat buffers' back; the next step must be right."""
+    out = []
+    for use_zero in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        if use_zero:
+            optimizer = ZeroOptimizer(model, optimizer, dist.group.WORLD, ZeroConfig(stage=1))
+            forward: nn.Module = model
+        else:
+            forward = DistributedDataParallel(model)
+        for step in range(3):
+            model.zero_grad(set_to_none=True)
+            forward(torch.full((2, 4), float(step + dist.get_rank()))).sum().backward()
+            optimizer.step()
+        out.append(model.weight.detach().clone())
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_stage1_survives_module_zero_grad_set_to_none():
+    for reference, sharded in run_distributed(_stage1_module_zero_grad, 2):
+        torch.testing.assert_close(sharded, reference)
+
+
+def _sharing_param_groups(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    # torch's optimizers refuse this at construction; other optimizers may not, and editing groups afterwards can.
+    optimizer = torch.optim.SGD([{"params": params[:3]}, {"params": params[3:]}], lr=0.1)
+    optimizer.param_groups[1]["params"].append(params[2])
+    return optimizer
+
+
+def _construction_error(case: str) -> str:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    params = list(model.parameters())
+    optimizers = {
+        "frozen": lambda: torch.optim.SGD([p.requires_grad_(False) for p in params], lr=0.1),
+        "shared": lambda: _sharing_param_groups(params),
+        "lbfgs": lambda: torch.optim.LBFGS(params),
+        "foreign": lambda: torch.optim.SGD([*params, nn.Parameter(torch.zeros(3, 5))], lr=0.1),
+    }
+    try:
+        ZeroOptimizer(model, optimizers[case](), dist.group.WORLD, ZeroConfig())
+    except (TypeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("frozen", r"ValueError: SGD has no trainable parameters to shard.*HINT: pass the model's trainable"),
+        ("shared", r"ValueError: Parameter '1.weight' appears in param group 0 and again in param group 1.*HINT"),
+        ("lbfgs", r"TypeError: LBFGS cannot be sharded by ZeRO.*HINT: use an element-wise optimizer"),
+        ("foreign", r"ValueError: Param group 0 of SGD holds a tensor of shape \(3, 5\) that is not a parameter"),
+    ],
+)
+def test_bad_optimizers_are_refused_with_the_fix(case, expected):
+    (message,) = run_distributed(_construction_error, 1, case)
+    assert message != "no error"
+    assert re.search(expected, message), message
