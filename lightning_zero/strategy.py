@@ -104,6 +104,12 @@ class ZeroStrategy(ParallelStrategy):
 
     # -- topology (as DDPStrategy) -------------------------------------------------------------------------------
     @property
+    def is_distributed(self) -> bool:
+        # Lightning asks custom strategies this to decide whether to give each rank its own DistributedSampler
+        # shard of the data; without it every rank would silently train on the same batches.
+        return True
+
+    @property
     @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None

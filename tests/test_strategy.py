@@ -1,0 +1,159 @@
+"""ZeroStrategy through Lightning's Trainer: same losses and weights as Trainer(strategy="ddp")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_zero  # noqa: F401  (registers the presets)
+from lightning_zero import ZeroOptimizer, ZeroStrategy
+from lightning_zero.collectives import Collective
+from tests.harness import run_distributed
+from tests.parity import build_model, build_optimizer, loss_fn
+
+STEPS = 10
+
+
+class ParityModule(pl.LightningModule):
+    """The parity model under Lightning, with two param groups and a per-step LR schedule."""
+
+    def __init__(self, model_name: str, optimizer_name: str) -> None:
+        super().__init__()
+        self.model_name = model_name
+        self.optimizer_name = optimizer_name
+        self.model = build_model(model_name)
+        self.losses: list[float] = []
+        self.lrs: list[float] = []
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = loss_fn(self.model_name, self.model, batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def configure_optimizers(self) -> Any:
+        optimizer = build_optimizer(self.optimizer_name, self.model)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _dataset(model_name: str, samples: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(99)
+    if model_name == "mlp":
+        return TensorDataset(torch.randn(samples, 12, generator=g), torch.randn(samples, 5, generator=g))
+    tokens = torch.randint(0, 64, (samples, 17), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def fit(strategy: Any, model_name: str, optimizer_name: str, accumulate: int = 1, **trainer_kwargs: Any) -> dict:
+    module = ParityModule(model_name, optimizer_name)
+    # Lightning adds a DistributedSampler: each rank sees its own half of the data, identically for every strategy.
+    loader = DataLoader(_dataset(model_name, 2 * 4 * STEPS * accumulate), batch_size=4)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
+    trainer.fit(module, loader)
+    result = {
+        "losses": module.losses,
+        "lrs": module.lrs,
+        "weights": {n: p.detach().clone() for n, p in module.model.named_parameters()},
+    }
+    if isinstance(trainer.strategy, ZeroStrategy):
+        result["sent"] = trainer.strategy.communication_per_step()
+        result["numel"] = sum(p.numel() for p in module.model.parameters())
+    return result
+
+
+def _ddp_then_zero(stage: int, model_name: str, optimizer_name: str, accumulate: int) -> list[dict]:
+    reference = fit("ddp", model_name, optimizer_name, accumulate)
+    sharded = fit(ZeroStrategy(stage=stage, bucket_numel=4_000), model_name, optimizer_name, accumulate)
+    return [reference, sharded]
+
+
+def assert_fits_match(reference: dict, sharded: dict) -> None:
+    assert len(sharded["losses"]) == len(reference["losses"]) > 0
+    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-6)
+    assert sharded["lrs"] == reference["lrs"]
+    for name, expected in reference["weights"].items():
+        torch.testing.assert_close(sharded["weights"][name], expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize(("model_name", "optimizer_name"), [("gpt", "adamw"), ("mlp", "sgd")])
+def test_trainer_zero_matches_trainer_ddp(stage, model_name, optimizer_name):
+    for reference, sharded in run_distributed(
+        _ddp_then_zero, 2, stage, model_name, optimizer_name, 1, init_process_group=False
+    ):
+        assert_fits_match(reference, sharded)
+        assert reference["lrs"][-1] < reference["lrs"][0]  # the schedule really ran
+        padded_numel = 2 * sharded["sent"]["all_gather"] // 4  # bytes = 4 * padded * (N-1)/N at N = 2
+        assert sharded["numel"] <= padded_numel < sharded["numel"] + 2 * 16  # < N padding per bucket
+        assert sharded["sent"]["reduce_scatter"] == sharded["sent"]["all_gather"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_trainer_zero_matches_ddp_with_accumulate_grad_batches(stage):
+    for reference, sharded in run_distributed(_ddp_then_zero, 2, stage, "gpt", "adamw", 3, init_process_group=False):
+        assert_fits_match(reference, sharded)
+
+
+class _CountingCollectives(pl.Callback):
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.buckets = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        optimizer = trainer.strategy.optimizers[0]
+        assert isinstance(optimizer, ZeroOptimizer)
+        self.buckets = len(optimizer.buckets)
+        self.calls.append(optimizer.ledger.calls.get(Collective.REDUCE_SCATTER, 0))
+
+
+def _stage1_accumulation_calls() -> tuple[list[int], int]:
+    counter = _CountingCollectives()
+    fit(ZeroStrategy(stage=1, bucket_numel=10**9), "mlp", "sgd", accumulate=3, callbacks=[counter])
+    return counter.calls, counter.buckets
+
+
+@pytest.mark.timeout(120)
+def test_stage1_accumulation_communicates_only_on_the_last_micro_batch():
+    for calls, buckets in run_distributed(_stage1_accumulation_calls, 2, init_process_group=False):
+        # One reduce-scatter per bucket every third micro-batch, none in between.
+        assert buckets == 2  # the decay and no-decay param groups
+        assert calls == [buckets * ((i + 1) // 3) for i in range(len(calls))]
+
+
+@pytest.mark.timeout(240)
+def test_spawn_launcher_trains_and_returns_weights_to_the_main_process():
+    """Lightning's own multiprocessing launcher ("zero2_spawn"): no harness, results come back to this process."""
+    reference = fit("ddp_spawn", "mlp", "sgd")
+    sharded = fit("zero2_spawn", "mlp", "sgd")
+    # The launcher returns rank 0's weights to the main process (losses stay in the children).
+    for name, expected in reference["weights"].items():
+        torch.testing.assert_close(sharded["weights"][name], expected, rtol=1e-5, atol=1e-6, msg=name)
+    for name, initial in build_model("mlp").named_parameters():
+        assert not torch.allclose(sharded["weights"][name], initial), f"{name} was not trained"
+
+
+def test_trainer_resolves_registered_names():
+    trainer = pl.Trainer(strategy="zero1", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, ZeroStrategy)
+    assert trainer.strategy.config.stage == 1
