@@ -118,14 +118,15 @@ class ZeroOptimizer(Optimizer):
                 loss = closure()
         self.reduce_gradients()
         self.optimizer.step()
-        self._gather_parameters()
+        self.gather_parameters()
         self.reducer.consume()
         for master in self.masters:
             master.grad = None
         self.ledger.end_step()
         return loss
 
-    def _gather_parameters(self) -> None:
+    def gather_parameters(self) -> None:
+        """All-gather every bucket from its shard into the full flat parameters (after a step or a load)."""
         pending = []
         for bucket, master in zip(self.buckets, self.masters, strict=True):
             shard = bucket.param_shard
