@@ -27,9 +27,10 @@ def dtype_from_name(name: DTypeName) -> torch.dtype:
 class ZeroConfig:
     """How the strategy shards and communicates model state. Validated once, at construction."""
 
-    stage: Literal[1, 2] = 2
+    stage: Literal[1, 2, 3] = 2
     """Which model state is sharded across data-parallel ranks. 1: optimizer state and fp32 master weights.
-    2: also gradients, reduce-scattered in buckets during backward."""
+    2: also gradients, reduce-scattered in buckets during backward. 3: also parameters, gathered unit by unit just
+    before use and freed right after."""
 
     bucket_numel: int = 4_000_000
     """Elements per communication bucket. Parameters are packed into flat buckets of about this size (a parameter is
@@ -51,15 +52,51 @@ class ZeroConfig:
     """dtype in which gradients are communicated and averaged. None: the parameters' own dtype. ``"float32"`` with
     bf16 parameters trades twice the gradient traffic for full-precision reduction."""
 
+    wrap_module_classes: tuple[str, ...] | None = None
+    """Stage 3: module classes that become their own gather unit, by class name (``"Block"``) or qualified name
+    (``"torch.nn.TransformerEncoderLayer"``). None: every module in an ``nn.ModuleList``/``nn.Sequential`` whose
+    class repeats there (the layers of a transformer). ``()``: only the size threshold below. Parameters outside
+    every unit form the root unit."""
+
+    wrap_min_numel: int = 0
+    """Stage 3: also make a module its own unit once it holds at least this many parameter elements not already in
+    a smaller unit (children first, as FSDP's size policy). 0 disables the size threshold."""
+
+    prefetch_limit_numel: int | None = None
+    """Stage 3: the next unit's all-gather (next in forward order during forward, previous during backward) is
+    issued ahead only if the gathered elements, counting units in use and the prefetched one, stay at or below this.
+    None: always prefetch one unit ahead. 0: never prefetch."""
+
+    persistence_threshold: int = 0
+    """Stage 3: parameters with fewer elements than this are not partitioned: every rank keeps them gathered (like
+    stage 2), saving their gathers at the cost of their full size on every rank. Norm weights and biases are the
+    usual candidates; in a flat unit they add no collective of their own, so the default keeps everything sharded."""
+
+    check_rank_divergence: bool = True
+    """Stage 3: before each unit's all-gather, ranks exchange the unit's index (a few bytes) and raise an error naming
+    both units if they differ, instead of pairing mismatched collectives and hanging."""
+
     def __post_init__(self) -> None:
-        if self.stage not in (1, 2):
-            requested: object = self.stage
-            hint = " Stage 3 (parameter sharding) is not available in this version." if requested == 3 else ""
-            raise ValueError(f"Invalid ZeroConfig.stage: {self.stage!r}. Expected 1 or 2.{hint}")
+        if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
+            raise ValueError(f"Invalid ZeroConfig.stage: {self.stage!r}. Expected 1, 2 or 3.")
         _check_positive_int("bucket_numel", self.bucket_numel)
         _check_positive_int("max_inflight_buckets", self.max_inflight_buckets)
-        if not isinstance(self.overlap_comm, bool):
-            raise TypeError(f"Invalid ZeroConfig.overlap_comm: {self.overlap_comm!r}. Expected True or False.")
+        _check_non_negative_int("wrap_min_numel", self.wrap_min_numel)
+        _check_non_negative_int("persistence_threshold", self.persistence_threshold)
+        if self.prefetch_limit_numel is not None:
+            _check_non_negative_int("prefetch_limit_numel", self.prefetch_limit_numel)
+        for name in ("overlap_comm", "check_rank_divergence"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Invalid ZeroConfig.{name}: {getattr(self, name)!r}. Expected True or False.")
+        classes: object = self.wrap_module_classes  # typed loosely: YAML and callers may pass anything
+        if classes is not None:
+            names = list(classes) if isinstance(classes, (tuple, list)) else None
+            if names is None or not all(isinstance(c, str) and c for c in names):
+                raise TypeError(
+                    f"Invalid ZeroConfig.wrap_module_classes: {classes!r}. Expected None or a tuple of class "
+                    "names, e.g. ('Block',) or ('torch.nn.TransformerEncoderLayer',)."
+                )
+            object.__setattr__(self, "wrap_module_classes", tuple(names))  # lists from YAML, frozen as a tuple
         if self.reduce_dtype is not None and self.reduce_dtype not in _DTYPES:
             raise ValueError(
                 f"Invalid ZeroConfig.reduce_dtype: {self.reduce_dtype!r}. Expected None or one of {sorted(_DTYPES)}."
@@ -81,3 +118,8 @@ class ZeroConfig:
 def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"Invalid ZeroConfig.{name}: {value!r}. Expected a positive integer.")
+
+
+def _check_non_negative_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"Invalid ZeroConfig.{name}: {value!r}. Expected a non-negative integer.")

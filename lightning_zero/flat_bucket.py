@@ -38,8 +38,11 @@ class ParamSlot:
 class FlatBucket:
     """A padded flat buffer whose views are the module's parameters, sharded evenly across ranks.
 
-    After construction each parameter's ``.data`` is a view into ``self.data``; the parameter objects themselves are
-    unchanged, so optimizers, tied weights and user references keep working.
+    A *resident* bucket (stages 1 and 2, and small persistent parameters in stage 3) keeps the full buffer for its
+    whole life; ``param_shard`` is a view into it. A *sharded* bucket (stage 3) keeps only ``param_shard``, a separate
+    tensor; the full buffer exists only between ``attach()`` and ``release()``, and in between the parameters are
+    empty placeholders (a stray use raises a shape error instead of reading freed memory). Either way the parameter
+    objects themselves never change, so optimizers, tied weights and user references keep working.
     """
 
     def __init__(
@@ -49,18 +52,24 @@ class FlatBucket:
         named_params: Sequence[tuple[str, nn.Parameter]],
         rank: int,
         world_size: int,
+        *,
+        resident: bool = True,
     ) -> None:
         assert named_params, "a bucket holds at least one parameter"
         self.index = index
         """Position in the launch order (see Note [bucket order])."""
         self.group_index = group_index
-        """The optimizer param group this bucket's parameters belong to."""
+        """The optimizer param group of every parameter here (stages 1 and 2); -1 when groups are mixed (stage 3)."""
         self.params: list[nn.Parameter] = [p for _, p in named_params]
         self.rank = rank
         self.world_size = world_size
+        self.resident = True
+        """Whether the full buffer lives as long as the bucket; see ``make_sharded()``."""
         first = self.params[0]
         self.dtype = first.dtype
         self.device = first.device
+        self.trainable = first.requires_grad
+        """All parameters of a bucket share ``requires_grad``: frozen ones get neither gradients nor optimizer state."""
 
         slots: list[ParamSlot] = []
         offset = 0
@@ -73,11 +82,17 @@ class FlatBucket:
         self.padded_numel = self.shard_numel * world_size
 
         # Zero padding keeps every reduction and norm over the flat buffer exact.
-        self.data = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for slot, p in zip(self.slots, self.params, strict=True):
-                self.data[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
-                p.data = self.param_view(self.data, slot)
+                flat[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        self.data: Tensor | None = None
+        """The full flat parameters: always present when resident, only while gathered otherwise."""
+        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._shard: Tensor | None = None
+        self.attach(flat)
+        if not resident:
+            self.make_sharded()
 
     # -- views --------------------------------------------------------------------------------------------------
     @staticmethod
@@ -90,16 +105,44 @@ class FlatBucket:
 
     @property
     def param_shard(self) -> Tensor:
-        """This rank's shard of the parameters: the slice the optimizer updates."""
+        """This rank's shard of the parameters: the slice the optimizer updates (persistent in every mode)."""
+        if self._shard is not None:
+            return self._shard
+        assert self.data is not None
         return self.shard_of(self.data)
 
     def slots_and_params(self) -> Iterator[tuple[ParamSlot, nn.Parameter]]:
         return zip(self.slots, self.params, strict=True)
 
+    # -- storage (sharded buckets) ----------------------------------------------------------------------------------
+    def allocate_full(self) -> Tensor:
+        """A new, uninitialized full flat buffer for this bucket (the target of an all-gather)."""
+        return torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+
+    def attach(self, flat: Tensor) -> None:
+        """Make ``flat`` the full buffer and every parameter a view into it."""
+        self.data = flat
+        for slot, p in self.slots_and_params():
+            p.data = self.param_view(flat, slot)
+
+    def make_sharded(self) -> None:
+        """Keep only this rank's shard from now on and free the full buffer (a resident bucket becomes sharded)."""
+        assert self.data is not None
+        self._shard = self.shard_of(self.data).clone()
+        self.resident = False
+        self.release()
+
+    def release(self) -> None:
+        """Drop the full buffer (sharded buckets only): parameters become empty placeholders."""
+        assert not self.resident, "a resident bucket keeps its parameters"
+        for p in self.params:
+            p.data = self._placeholder
+        self.data = None
+
     def __repr__(self) -> str:
         return (
             f"FlatBucket(index={self.index}, group={self.group_index}, params={len(self.params)}, "
-            f"numel={self.numel}, padded={self.padded_numel}, dtype={self.dtype})"
+            f"numel={self.numel}, padded={self.padded_numel}, dtype={self.dtype}, resident={self.resident})"
         )
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 
@@ -52,8 +52,17 @@ class BucketState(enum.Enum):
 class GradientReducer:
     """The shared protocol: hooks, ordered launch, end-of-backward flush. Subclasses own the storage."""
 
-    def __init__(self, buckets: Sequence[FlatBucket], group: ProcessGroup, config: ZeroConfig, ledger: CommLedger):
+    def __init__(
+        self,
+        buckets: Sequence[FlatBucket],
+        group: ProcessGroup,
+        config: ZeroConfig,
+        ledger: CommLedger,
+        on_complete: Callable[[FlatBucket], None] | None = None,
+    ) -> None:
         self.buckets = list(buckets)
+        self.on_complete = on_complete
+        """Called when every gradient of a bucket has arrived in a backward (stage 3 frees the unit then)."""
         self.group = group
         self.world_size = group.size()
         self.config = config
@@ -116,6 +125,8 @@ class GradientReducer:
             self._callback_queued = True
         self._arrived[bucket.index] += 1
         if self._arrived[bucket.index] == len(bucket.params):
+            if self.on_complete is not None:
+                self.on_complete(bucket)
             self._launch_complete_in_order()
 
     def _begin_filling(self, bucket: FlatBucket) -> None:
@@ -196,12 +207,19 @@ class FullGradReducer(GradientReducer):
     several backward passes with sync on (manual optimization) simply add up, exactly like DDP's in-place all-reduce.
     """
 
-    def __init__(self, buckets: Sequence[FlatBucket], group: ProcessGroup, config: ZeroConfig, ledger: CommLedger):
-        self.grads = [torch.zeros_like(b.data) for b in buckets]
+    def __init__(
+        self,
+        buckets: Sequence[FlatBucket],
+        group: ProcessGroup,
+        config: ZeroConfig,
+        ledger: CommLedger,
+        on_complete: Callable[[FlatBucket], None] | None = None,
+    ) -> None:
+        self.grads = [torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device) for b in buckets]
         """(padded_numel,) per bucket; parameters' ``.grad`` are views into it."""
         self._reduced: list[Tensor | None] = [None] * len(buckets)
         """(shard_numel,) per bucket once reduced in this step: the averaged gradient shard."""
-        super().__init__(buckets, group, config, ledger)
+        super().__init__(buckets, group, config, ledger, on_complete)
         self._attach_grad_views()
 
     def _attach_grad_views(self) -> None:
@@ -260,8 +278,15 @@ class FullGradReducer(GradientReducer):
 class ShardedGradReducer(GradientReducer):
     """Stage 2: gradients are reduce-scattered during every backward and only this rank's shard is kept."""
 
-    def __init__(self, buckets: Sequence[FlatBucket], group: ProcessGroup, config: ZeroConfig, ledger: CommLedger):
-        super().__init__(buckets, group, config, ledger)
+    def __init__(
+        self,
+        buckets: Sequence[FlatBucket],
+        group: ProcessGroup,
+        config: ZeroConfig,
+        ledger: CommLedger,
+        on_complete: Callable[[FlatBucket], None] | None = None,
+    ) -> None:
+        super().__init__(buckets, group, config, ledger, on_complete)
         self.shards = [torch.zeros(b.shard_numel, dtype=self._reduce_dtype(b), device=b.device) for b in self.buckets]
         """(shard_numel,) per bucket: this rank's accumulated, averaged gradient."""
         self._shard_is_zero = [True] * len(self.buckets)

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
+from lightning_zero.parameter_gatherer import ParameterGatherer
 from lightning_zero.sharded_optimizer import ZeroOptimizer
 
 
@@ -43,15 +44,29 @@ def _nbytes(tensors: Iterable[Tensor]) -> int:
     return total
 
 
-def model_state_bytes(module: nn.Module, optimizers: Iterable[ZeroOptimizer]) -> ModelStateBytes:
+def model_state_bytes(
+    module: nn.Module, optimizers: Iterable[ZeroOptimizer], gatherer: ParameterGatherer | None = None
+) -> ModelStateBytes:
+    """This rank's model state. ``gatherer``: the stage-3 sharded model, whose parameters live in shards."""
     optimizers = list(optimizers)
-    params = _nbytes(list(module.parameters()) + [b.data for opt in optimizers for b in opt.buckets])
-    grads = sum(opt.reducer.state_bytes() for opt in optimizers)
+    buckets = [b for opt in optimizers for b in opt.buckets]
+    if gatherer is not None:
+        buckets += [b for u in gatherer.units for b in u.buckets] + gatherer.resident_buckets
+    # Outside a forward, stage-3 parameters are empty placeholders; what they own is their shard.
+    held: list[Tensor] = list(module.parameters())
+    for bucket in buckets:
+        if not bucket.resident:
+            held.append(bucket.param_shard)
+        if bucket.data is not None:  # resident, or a stage-3 unit gathered right now
+            held.append(bucket.data)
+    params = _nbytes(held)
+    reducers = {id(opt.reducer): opt.reducer for opt in optimizers}
+    grads = sum(r.state_bytes() for r in reducers.values())
     masters = _nbytes(
         m
         for opt in optimizers
-        for b, m in zip(opt.buckets, opt.masters, strict=True)
-        if m.untyped_storage().data_ptr() != b.data.untyped_storage().data_ptr()
+        for seg, m in zip(opt.segments, opt.masters, strict=True)
+        if m.untyped_storage().data_ptr() != seg.bucket.param_shard.untyped_storage().data_ptr()
     )
     # Zero-dim entries (Adam's step counter) are bookkeeping, not per-parameter state.
     state = _nbytes(

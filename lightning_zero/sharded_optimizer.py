@@ -1,24 +1,26 @@
-"""``ZeroOptimizer``: the user's optimizer, stepping only this rank's shard (ZeRO stage 1, and the base of 2).
+"""``ZeroOptimizer``: the user's optimizer, stepping only this rank's shard of the model (every stage).
 
 Construction takes a model and an optimizer built over its parameters, exactly as the user wrote it, and:
 
-1. flattens the trainable parameters of each param group into ``FlatBucket``s (module parameters become views);
-2. creates this rank's fp32 master shard of every bucket (an alias of the parameter shard when the parameters are
-   already fp32, so fp32 training keeps no second copy);
-3. re-targets the user's optimizer *in place*: each param group's ``params`` become that group's master shards and
-   its state is emptied, so optimizer state is only ever allocated for 1/N of the model. Hyper-parameters, LR
+1. finds the flat buckets holding the trainable parameters: for stages 1 and 2 it flattens them itself, one bucket
+   per param group and dtype; for stage 3 the model was already sharded unit by unit (``sharded_init``);
+2. cuts this rank's shard of each bucket into *segments*, contiguous runs of elements of one param group, and gives
+   each an fp32 master (the parameter shard itself when the parameters are fp32: no second copy);
+3. re-targets the user's optimizer *in place*: each param group's ``params`` become its segments' masters and its
+   state is emptied, so optimizer state is only ever allocated for 1/N of the model. Hyper-parameters, LR
    schedulers, ``ReduceLROnPlateau`` and anything else holding the optimizer object keep working unchanged;
-4. hands gradients to a ``GradientReducer`` (full buffers for stage 1, sharded for stage 2).
+4. hands gradients to a ``GradientReducer`` (full buffers for stage 1, sharded for stages 2 and 3).
 
 A step is: finish the gradient reduce-scatters -> master grads -> the user's ``optimizer.step()`` on the shards ->
-copy masters into the parameter shards -> all-gather every bucket in place into the flat parameter buffers.
+copy masters into the parameter shards -> all-gather the resident buckets in place (stage 3 gathers the others
+when they are next used).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,8 +31,10 @@ from lightning_zero.collectives import CommLedger, ProcessGroup, all_gather
 from lightning_zero.config import ZeroConfig
 from lightning_zero.flat_bucket import FlatBucket, build_buckets
 from lightning_zero.gradient_reducer import FullGradReducer, GradientReducer, ShardedGradReducer
+from lightning_zero.parameter_gatherer import ParameterGatherer
 
-# Stages compose by choosing where gradients live; everything else is shared.
+# Stages compose by choosing where gradients live; everything else is shared. (Stage 3 adds parameter gathering on
+# top of stage 2's reducer, built with the sharded model.)
 _REDUCERS: dict[int, type[GradientReducer]] = {1: FullGradReducer, 2: ShardedGradReducer}
 
 # Optimizers whose update of an element depends on other elements of the same tensor (factored moments, line
@@ -38,8 +42,20 @@ _REDUCERS: dict[int, type[GradientReducer]] = {1: FullGradReducer, 2: ShardedGra
 _NOT_ELEMENTWISE: tuple[str, ...] = ("LBFGS", "SparseAdam", "Adafactor")
 
 
+class Segment(NamedTuple):
+    """A run of one param group's elements in this rank's shard of a bucket: ``shard[start:stop]``."""
+
+    bucket: FlatBucket
+    start: int
+    stop: int
+    group: int
+
+
 class ZeroOptimizer(Optimizer):
-    """Wraps ``optimizer`` so that it holds optimizer state and master weights for this rank's shard only."""
+    """Wraps ``optimizer`` so that it holds optimizer state and master weights for this rank's shard only.
+
+    ``gatherer`` is the stage-3 sharded model (``sharded_init.shard_module``); stages 1 and 2 pass None.
+    """
 
     def __init__(
         self,
@@ -47,6 +63,7 @@ class ZeroOptimizer(Optimizer):
         optimizer: Optimizer,
         process_group: ProcessGroup,
         config: ZeroConfig,
+        gatherer: ParameterGatherer | None = None,
     ) -> None:
         # Optimizer.__init__ is not called: the param groups, state and defaults are the wrapped optimizer's own
         # objects, so reading or changing a learning rate through either object is the same thing.
@@ -54,22 +71,34 @@ class ZeroOptimizer(Optimizer):
         self.module = module
         self.group = process_group
         self.config = config
-        self.ledger = CommLedger()
-        """What this optimizer's collectives moved; ``ledger.last_step`` is the last step's record."""
+        self.gatherer = gatherer
         self.rank = process_group.rank()
         self.world_size = process_group.size()
 
         named_groups = _trainable_named_groups(module, optimizer)
-        self.buckets = build_buckets(
-            named_groups, config.bucket_numel, self.rank, self.world_size, list(module.parameters())
-        )
-        self._broadcast_from_rank0()
-        self.masters = [_master_shard(b) for b in self.buckets]
-        """This rank's fp32 master weights, one flat shard per bucket (aliasing the param shard when fp32)."""
+        group_of = {id(p): g for g, named in enumerate(named_groups) for _, p in named}
+        self.reducer: GradientReducer
+        if gatherer is None:
+            self.ledger = CommLedger()
+            """What this optimizer's collectives moved; ``ledger.last_step`` is the last step's record."""
+            self.buckets = build_buckets(
+                named_groups, config.bucket_numel, self.rank, self.world_size, list(module.parameters())
+            )
+            self._broadcast_from_rank0()
+            self.reducer = _REDUCERS[config.stage](self.buckets, process_group, config, self.ledger)
+            self.resident_buckets = self.buckets
+        else:
+            self.ledger = gatherer.ledger  # one record of the step: gathers, reduce-scatters, resident all-gathers
+            self.reducer = gatherer.reducer
+            mine = [b for b in gatherer.reducer.buckets if any(id(p) in group_of for p in b.params)]
+            self.buckets = mine
+            self.resident_buckets = [b for b in mine if b.resident]
+        self.segments = [seg for b in self.buckets for seg in _segments(b, group_of)]
+        self.masters = [_master(seg) for seg in self.segments]
+        """This rank's fp32 master weights, one per segment (a view of the parameter shard when fp32)."""
         for g, group in enumerate(optimizer.param_groups):
-            group["params"] = [m for b, m in zip(self.buckets, self.masters, strict=True) if b.group_index == g]
+            group["params"] = [m for seg, m in zip(self.segments, self.masters, strict=True) if seg.group == g]
         optimizer.state.clear()
-        self.reducer = _REDUCERS[config.stage](self.buckets, process_group, config, self.ledger)
 
     # -- the Optimizer surface -----------------------------------------------------------------------------------
     @property
@@ -100,9 +129,9 @@ class ZeroOptimizer(Optimizer):
         that run before ``step()`` already see the reduced gradients.
         """
         self.reducer.finish()
-        for bucket, master in zip(self.buckets, self.masters, strict=True):
-            shard = self.reducer.grad_shard(bucket)
-            master.grad = shard if shard.dtype == master.dtype else shard.to(master.dtype)
+        for seg, master in zip(self.segments, self.masters, strict=True):
+            grad = self.reducer.grad_shard(seg.bucket)[seg.start : seg.stop]
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -118,7 +147,13 @@ class ZeroOptimizer(Optimizer):
                 loss = closure()
         self.reduce_gradients()
         self.optimizer.step()
+        for seg, master in zip(self.segments, self.masters, strict=True):
+            shard = seg.bucket.param_shard[seg.start : seg.stop]
+            if master.data_ptr() != shard.data_ptr():
+                shard.copy_(master)  # fp32 master -> low-precision parameter shard
         self.gather_parameters()
+        if self.gatherer is not None:
+            self.gatherer.refresh_gathered()  # units still in use must not keep pre-step weights
         self.reducer.consume()
         for master in self.masters:
             master.grad = None
@@ -126,13 +161,11 @@ class ZeroOptimizer(Optimizer):
         return loss
 
     def gather_parameters(self) -> None:
-        """All-gather every bucket from its shard into the full flat parameters (after a step or a load)."""
+        """All-gather every resident bucket from its shard into the full flat parameters (after a step or a load)."""
         pending = []
-        for bucket, master in zip(self.buckets, self.masters, strict=True):
-            shard = bucket.param_shard
-            if master.data_ptr() != shard.data_ptr():
-                shard.copy_(master)  # fp32 master -> low-precision parameter shard
-            pending.append(self.ledger.record(all_gather(bucket.data, shard, self.group)))
+        for bucket in self.resident_buckets:
+            assert bucket.data is not None
+            pending.append(self.ledger.record(all_gather(bucket.data, bucket.param_shard, self.group)))
         for p in pending:
             p.wait()
 
@@ -149,6 +182,7 @@ class ZeroOptimizer(Optimizer):
             return
         source = dist.get_global_rank(self.group, 0)
         for bucket in self.buckets:
+            assert bucket.data is not None
             dist.broadcast(bucket.data, src=source, group=self.group)
 
     # -- state dicts: this rank's shard only (sharded checkpointing composes these per rank) ---------------------
@@ -165,8 +199,27 @@ class ZeroOptimizer(Optimizer):
         )
 
 
-def _master_shard(bucket: FlatBucket) -> Tensor:
-    shard = bucket.param_shard
+def _segments(bucket: FlatBucket, group_of: dict[int, int]) -> list[Segment]:
+    """Split this rank's shard of ``bucket`` into runs of consecutive elements that belong to one param group.
+
+    Padding and parameters of other optimizers are skipped: they get no master and no optimizer state.
+    """
+    lo, hi = bucket.rank * bucket.shard_numel, (bucket.rank + 1) * bucket.shard_numel
+    runs: list[Segment] = []
+    for slot, param in bucket.slots_and_params():
+        start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        group = group_of.get(id(param))
+        if start >= stop or group is None:
+            continue
+        if runs and runs[-1].group == group and runs[-1].stop == start - lo:
+            runs[-1] = runs[-1]._replace(stop=stop - lo)
+        else:
+            runs.append(Segment(bucket, start - lo, stop - lo, group))
+    return runs
+
+
+def _master(segment: Segment) -> Tensor:
+    shard = segment.bucket.param_shard[segment.start : segment.stop]
     if shard.dtype == torch.float32:
         return shard  # the parameters are the master weights
     return shard.detach().to(torch.float32)

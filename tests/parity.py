@@ -20,6 +20,7 @@ from lightning_zero import ZeroConfig, ZeroOptimizer
 from lightning_zero.models.gpt import GPT, GPTConfig
 from lightning_zero.models.mlp import MLP
 from lightning_zero.models.param_groups import param_groups_with_weight_decay
+from lightning_zero.sharded_init import shard_module
 
 Batch = tuple[Tensor, Tensor]
 
@@ -94,8 +95,16 @@ def train(
             total += loss.item()
         optimizer.step()
         run.losses.append(total)
-    run.weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    run.weights = full_weights(model, optimizer)
     return run
+
+
+def full_weights(model: nn.Module, optimizer: Any) -> dict[str, Tensor]:
+    """Every parameter in full, on every rank (stage 3 gathers them for the copy)."""
+    gatherer = getattr(optimizer, "gatherer", None)
+    context = gatherer.gathered() if gatherer is not None else nullcontext()
+    with context:
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def optimizer_no_sync(forward: nn.Module, optimizer: Any) -> Any:
@@ -115,10 +124,20 @@ def zero(config: ZeroConfig) -> Callable[[nn.Module, torch.optim.Optimizer], tup
     return wrap
 
 
+def zero3(config: ZeroConfig) -> Callable[[nn.Module, torch.optim.Optimizer], tuple[nn.Module, ZeroOptimizer]]:
+    """Stage 3 at the core level: shard the built model unit by unit, then wrap the optimizer over the shards."""
+
+    def wrap(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, ZeroOptimizer]:
+        gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu"))
+        return model, ZeroOptimizer(model, optimizer, dist.group.WORLD, config, gatherer=gatherer)
+
+    return wrap
+
+
 def ddp_and_zero(model_name: str, optimizer_name: str, steps: int, accumulate: int, config: ZeroConfig) -> list[Run]:
     """One rank's [DDP run, ZeRO run] with identical seeds and data."""
     reference = train(model_name, optimizer_name, steps, accumulate, ddp)
-    sharded = train(model_name, optimizer_name, steps, accumulate, zero(config))
+    sharded = train(model_name, optimizer_name, steps, accumulate, zero3(config) if config.stage == 3 else zero(config))
     return [reference, sharded]
 
 

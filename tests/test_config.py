@@ -18,15 +18,23 @@ def test_defaults_are_valid_and_frozen():
         config.stage = 1  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("stage", [0, 4, -1, "2"])
+@pytest.mark.parametrize("stage", [0, 4, -1, "2", True])
 def test_stage_outside_range_is_refused(stage):
-    with pytest.raises(ValueError, match=r"ZeroConfig\.stage: .*Expected 1 or 2"):
+    with pytest.raises(ValueError, match=r"ZeroConfig\.stage: .*Expected 1, 2 or 3"):
         ZeroConfig(stage=stage)
 
 
-def test_stage_3_explains_it_is_not_available():
-    with pytest.raises(ValueError, match="Stage 3"):
-        ZeroConfig(stage=3)  # type: ignore[arg-type]
+@pytest.mark.parametrize("field", ["wrap_min_numel", "persistence_threshold", "prefetch_limit_numel"])
+def test_thresholds_must_be_non_negative_integers(field):
+    assert getattr(ZeroConfig(**{field: 0}), field) == 0
+    with pytest.raises(ValueError, match=rf"ZeroConfig\.{field}: -1\. Expected a non-negative integer"):
+        ZeroConfig(**{field: -1})
+
+
+def test_wrap_module_classes_accepts_names_and_freezes_lists():
+    assert ZeroConfig(wrap_module_classes=["Block"]).wrap_module_classes == ("Block",)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"wrap_module_classes: 'Block'\. Expected None or a tuple of class names"):
+        ZeroConfig(wrap_module_classes="Block")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("field", ["bucket_numel", "max_inflight_buckets"])

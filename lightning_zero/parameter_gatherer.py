@@ -1,0 +1,241 @@
+"""``ParameterGatherer``: when each stage-3 unit is gathered and freed, through module and autograd hooks.
+
+Per step, for each unit:  pre-forward: gather (+ prefetch the next unit)  ->  forward  ->  post-forward: free, and
+hook the outputs  ->  pre-backward (first output gradient): gather (+ prefetch the previous unit)  ->  backward  ->
+its gradients all arrived (the reducer says so): free.  Communication: two all-gathers and one reduce-scatter of
+every parameter, 3Ψ(N-1)/N per rank.
+
+Note [forward order]
+Prefetching needs to know which unit runs next. Until the first backward ends, the order of first pre-forward calls
+is recorded (forward prefetches along it) and so is the order of first post-forward calls: backward runs roughly in
+reverse of the latter (the root unit finishes its forward last and starts backward first), so backward prefetches
+along that reversed order. Every rank records the same order when every rank runs the same modules, which
+``check_rank_divergence`` verifies at each gather.
+
+Note [recomputation]
+Activation checkpointing re-runs a unit's forward inside backward. The unit is already gathered by its pre-backward
+hook; the re-run must neither free it afterwards nor hook its outputs again. Hooks recognize it because autograd is
+executing a graph task (``torch._C._current_graph_task_id() != -1``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
+
+from lightning_zero.collectives import CommLedger, ProcessGroup, all_gather
+from lightning_zero.config import ZeroConfig
+from lightning_zero.flat_bucket import FlatBucket
+from lightning_zero.gradient_reducer import ShardedGradReducer
+from lightning_zero.sharded_unit import ShardedUnit, UnitState
+
+
+class RankDivergenceError(RuntimeError):
+    """Ranks ran different modules: their next collectives would not match."""
+
+
+def _in_backward() -> bool:
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+class ParameterGatherer:
+    """Owns the stage-3 units of one model, the resident (persistent) buckets, and the gradient reducer over both."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        units: list[ShardedUnit],
+        resident_buckets: list[FlatBucket],
+        group: ProcessGroup,
+        config: ZeroConfig,
+        device: torch.device,
+    ) -> None:
+        assert units, "there is always a root unit"
+        assert units[0].module is root, "unit 0 is the root unit"
+        self.root = root
+        self.units = units
+        self.resident_buckets = resident_buckets
+        self.group = group
+        self.config = config
+        self.device = device
+        self.ledger = CommLedger()
+        self._unit_of_bucket = {id(b): u for u in units for b in u.buckets}
+        self._remaining = {u.index: 0 for u in units}  # trainable buckets still waiting for gradients
+        self._depth = {u.index: 0 for u in units}  # nested forward calls of the same unit
+        self._forward_order: list[int] = []  # Note [forward order]
+        self._finish_order: list[int] = []
+        self._order_frozen = False
+        self._backward_callback_queued = False
+        # Gradient buckets in launch order: roughly the order backward completes them (Note [bucket order]).
+        buckets = [b for u in reversed(units[1:]) for b in u.trainable_buckets]
+        buckets += units[0].trainable_buckets + [b for b in resident_buckets if b.trainable]
+        for i, bucket in enumerate(buckets):
+            bucket.index = i
+        self.reducer = ShardedGradReducer(buckets, group, config, self.ledger, on_complete=self._on_bucket_complete)
+        self._handles: list[RemovableHandle] = []
+        for unit in units:
+            self._handles.append(unit.module.register_forward_pre_hook(partial(self._pre_forward_hook, unit)))
+            # always_call: a forward that raises must still free its unit, or a retried step would see stale weights.
+            hook = partial(self._post_forward_hook, unit)
+            self._handles.append(unit.module.register_forward_hook(hook, always_call=True))
+
+    @property
+    def trainable_buckets(self) -> list[FlatBucket]:
+        return self.reducer.buckets
+
+    # -- forward --------------------------------------------------------------------------------------------------
+    def _pre_forward_hook(self, unit: ShardedUnit, module: nn.Module, args: Any) -> None:
+        self.pre_forward(unit)
+
+    def _post_forward_hook(self, unit: ShardedUnit, module: nn.Module, args: Any, output: Any) -> None:
+        self.post_forward(unit, output)
+
+    def pre_forward(self, unit: ShardedUnit) -> None:
+        if _in_backward():  # Note [recomputation]
+            self._gather(unit)
+            unit.wait()
+            return
+        self._depth[unit.index] += 1
+        if self._depth[unit.index] > 1:
+            return
+        if not self._order_frozen and unit.index not in self._forward_order:
+            self._forward_order.append(unit.index)  # Note [forward order]
+        self._gather(unit)
+        unit.wait()
+        self._prefetch(unit, self._forward_order)
+
+    def post_forward(self, unit: ShardedUnit, output: Any) -> None:
+        if _in_backward():  # Note [recomputation]
+            return
+        self._depth[unit.index] -= 1
+        if self._depth[unit.index] > 0:
+            return
+        if not self._order_frozen and unit.index not in self._finish_order:
+            self._finish_order.insert(0, unit.index)  # reversed: the backward order
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, partial(self._pre_backward, unit), mode="any")
+        unit.release()
+
+    # -- backward -------------------------------------------------------------------------------------------------
+    def _pre_backward(self, unit: ShardedUnit, grad: Any) -> None:
+        if not self._backward_callback_queued:
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+            self._backward_callback_queued = True
+            self._remaining = {u.index: len(u.trainable_buckets) for u in self.units}
+        if unit.state is UnitState.SHARDED and self._remaining[unit.index] == 0 and unit.trainable_buckets:
+            return  # a later use of a unit whose gradients are already complete (it was called several times)
+        self._gather(unit)
+        unit.wait()
+        self._prefetch(unit, self._finish_order)
+
+    def _on_bucket_complete(self, bucket: FlatBucket) -> None:
+        unit = self._unit_of_bucket.get(id(bucket))
+        if unit is None:  # a resident bucket
+            return
+        self._remaining[unit.index] -= 1
+        if self._remaining[unit.index] == 0 and self._depth[unit.index] == 0:
+            unit.release()  # its gradients are all in the reducer's staging buffers
+
+    def _on_backward_end(self) -> None:
+        self._backward_callback_queued = False
+        self._order_frozen = True
+        self.release_all()
+
+    # -- gathering --------------------------------------------------------------------------------------------------
+    def _gather(self, unit: ShardedUnit) -> None:
+        if unit.state is not UnitState.SHARDED:
+            return
+        if self.config.check_rank_divergence and self.group.size() > 1:
+            self._check_same_unit(unit)
+        unit.gather(self.group, self.ledger)
+
+    def _check_same_unit(self, unit: ShardedUnit) -> None:
+        mine = torch.tensor([unit.index], dtype=torch.int64, device=self.device)
+        everyone = torch.empty(self.group.size(), dtype=torch.int64, device=mine.device)
+        all_gather(everyone, mine, self.group).wait()
+        indices = everyone.tolist()
+        if len(set(indices)) > 1:
+            names = ", ".join(f"rank {r}: {self.units[i].name!r}" for r, i in enumerate(indices))
+            raise RankDivergenceError(
+                f"ZeRO stage 3: ranks are about to gather different units ({names}). Ranks ran different modules "
+                f"(rank {self.group.rank()} is at unit {unit.name!r}), so their collectives no longer match. "
+                "HINT: every rank must call the same modules in the same order; make data-dependent branches "
+                "agree across ranks (e.g. decide with `strategy.reduce_boolean_decision`) or run both branches."
+            )
+
+    def _prefetch(self, unit: ShardedUnit, order: list[int]) -> None:
+        """Issue the gather of the unit after ``unit`` in ``order`` if the live-elements limit allows."""
+        limit = self.config.prefetch_limit_numel
+        if limit == 0 or unit.index not in order:
+            return
+        position = order.index(unit.index) + 1
+        if position >= len(order):
+            return
+        target = self.units[order[position]]
+        if target.state is not UnitState.SHARDED:
+            return
+        live = sum(u.numel for u in self.units if u.state is not UnitState.SHARDED)
+        if limit is None or live + target.numel <= limit:
+            self._gather(target)
+
+    # -- outside forward and backward ------------------------------------------------------------------------------
+    @contextmanager
+    def gathered(self, module: nn.Module | None = None, writeback: bool = False) -> Iterator[None]:
+        """Gather the full parameters of ``module`` (default: the whole model) on every rank, collectively.
+
+        With ``writeback=True`` changes made to the parameters inside the context are kept (each rank keeps its own
+        shard of the result); otherwise they are discarded. The sharded state is restored in every case.
+        """
+        wanted = {id(p) for p in (module or self.root).parameters()}
+        units = [u for u in self.units if any(id(p) in wanted for b in u.buckets for p in b.params)]
+        newly = [u for u in units if u.state is UnitState.SHARDED]
+        try:
+            for unit in newly:
+                self._gather(unit)
+            for unit in units:
+                unit.wait()
+            yield
+            if writeback:
+                with torch.no_grad():
+                    for bucket in (b for u in units for b in u.buckets):
+                        assert bucket.data is not None
+                        bucket.param_shard.copy_(bucket.shard_of(bucket.data))
+        finally:
+            for unit in newly:
+                unit.release()
+
+    def release_all(self) -> None:
+        """Free every unit that is not inside its forward."""
+        for unit in self.units:
+            if self._depth[unit.index] == 0:
+                unit.release()
+
+    def refresh_gathered(self) -> None:
+        """After the shards changed (optimizer step): free idle units, re-gather those inside their forward (a
+        manual-optimization ``training_step`` that steps and then keeps using the model)."""
+        for unit in self.units:
+            if unit.state is UnitState.SHARDED:
+                continue
+            unit.release()
+            if self._depth[unit.index] > 0:
+                self._gather(unit)
+                unit.wait()
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.reducer.remove_hooks()
+
+    def __repr__(self) -> str:
+        return f"ParameterGatherer(units={len(self.units)}, resident_buckets={len(self.resident_buckets)})"

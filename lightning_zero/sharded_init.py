@@ -1,0 +1,122 @@
+"""Stage-3 sharding of a model, unit by unit, so that no rank ever holds the whole model.
+
+``shard_module`` accepts a model built normally or on the ``meta`` device (``LightningModule.configure_model`` under
+``ZeroStrategy(stage=3)`` builds on meta). It walks the modules in registration pre-order; a parameter still on meta
+is allocated on the target device and initialized by its module's ``reset_parameters()``; as soon as the walk leaves
+a unit's subtree, the unit is broadcast from rank 0 (so ranks seeded differently agree, as DDP guarantees), sharded,
+and its full parameters are freed. Peak memory is therefore one unit plus the root unit, not the model.
+
+Note [initialization order]
+Calling ``reset_parameters()`` in registration pre-order is what constructing the layers in that order does, so a
+model whose layers initialize themselves (every ``torch.nn`` layer, and the models in ``lightning_zero.models``)
+gets bit-identical initial weights from the same seed. A parameter shared by several modules (tied embeddings) is
+re-initialized by each of them, consuming the same random numbers as separate construction would, and keeps the value
+its first module gave it, as tying after construction does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zero.collectives import ProcessGroup
+from lightning_zero.config import ZeroConfig
+from lightning_zero.flat_bucket import FlatBucket
+from lightning_zero.parameter_gatherer import ParameterGatherer
+from lightning_zero.sharded_unit import ShardedUnit
+from lightning_zero.wrap_policy import assign_parameters, find_unit_roots
+
+ParamInitFn = Callable[[nn.Module], None]
+
+
+def _default_init(module: nn.Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if not callable(reset):
+        raise TypeError(
+            f"Cannot initialize the parameters of {type(module).__name__} built on the meta device: it has no "
+            "reset_parameters(). HINT: give the module a reset_parameters() that initializes its own parameters, "
+            "or pass `param_init_fn` to ZeroStrategy, or build the model outside `configure_model`."
+        )
+    reset()
+
+
+def _materialize(module: nn.Module, device: torch.device, init: ParamInitFn, done: set[int]) -> None:
+    """Allocate and initialize ``module``'s own meta parameters and buffers (see Note [initialization order])."""
+    direct = list(module.parameters(recurse=False))
+    if not any(p.is_meta for p in direct) and not any(b.is_meta for b in module.buffers(recurse=False)):
+        return
+    kept = {id(p): p.detach().clone() for p in direct if id(p) in done}
+    for p in direct:
+        if p.is_meta:
+            p.data = torch.empty_like(p, device=device)
+    for name, buffer in module.named_buffers(recurse=False):
+        if buffer.is_meta:
+            setattr(module, name, torch.zeros_like(buffer, device=device))
+    with torch.no_grad():
+        init(module)
+        for p in direct:
+            if id(p) in kept:
+                p.copy_(kept[id(p)])
+    done.update(id(p) for p in direct)
+
+
+def _unit_buckets(
+    named: list[tuple[str, nn.Parameter]], config: ZeroConfig, group: ProcessGroup
+) -> tuple[list[FlatBucket], list[FlatBucket]]:
+    """(sharded, resident) buckets for one unit's parameters: one per (dtype, requires_grad) of each kind."""
+    rank, world = group.rank(), group.size()
+    source = dist.get_global_rank(group, 0) if world > 1 else 0
+    kinds: dict[tuple[bool, torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
+    # Matrices first, then vectors: a weight-decay/no-decay split then cuts each shard into few runs.
+    for fqn, p in sorted(named, key=lambda item: item[1].dim() < 2):
+        resident = p.numel() < config.persistence_threshold
+        kinds.setdefault((resident, p.dtype, p.requires_grad), []).append((fqn, p))
+    sharded: list[FlatBucket] = []
+    resident_buckets: list[FlatBucket] = []
+    for (resident, _, _), members in kinds.items():
+        bucket = FlatBucket(-1, -1, members, rank, world, resident=True)
+        if world > 1:
+            assert bucket.data is not None
+            dist.broadcast(bucket.data, src=source, group=group)
+        if not resident:
+            bucket.make_sharded()
+        (resident_buckets if resident else sharded).append(bucket)
+    return sharded, resident_buckets
+
+
+def shard_module(
+    root: nn.Module,
+    config: ZeroConfig,
+    group: ProcessGroup,
+    device: torch.device,
+    param_init_fn: ParamInitFn | None = None,
+) -> ParameterGatherer:
+    """Shard ``root`` for stage 3 (materializing it unit by unit if it is on meta) and install the gather hooks."""
+    init = param_init_fn or _default_init
+    unit_roots = find_unit_roots(root, config)
+    owned = assign_parameters(root, unit_roots)
+    subtree_ids = [{id(m) for m in module.modules()} for _, module in unit_roots]
+    modules = list(root.modules())
+    last_position = [max(i for i, m in enumerate(modules) if id(m) in ids) for ids in subtree_ids]
+
+    units: list[ShardedUnit | None] = [None] * (len(unit_roots) + 1)
+    resident: list[FlatBucket] = []
+    done: set[int] = set()
+
+    def build(index: int) -> None:
+        name, module = ("", root) if index == 0 else unit_roots[index - 1]
+        sharded, kept = _unit_buckets(owned[index], config, group)
+        units[index] = ShardedUnit(index, name, module, sharded)
+        resident.extend(kept)
+
+    for position, module in enumerate(modules):
+        _materialize(module, device, init, done)
+        for i, last in enumerate(last_position):
+            if last == position:
+                build(i + 1)
+    build(0)
+    assert all(u is not None for u in units)
+    return ParameterGatherer(root, [u for u in units if u is not None], resident, group, config, device)

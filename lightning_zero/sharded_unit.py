@@ -1,0 +1,70 @@
+"""``ShardedUnit``: the parameters of one module subtree, gathered and freed together (stage 3)."""
+
+from __future__ import annotations
+
+import enum
+
+from torch import Tensor, nn
+
+from lightning_zero.collectives import CommLedger, PendingCollective, ProcessGroup, all_gather
+from lightning_zero.flat_bucket import FlatBucket
+
+
+class UnitState(enum.Enum):
+    """A unit's parameters over a step. Memory is for the unit's parameters on this rank."""
+
+    SHARDED = "sharded"
+    """Only this rank's shard exists; parameters are empty placeholders. 1/N of the unit."""
+    GATHERING = "gathering"
+    """The all-gather is in flight into freshly allocated full buffers. 1/N + 1 of the unit."""
+    GATHERED = "gathered"
+    """Parameters are views of the full buffers and may be used. 1/N + 1 of the unit."""
+
+
+class ShardedUnit:
+    """A unit module and the sharded buckets of the parameters it owns (see ``wrap_policy``)."""
+
+    def __init__(self, index: int, name: str, module: nn.Module, buckets: list[FlatBucket]) -> None:
+        assert all(not b.resident for b in buckets)
+        self.index = index
+        """Position in module pre-order; 0 is the root unit."""
+        self.name = name or "<root>"
+        self.module = module
+        self.buckets = buckets
+        self.numel = sum(b.padded_numel for b in buckets)
+        self.state = UnitState.SHARDED
+        self._pending: list[tuple[FlatBucket, Tensor, PendingCollective]] = []
+
+    @property
+    def trainable_buckets(self) -> list[FlatBucket]:
+        return [b for b in self.buckets if b.trainable]
+
+    def gather(self, group: ProcessGroup, ledger: CommLedger) -> None:
+        """Issue the all-gather of every bucket (asynchronously); ``wait()`` makes the parameters usable."""
+        if self.state is not UnitState.SHARDED:
+            return
+        for bucket in self.buckets:
+            flat = bucket.allocate_full()
+            self._pending.append((bucket, flat, ledger.record(all_gather(flat, bucket.param_shard, group))))
+        self.state = UnitState.GATHERING
+
+    def wait(self) -> None:
+        if self.state is not UnitState.GATHERING:
+            return
+        for bucket, flat, pending in self._pending:
+            pending.wait()
+            bucket.attach(flat)
+        self._pending.clear()
+        self.state = UnitState.GATHERED
+
+    def release(self) -> None:
+        """Free the full parameters (waiting first if a gather is still in flight: its buffers must outlive it)."""
+        if self.state is UnitState.SHARDED:
+            return
+        self.wait()
+        for bucket in self.buckets:
+            bucket.release()
+        self.state = UnitState.SHARDED
+
+    def __repr__(self) -> str:
+        return f"ShardedUnit({self.index}, {self.name!r}, numel={self.numel}, state={self.state.value})"
