@@ -1,7 +1,7 @@
 """ZeRO (Zero Redundancy Optimizer) for PyTorch Lightning.
 
-Importing the package registers the strategies ``"zero1"`` and ``"zero2"`` (and ``"zero1_spawn"``, ``"zero2_spawn"``)
-with Lightning, so ``Trainer(strategy="zero2")`` works.
+Importing the package registers the strategies ``"zero1"``, ``"zero2"`` and ``"zero3"`` (and ``"zero1_spawn"``,
+``"zero2_spawn"``, ``"zero3_spawn"``) with Lightning, so ``Trainer(strategy="zero3")`` works.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -9,17 +9,22 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_zero.collectives import CommLedger
 from lightning_zero.config import ZeroConfig
 from lightning_zero.memory import ModelStateBytes, expected_model_state_bytes, model_state_bytes
+from lightning_zero.parameter_gatherer import ParameterGatherer, RankDivergenceError
+from lightning_zero.sharded_init import shard_module
 from lightning_zero.sharded_optimizer import ZeroOptimizer
 from lightning_zero.strategy import ZeroStrategy
 
 __all__ = [
     "CommLedger",
     "ModelStateBytes",
+    "ParameterGatherer",
+    "RankDivergenceError",
     "ZeroConfig",
     "ZeroOptimizer",
     "ZeroStrategy",
     "expected_model_state_bytes",
     "model_state_bytes",
+    "shard_module",
 ]
 
 

@@ -43,15 +43,22 @@ def _default_init(module: nn.Module) -> None:
     reset()
 
 
-def _materialize(module: nn.Module, device: torch.device, init: ParamInitFn, done: set[int]) -> None:
-    """Allocate and initialize ``module``'s own meta parameters and buffers (see Note [initialization order])."""
+def _materialize(
+    module: nn.Module, device: torch.device, init: ParamInitFn, was_meta: set[int], done: set[int]
+) -> None:
+    """Allocate and initialize ``module``'s own meta parameters and buffers (see Note [initialization order]).
+
+    ``was_meta``: parameters that were on meta when sharding began; a module owning any of them is initialized even
+    if a tied parameter was allocated by an earlier module. ``done``: parameters initialized so far.
+    """
     direct = list(module.parameters(recurse=False))
-    if not any(p.is_meta for p in direct) and not any(b.is_meta for b in module.buffers(recurse=False)):
+    if not any(id(p) in was_meta for p in direct) and not any(b.is_meta for b in module.buffers(recurse=False)):
         return
     kept = {id(p): p.detach().clone() for p in direct if id(p) in done}
     for p in direct:
         if p.is_meta:
-            p.data = torch.empty_like(p, device=device)
+            # swap_tensors keeps the Parameter object: ties and references held elsewhere stay valid.
+            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
     for name, buffer in module.named_buffers(recurse=False):
         if buffer.is_meta:
             setattr(module, name, torch.zeros_like(buffer, device=device))
@@ -104,6 +111,7 @@ def shard_module(
 
     units: list[ShardedUnit | None] = [None] * (len(unit_roots) + 1)
     resident: list[FlatBucket] = []
+    was_meta = {id(p) for p in root.parameters() if p.is_meta}
     done: set[int] = set()
 
     def build(index: int) -> None:
@@ -113,7 +121,7 @@ def shard_module(
         resident.extend(kept)
 
     for position, module in enumerate(modules):
-        _materialize(module, device, init, done)
+        _materialize(module, device, init, was_meta, done)
         for i, last in enumerate(last_position):
             if last == position:
                 build(i + 1)

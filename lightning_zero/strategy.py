@@ -9,6 +9,9 @@ The lifecycle, in Lightning's hook order:
   ``on_before_optimizer_step`` hooks and gradient clipping see the reduced gradients; then the sharded step and the
   parameter all-gather run.
 - ``block_backward_sync``: Lightning enters it for the non-final micro-batches of gradient accumulation.
+
+Stage 3 adds: ``model_sharded_context`` builds ``configure_model`` on the meta device; ``setup`` shards the model
+unit by unit (``sharded_init``); each ``*_step`` runs with the root unit gathered, as a forward of the root module.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from typing_extensions import override
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
+from lightning_zero.parameter_gatherer import ParameterGatherer
+from lightning_zero.sharded_init import ParamInitFn, shard_module
 from lightning_zero.sharded_optimizer import ZeroOptimizer
 
 log = logging.getLogger(__name__)
@@ -53,7 +58,7 @@ StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
 class ZeroStrategy(ParallelStrategy):
-    """Shard optimizer state (stage 1) and gradients (stage 2) across data-parallel ranks.
+    """Shard optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) across data-parallel ranks.
 
     Args:
         config: the full ``ZeroConfig``. Alternatively pass its fields as keywords: ``ZeroStrategy(stage=1)``.
@@ -61,6 +66,8 @@ class ZeroStrategy(ParallelStrategy):
         timeout: timeout of every collective; a rank that stops answering fails the others after this long.
         start_method: ``"popen"`` re-runs the script per rank (like ``torchrun``); ``"spawn"``/``"fork"``/
             ``"forkserver"`` start ranks with ``multiprocessing`` (notebooks, tests).
+        param_init_fn: stage 3, a model built on the meta device in ``configure_model``: how to initialize a
+            module's own parameters once allocated. Default: its ``reset_parameters()``.
     """
 
     strategy_name = "zero"
@@ -77,6 +84,7 @@ class ZeroStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
+        param_init_fn: ParamInitFn | None = None,
         **config_kwargs: Any,
     ) -> None:
         super().__init__(
@@ -101,6 +109,8 @@ class ZeroStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method: StartMethod = start_method
         self._num_nodes = 1
+        self._param_init_fn = param_init_fn
+        self._gatherer: ParameterGatherer | None = None
 
     # -- topology (as DDPStrategy) -------------------------------------------------------------------------------
     @property
@@ -173,21 +183,87 @@ class ZeroStrategy(ParallelStrategy):
         assert self.model is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        # Parameters are broadcast again bucket by bucket when sharded; buffers (e.g. BatchNorm statistics) only here.
-        _sync_module_states(self.model)
+        if self.config.stage == 3:
+            self._shard_model()
+        else:
+            self.model_to_device()
+            # Parameters are broadcast again bucket by bucket when sharded; buffers (e.g. BatchNorm statistics)
+            # only here.
+            _sync_module_states(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    def _shard_model(self) -> None:
+        if self._gatherer is not None:  # fit, then validate/test/predict: already sharded
+            return
+        assert self.lightning_module is not None
+        if not any(t.is_meta for t in (*self.lightning_module.parameters(), *self.lightning_module.buffers())):
+            self.model_to_device()
+        self._gatherer = shard_module(
+            self.lightning_module, self.config, self.process_group, self.root_device, self._param_init_fn
+        )
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         assert self.lightning_module is not None
         self.optimizers = [
-            ZeroOptimizer(self.lightning_module, optimizer, self.process_group, self.config)
+            ZeroOptimizer(self.lightning_module, optimizer, self.process_group, self.config, self._gatherer)
             for optimizer in self.optimizers
         ]
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stage 3: ``configure_model`` builds on the meta device; ``setup`` then materializes unit by unit."""
+        if self.config.stage != 3:
+            yield
+            return
+        with torch.device("meta"):
+            yield
+
+    # -- stage 3: every step is a forward of the root unit ---------------------------------------------------------
+    def _with_root_gathered(self, step: Callable[[], Any]) -> Any:
+        if self._gatherer is None:
+            return step()
+        root = self._gatherer.units[0]
+        self._gatherer.pre_forward(root)
+        output = None
+        try:
+            output = step()
+            return output
+        finally:
+            self._gatherer.post_forward(root, output)  # hooks the loss for the root's pre-backward gather
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._with_root_gathered(lambda: super(ZeroStrategy, self).training_step(*args, **kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._with_root_gathered(lambda: super(ZeroStrategy, self).validation_step(*args, **kwargs))
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._with_root_gathered(lambda: super(ZeroStrategy, self).test_step(*args, **kwargs))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._with_root_gathered(lambda: super(ZeroStrategy, self).predict_step(*args, **kwargs))
+
+    @contextmanager
+    def gathered_parameters(
+        self, module: torch.nn.Module | None = None, writeback: bool = False
+    ) -> Generator[None, None, None]:
+        """Full parameters of ``module`` (default: the whole model) on every rank inside the context: for sampling,
+        EMA or export. Call it on every rank. With ``writeback=True`` changes to the parameters are kept. Stages 1
+        and 2 always hold full parameters, so there it does nothing."""
+        if self._gatherer is None:
+            yield
+            return
+        with self._gatherer.gathered(module, writeback=writeback):
+            yield
 
     @override
     def model_to_device(self) -> None:
@@ -223,13 +299,14 @@ class ZeroStrategy(ParallelStrategy):
     def model_state_bytes(self) -> ModelStateBytes:
         """This rank's bytes of parameters, gradients, master weights and optimizer state."""
         assert self.lightning_module is not None
-        return model_state_bytes(self.lightning_module, _iter_zero_optimizers(self.optimizers))
+        return model_state_bytes(self.lightning_module, _iter_zero_optimizers(self.optimizers), self._gatherer)
 
     def communication_per_step(self) -> dict[str, int]:
         """Bytes this rank sent in the last optimizer step of each optimizer, per collective."""
         total: dict[str, int] = {}
-        for optimizer in _iter_zero_optimizers(self.optimizers):
-            for kind, nbytes in optimizer.ledger.last_step_bytes().items():
+        ledgers = {id(o.ledger): o.ledger for o in _iter_zero_optimizers(self.optimizers)}  # stage 3 shares one
+        for ledger in ledgers.values():
+            for kind, nbytes in ledger.last_step_bytes().items():
                 total[kind] = total.get(kind, 0) + nbytes
         return total
 
@@ -259,15 +336,17 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        for optimizer in _iter_zero_optimizers(self.optimizers):
-            optimizer.reducer.remove_hooks()
+        # Stage 3 keeps its hooks: the model stays sharded and usable (a later fit/test, or inference).
+        if self._gatherer is None:
+            for optimizer in _iter_zero_optimizers(self.optimizers):
+                optimizer.reducer.remove_hooks()
         super().teardown()
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         # `override=True`: importing the package again (autoreload, spawned children) must not fail.
-        for stage in (1, 2):
+        for stage in (1, 2, 3):
             strategy_registry.register(
                 f"zero{stage}",
                 cls,

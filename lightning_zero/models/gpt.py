@@ -1,13 +1,9 @@
 """A small GPT-2-style decoder-only transformer (nanoGPT flavour), in plain torch.
 
-Initialization is deliberately split so that a model built on the ``meta`` device can be materialized and
-initialized piecewise and still end up bit-identical to a model built directly under the same seed:
-
-* ``GPT.__init__`` always builds its layers on ``meta`` first, so building consumes no random numbers. Unless the
-  ambient default device is itself ``meta``, it then materializes them there and calls ``reset_parameters()``.
-* ``GPT.reset_parameters()`` = ``reset_top_level_parameters()`` (everything outside the blocks) followed by each
-  ``Block.reset_parameters()`` in order. Calling those same methods in that same order, e.g. one block at a time
-  while sharding, draws the same random numbers and gives the same weights.
+Every layer initializes itself (GPT-2's scheme lives in ``GPTLinear`` and ``GPTEmbedding``), so construction draws
+random numbers layer by layer in registration order. A model built on the ``meta`` device and materialized later by
+calling each layer's ``reset_parameters()`` in that same order, as ZeRO stage 3's sharded init does one unit at a
+time, therefore gets bit-identical weights from the same seed.
 """
 
 from __future__ import annotations
@@ -86,6 +82,34 @@ class GPTConfig:
         return cls(**{**dict(vocab_size=11_776, block_size=128, n_layer=6, n_head=8, n_embd=512), **overrides})
 
 
+class GPTLinear(nn.Linear):
+    """``nn.Linear`` with GPT-2's initialization: weights from N(0, ``init_std``), zero bias."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, init_std: float) -> None:
+        self.init_std = init_std  # read by reset_parameters(), which nn.Linear.__init__ calls
+        super().__init__(in_features, out_features, bias=bias)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class GPTEmbedding(nn.Embedding):
+    """``nn.Embedding`` with GPT-2's initialization: N(0, 0.02)."""
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
+def _residual_std(config: GPTConfig) -> float:
+    # Each block adds two residual branches; scaling their output projections by 1/sqrt(2 * n_layer) keeps the
+    # residual stream's variance independent of depth (GPT-2 paper, section 2.3).
+    return 0.02 / math.sqrt(2 * config.n_layer)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where each position attends only to itself and earlier positions."""
 
@@ -94,8 +118,8 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.head_dim = config.head_dim
         self.dropout = config.dropout
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.qkv = GPTLinear(config.n_embd, 3 * config.n_embd, bias=config.bias, init_std=0.02)
+        self.proj = GPTLinear(config.n_embd, config.n_embd, bias=config.bias, init_std=_residual_std(config))
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -113,8 +137,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.fc = GPTLinear(config.n_embd, 4 * config.n_embd, bias=config.bias, init_std=0.02)
+        self.proj = GPTLinear(4 * config.n_embd, config.n_embd, bias=config.bias, init_std=_residual_std(config))
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -138,19 +162,6 @@ class Block(nn.Module):
         out: Tensor = x + self.mlp(self.ln_2(x))
         return out
 
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """GPT-2 init of this block's parameters only, in a fixed order (so the random draws are reproducible)."""
-        # Each block adds two residual branches; scaling their output projections by 1/sqrt(2 * n_layer) keeps the
-        # residual stream's variance independent of depth (GPT-2 paper, section 2.3).
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for norm in (self.ln_1, self.ln_2):
-            _init_layer_norm(norm)
-        _init_linear(self.attn.qkv, std=0.02)
-        _init_linear(self.attn.proj, std=residual_std)
-        _init_linear(self.mlp.fc, std=0.02)
-        _init_linear(self.mlp.proj, std=residual_std)
-
 
 class GPT(nn.Module):
     """Decoder-only language model.
@@ -162,20 +173,13 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        device = torch.get_default_device()
-        # Build on meta so construction draws no random numbers; only ``reset_parameters`` does. This is what makes
-        # direct construction identical to meta construction + ``to_empty`` + ``reset_parameters``.
-        with torch.device("meta"):
-            self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-            self.wpe = nn.Embedding(config.block_size, config.n_embd)
-            self.drop = nn.Dropout(config.dropout)
-            self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-            self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.wte = GPTEmbedding(config.vocab_size, config.n_embd)
+        self.wpe = GPTEmbedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = GPTLinear(config.n_embd, config.vocab_size, bias=False, init_std=0.02)
         self.tie_weights()
-        if device.type != "meta":
-            self.to_empty(device=device)
-            self.reset_parameters()
 
     def iter_blocks(self) -> Iterator[Block]:
         """The blocks, typed as ``Block`` (iterating the ``ModuleList`` directly only promises ``nn.Module``)."""
@@ -184,30 +188,23 @@ class GPT(nn.Module):
             yield block
 
     def tie_weights(self) -> None:
-        """Make ``lm_head.weight`` the very same Parameter as ``wte.weight`` (if tied). Idempotent.
-
-        Needed again after ``to_empty()``, which gives each module its own new tensor and so silently unties them.
-        """
+        """Make ``lm_head.weight`` the very same Parameter as ``wte.weight`` (if tied). Idempotent."""
         if self.config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
 
     @torch.no_grad()
-    def reset_top_level_parameters(self) -> None:
-        """Re-tie and initialize every parameter that is not inside a ``Block``: embeddings, final LayerNorm and,
-        if untied, ``lm_head``. Comes first in ``reset_parameters``."""
-        self.tie_weights()
-        nn.init.normal_(self.wte.weight, mean=0.0, std=0.02)
-        nn.init.normal_(self.wpe.weight, mean=0.0, std=0.02)
-        _init_layer_norm(self.ln_f)
-        if not self.config.tie_embeddings:
-            _init_linear(self.lm_head, std=0.02)
-
-    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """(Re)initialize all parameters: top-level ones, then each block in order. Deterministic given the seed."""
-        self.reset_top_level_parameters()
-        for block in self.iter_blocks():
-            block.reset_parameters()
+        """Re-initialize every parameter exactly as construction did: each layer in registration order, the tied
+        weight keeping the embedding's draw (``lm_head`` still draws its own numbers, as it did when built)."""
+        for module in self.modules():
+            if module is self or not hasattr(module, "reset_parameters"):
+                continue
+            if module is self.lm_head and self.config.tie_embeddings:
+                tied = self.wte.weight.detach().clone()
+                module.reset_parameters()
+                self.wte.weight.copy_(tied)
+            else:
+                module.reset_parameters()
 
     def forward(self, idx: Tensor) -> Tensor:
         """Token ids (B, T) with T <= block_size -> next-token logits (B, T, vocab_size)."""
@@ -256,15 +253,3 @@ class GPT(nn.Module):
         per module using it (as if the embeddings were untied)."""
         params = self.parameters() if exclude_tied else (p for _, p in self.named_parameters(remove_duplicate=False))
         return sum(p.numel() for p in params)
-
-
-def _init_linear(linear: nn.Linear, std: float) -> None:
-    nn.init.normal_(linear.weight, mean=0.0, std=std)
-    if linear.bias is not None:
-        nn.init.zeros_(linear.bias)
-
-
-def _init_layer_norm(norm: nn.LayerNorm) -> None:
-    nn.init.ones_(norm.weight)
-    if norm.bias is not None:
-        nn.init.zeros_(norm.bias)
