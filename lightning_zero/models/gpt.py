@@ -197,14 +197,13 @@ class GPT(nn.Module):
         """Re-initialize every parameter exactly as construction did: each layer in registration order, the tied
         weight keeping the embedding's draw (``lm_head`` still draws its own numbers, as it did when built)."""
         for module in self.modules():
-            if module is self or not hasattr(module, "reset_parameters"):
+            reset = getattr(module, "reset_parameters", None)
+            if module is self or not callable(reset):
                 continue
-            if module is self.lm_head and self.config.tie_embeddings:
-                tied = self.wte.weight.detach().clone()
-                module.reset_parameters()
+            tied = self.wte.weight.detach().clone() if module is self.lm_head and self.config.tie_embeddings else None
+            reset()
+            if tied is not None:
                 self.wte.weight.copy_(tied)
-            else:
-                module.reset_parameters()
 
     def forward(self, idx: Tensor) -> Tensor:
         """Token ids (B, T) with T <= block_size -> next-token logits (B, T, vocab_size)."""
