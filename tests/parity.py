@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -25,10 +26,45 @@ from lightning_zero.sharded_init import shard_module
 Batch = tuple[Tensor, Tensor]
 
 
+class TorchTransformerLM(nn.Module):
+    """A language model on ``nn.TransformerEncoder``: its attention (``nn.MultiheadAttention``) reads
+    ``out_proj.weight`` without calling ``out_proj``, the case stage 3's wrap policy must respect."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        layer = nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, dropout=0.0, batch_first=True, bias=False)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 64, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.size(1))
+        out: Tensor = self.head(self.encoder(self.embed(tokens), mask=mask, is_causal=True))
+        return out
+
+
+class CheckpointedBlock(nn.Module):
+    """Runs a GPT block under non-reentrant activation checkpointing: backward re-runs its forward."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        return out
+
+
 def build_model(name: str) -> nn.Module:
     torch.manual_seed(1234)
     if name == "mlp":
         return MLP(in_features=12, hidden=(32, 24), out_features=5)
+    if name == "transformer":
+        return TorchTransformerLM()
+    if name == "gpt_checkpointed":
+        gpt = GPT(GPTConfig.tiny(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, bias=False))
+        gpt.blocks = nn.ModuleList(CheckpointedBlock(b) for b in gpt.blocks)
+        return gpt
     if name == "gpt":
         # No biases: a key-projection bias has a mathematically zero gradient (softmax ignores a per-row shift),
         # so its computed gradient is rounding noise whose sign depends on the summation order of the reduction,

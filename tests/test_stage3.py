@@ -1,0 +1,196 @@
+"""ZeRO stage 3: parameters sharded, gathered around forward and backward; still DDP's mathematics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zero import RankDivergenceError, ZeroConfig, ZeroOptimizer, expected_model_state_bytes, shard_module
+from lightning_zero.memory import model_state_bytes
+from lightning_zero.models.gpt import GPT, GPTConfig
+from lightning_zero.sharded_unit import UnitState
+from tests.harness import run_distributed
+from tests.parity import assert_runs_match, ddp_and_zero
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize(
+    ("model", "optimizer"),
+    [("gpt", "adamw"), ("transformer", "adamw"), ("gpt_checkpointed", "adamw"), ("mlp", "sgd")],
+)
+def test_stage3_matches_ddp(world_size, model, optimizer):
+    # "gpt" ties its input embedding and output projection; "transformer" is nn.TransformerEncoder, whose attention
+    # reads out_proj.weight outside out_proj's forward; "gpt_checkpointed" recomputes each block in backward.
+    for reference, sharded in run_distributed(ddp_and_zero, world_size, model, optimizer, 10, 1, ZeroConfig(stage=3)):
+        assert_runs_match(reference, sharded)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "config",
+    [
+        ZeroConfig(stage=3, prefetch_limit_numel=0),
+        ZeroConfig(stage=3, wrap_module_classes=(), wrap_min_numel=500),  # size policy; never splits attention
+        ZeroConfig(stage=3, persistence_threshold=100, check_rank_divergence=False),
+        ZeroConfig(stage=3, overlap_comm=False, max_inflight_buckets=1),
+    ],
+    ids=["no-prefetch", "size-policy", "persistent-small-params", "no-overlap"],
+)
+def test_stage3_options_match_ddp(config):
+    for model in ("transformer", "gpt"):
+        for reference, sharded in run_distributed(ddp_and_zero, 2, model, "adamw", 6, 2, config):
+            assert_runs_match(reference, sharded)
+
+
+def _sharded_init() -> tuple[bool, dict[str, float], list[str]]:
+    config = GPTConfig.tiny(n_layer=3)
+    torch.manual_seed(3)
+    direct = GPT(config)
+    rng_after_direct = torch.get_rng_state()
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        model = GPT(config)
+    gatherer = shard_module(model, ZeroConfig(stage=3), dist.group.WORLD, CPU)
+    same_rng = torch.equal(torch.get_rng_state(), rng_after_direct)
+    reference = dict(direct.named_parameters())
+    with gatherer.gathered():
+        diff = {n: (p - reference[n]).abs().max().item() for n, p in model.named_parameters()}
+    return same_rng, diff, [u.name for u in gatherer.units]
+
+
+@pytest.mark.timeout(60)
+def test_sharded_init_gives_the_weights_and_rng_state_of_direct_construction():
+    for same_rng, diff, units in run_distributed(_sharded_init, 2):
+        assert units == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+        assert diff and all(d == 0.0 for d in diff.values()), diff
+        assert same_rng
+
+
+def _state_and_bytes(world_size: int) -> tuple[int, object, object, int, dict[str, int], list[str]]:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(GPTConfig.tiny(n_layer=4, n_embd=64, vocab_size=128))
+    config = ZeroConfig(stage=3)
+    gatherer = shard_module(model, config, dist.group.WORLD, CPU)
+    optimizer = ZeroOptimizer(model, torch.optim.AdamW(model.parameters()), dist.group.WORLD, config, gatherer)
+    num_params = sum(b.numel for u in gatherer.units for b in u.buckets)
+    padding = sum(b.padded_numel - b.numel for u in gatherer.units for b in u.buckets)
+    for _ in range(2):
+        tokens = torch.randint(0, 128, (2, 17))
+        model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    states = [u.state.value for u in gatherer.units]
+    measured = model_state_bytes(model, [optimizer], gatherer)
+    expected = expected_model_state_bytes(num_params, world_size, 3, param_bytes=4, master_bytes=0)
+    return num_params, measured, expected, padding, optimizer.ledger.last_step_bytes(), states
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_stage3_model_state_is_16_psi_over_n_and_traffic_is_3_psi(world_size):
+    for num_params, measured, expected, padding, sent, states in run_distributed(
+        _state_and_bytes, world_size, world_size
+    ):
+        # (4 + 4 + 8)Ψ/N for fp32 AdamW, within padding (< N elements per bucket).
+        slack = 16 * padding // world_size
+        assert expected.total == 16 * num_params // world_size
+        assert expected.total <= measured.total <= expected.total + slack, (measured, expected)
+        assert measured.master_weights == 0
+        # Per step: all-gather before forward and before backward, reduce-scatter after backward: 3Ψ(N-1)/N.
+        padded = num_params + padding
+        one_way = 4 * padded * (world_size - 1) // world_size
+        assert sent == {"all_gather": 2 * one_way, "reduce_scatter": one_way}
+        assert set(states) == {"sharded"}  # nothing stays gathered between steps
+
+
+class _Branching(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if i == 1 and dist.get_rank() == 1:
+                continue  # a data-dependent skip that only rank 1 takes
+            x = layer(x)
+        return x
+
+
+def _diverge() -> str:
+    model = _Branching()
+    shard_module(model, ZeroConfig(stage=3), dist.group.WORLD, CPU)
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+    except RankDivergenceError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_rank_divergence_is_an_error_naming_the_units_not_a_hang():
+    for message in run_distributed(_diverge, 2, collective_timeout=20):
+        assert "rank 0: 'layers.1'" in message
+        assert "rank 1: 'layers.2'" in message
+        assert "HINT" in message
+
+
+def _gathered_context() -> tuple[list[int], list[int], float, float]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny(n_layer=2))
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gatherer = shard_module(model, ZeroConfig(stage=3), dist.group.WORLD, CPU)
+    outside = [p.numel() for p in model.parameters()]
+    with gatherer.gathered():
+        inside = [p.numel() for p in model.parameters()]
+        exact = max((p - full[n]).abs().max().item() for n, p in model.named_parameters())
+    with gatherer.gathered(model.blocks[1], writeback=True), torch.no_grad():
+        model.blocks[1].mlp.fc.weight.mul_(2.0)  # e.g. loading an EMA copy
+    with gatherer.gathered():
+        kept = (model.blocks[1].mlp.fc.weight - 2.0 * full["blocks.1.mlp.fc.weight"]).abs().max().item()
+    assert all(u.state is UnitState.SHARDED for u in gatherer.units)
+    return outside, inside, exact, kept
+
+
+@pytest.mark.timeout(60)
+def test_gathered_context_shows_full_parameters_and_restores_the_sharded_state():
+    for outside, inside, exact, kept in run_distributed(_gathered_context, 2):
+        assert set(outside) == {0}  # placeholders outside any use
+        assert all(n > 0 for n in inside)
+        assert exact == 0.0
+        assert kept == 0.0  # writeback=True kept the change
+
+
+def _eval_forward() -> tuple[float, dict[str, int], list[str]]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny(n_layer=2))
+    tokens = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        expected = model.loss(tokens[:, :-1], tokens[:, 1:]).item()
+    gatherer = shard_module(model, ZeroConfig(stage=3), dist.group.WORLD, CPU)
+    with torch.no_grad():
+        got = model.loss(tokens[:, :-1], tokens[:, 1:]).item()
+    gatherer.ledger.end_step()
+    return got - expected, gatherer.ledger.last_step_bytes(), [u.state.value for u in gatherer.units]
+
+
+@pytest.mark.timeout(60)
+def test_inference_gathers_and_frees_without_gradient_work():
+    for diff, sent, states in run_distributed(_eval_forward, 2):
+        assert diff == 0.0
+        assert set(sent) == {"all_gather"}  # no reduce-scatter, no backward gathers
+        assert set(states) == {"sharded"}
+
+
+@pytest.mark.timeout(120)
+def test_stage3_unit_recomputed_in_backward_matches_ddp():
+    # The unit is the checkpointed Block itself: backward re-runs its forward, which must neither free it
+    # afterwards nor hook its outputs again (Note [recomputation]).
+    config = ZeroConfig(stage=3, wrap_module_classes=("Block",))
+    for reference, sharded in run_distributed(ddp_and_zero, 2, "gpt_checkpointed", "adamw", 8, 1, config):
+        assert_runs_match(reference, sharded)
