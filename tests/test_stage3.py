@@ -67,7 +67,8 @@ def _sharded_init() -> tuple[bool, dict[str, float], list[str]]:
 def test_sharded_init_gives_the_weights_and_rng_state_of_direct_construction():
     for same_rng, diff, units in run_distributed(_sharded_init, 2):
         assert units == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
-        assert diff and all(d == 0.0 for d in diff.values()), diff
+        assert diff
+        assert all(d == 0.0 for d in diff.values()), diff
         assert same_rng
 
 
