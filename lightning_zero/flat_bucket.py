@@ -40,9 +40,16 @@ class FlatBucket:
 
     A *resident* bucket (stages 1 and 2, and small persistent parameters in stage 3) keeps the full buffer for its
     whole life; ``param_shard`` is a view into it. A *sharded* bucket (stage 3) keeps only ``param_shard``, a separate
-    tensor; the full buffer exists only between ``attach()`` and ``release()``, and in between the parameters are
-    empty placeholders (a stray use raises a shape error instead of reading freed memory). Either way the parameter
-    objects themselves never change, so optimizers, tied weights and user references keep working.
+    tensor; the full buffer's memory exists only between ``allocate_full()`` and ``release()``, and in between the
+    parameters are empty placeholders (a stray use raises a shape error instead of reading freed memory). Either way
+    the parameter objects themselves never change, so optimizers, tied weights and user references keep working.
+
+    Note [freeing saved views]
+    Autograd saves views of parameters for backward (``linear`` keeps ``weight.t()``). Those views hold the full
+    buffer's *storage*, so dropping the buffer or re-pointing the parameters would free nothing until backward. A
+    sharded bucket therefore keeps one full tensor for its whole life and resizes its storage to zero bytes on
+    release, which frees the memory under every view at once; the next gather resizes the same storage back and
+    fills it, so views saved in forward read the right values again in backward.
     """
 
     def __init__(
@@ -90,6 +97,7 @@ class FlatBucket:
         """The full flat parameters: always present when resident, only while gathered otherwise."""
         self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
         self._shard: Tensor | None = None
+        self._full = flat  # sharded buckets keep this tensor and resize its storage: Note [freeing saved views]
         self.attach(flat)
         if not resident:
             self.make_sharded()
@@ -116,8 +124,11 @@ class FlatBucket:
 
     # -- storage (sharded buckets) ----------------------------------------------------------------------------------
     def allocate_full(self) -> Tensor:
-        """A new, uninitialized full flat buffer for this bucket (the target of an all-gather)."""
-        return torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+        """The full flat buffer with its memory allocated, uninitialized: the target of an all-gather."""
+        storage = self._full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.padded_numel * self._full.element_size())
+        return self._full
 
     def attach(self, flat: Tensor) -> None:
         """Make ``flat`` the full buffer and every parameter a view into it."""
@@ -133,11 +144,12 @@ class FlatBucket:
         self.release()
 
     def release(self) -> None:
-        """Drop the full buffer (sharded buckets only): parameters become empty placeholders."""
+        """Free the full buffer (sharded buckets only): parameters become empty placeholders."""
         assert not self.resident, "a resident bucket keeps its parameters"
         for p in self.params:
             p.data = self._placeholder
         self.data = None
+        self._full.untyped_storage().resize_(0)  # Note [freeing saved views]
 
     def __repr__(self) -> str:
         return (

@@ -295,16 +295,32 @@ class ShardedGradReducer(GradientReducer):
     def _communicates_during_backward(self) -> bool:
         return True
 
-    def _store(self, bucket: FlatBucket, slot: ParamSlot, param: nn.Parameter) -> None:
+    def _staging_for(self, bucket: FlatBucket) -> Tensor:
         staging = self._staging[bucket.index]
         if staging is None:
             staging = torch.zeros(bucket.padded_numel, dtype=self._reduce_dtype(bucket), device=bucket.device)
             self._staging[bucket.index] = staging
+        return staging
+
+    def accumulate_into_staging(self, bucket: FlatBucket) -> None:
+        """Point the bucket's parameters' ``.grad`` at views of its staging buffer, so that the coming backward
+        accumulates straight into it (no separate gradient tensors, no copy). Stage 3 calls this when a unit's
+        backward is about to start; the buffer is then the only full-size gradient memory of the unit."""
+        if bucket.dtype != self._reduce_dtype(bucket):
+            return  # autograd produces the parameter dtype; the copy in _store converts it
+        staging = self._staging_for(bucket)
+        for slot, param in bucket.slots_and_params():
+            if param.grad is None:
+                param.grad = FlatBucket.param_view(staging, slot)
+
+    def _store(self, bucket: FlatBucket, slot: ParamSlot, param: nn.Parameter) -> None:
+        view = FlatBucket.param_view(self._staging_for(bucket), slot)
         grad = param.grad
         assert grad is not None
-        # add_, not copy_: a parameter's gradient can arrive twice in one backward under reentrant recomputation.
-        FlatBucket.param_view(staging, slot).add_(grad)
-        param.grad = None  # the full gradient is freed as soon as it is in the bucket
+        if grad.data_ptr() != view.data_ptr():
+            # add_, not copy_: a gradient can arrive twice in one backward under reentrant recomputation.
+            view.add_(grad)
+        param.grad = None  # the full gradient lives on only in the bucket
 
     def _launch(self, bucket: FlatBucket) -> PendingCollective:
         staging = self._staging[bucket.index]

@@ -136,6 +136,8 @@ class ParameterGatherer:
             return  # a later use of a unit whose gradients are already complete (it was called several times)
         self._gather(unit)
         unit.wait()
+        for bucket in unit.trainable_buckets:
+            self.reducer.accumulate_into_staging(bucket)
         self._prefetch(unit, self._finish_order)
 
     def _on_bucket_complete(self, bucket: FlatBucket) -> None:
