@@ -41,8 +41,14 @@ class FlatBucket:
     A *resident* bucket (stages 1 and 2, and small persistent parameters in stage 3) keeps the full buffer for its
     whole life; ``param_shard`` is a view into it. A *sharded* bucket (stage 3) keeps only ``param_shard``, a separate
     tensor; the full buffer's memory exists only between ``allocate_full()`` and ``release()``, and in between the
-    parameters are empty placeholders (a stray use raises a shape error instead of reading freed memory). Either way
-    the parameter objects themselves never change, so optimizers, tied weights and user references keep working.
+    parameters are placeholders (Note [placeholders]). Either way the parameter objects themselves never change, so
+    optimizers, tied weights and user references keep working.
+
+    Note [placeholders]
+    A released parameter keeps its shape: it is one NaN element expanded (stride 0) to the parameter's shape. Code
+    that inspects parameters outside a forward, such as ``configure_optimizers`` splitting weight decay on
+    ``p.ndim``, Lightning's model summary counting ``p.numel()``, sees the real model while it costs one element
+    of memory. A stray read computes with NaN (loudly wrong) rather than touching freed memory, and a write fails.
 
     Note [freeing saved views]
     Autograd saves views of parameters for backward (``linear`` keeps ``weight.t()``). Those views hold the full
@@ -95,7 +101,8 @@ class FlatBucket:
                 flat[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
         self.data: Tensor | None = None
         """The full flat parameters: always present when resident, only while gathered otherwise."""
-        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+        fill = float("nan") if self.dtype.is_floating_point else 0
+        self._placeholder = torch.full((), fill, dtype=self.dtype, device=self.device)  # Note [placeholders]
         self._shard: Tensor | None = None
         self._full = flat  # sharded buckets keep this tensor and resize its storage: Note [freeing saved views]
         self.attach(flat)
@@ -144,10 +151,10 @@ class FlatBucket:
         self.release()
 
     def release(self) -> None:
-        """Free the full buffer (sharded buckets only): parameters become empty placeholders."""
+        """Free the full buffer (sharded buckets only): parameters become placeholders (Note [placeholders])."""
         assert not self.resident, "a resident bucket keeps its parameters"
-        for p in self.params:
-            p.data = self._placeholder
+        for slot, p in self.slots_and_params():
+            p.data = self._placeholder.expand(slot.shape)
         self.data = None
         self._full.untyped_storage().resize_(0)  # Note [freeing saved views]
 

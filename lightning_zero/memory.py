@@ -52,8 +52,9 @@ def model_state_bytes(
     buckets = [b for opt in optimizers for b in opt.buckets]
     if gatherer is not None:
         buckets += [b for u in gatherer.units for b in u.buckets] + gatherer.resident_buckets
-    # Outside a forward, stage-3 parameters are empty placeholders; what they own is their shard.
-    held: list[Tensor] = list(module.parameters())
+    # A stage-3 parameter owns its shard; outside a forward the parameter itself is a one-element placeholder.
+    sharded = {id(p) for b in buckets if not b.resident for p in b.params}
+    held: list[Tensor] = [p for p in module.parameters() if id(p) not in sharded]
     for bucket in buckets:
         if not bucket.resident:
             held.append(bucket.param_shard)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero  # noqa: F401  (registers the presets)
@@ -37,6 +38,9 @@ class ParityModule(pl.LightningModule):
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self.model(batch[0])
 
     def configure_optimizers(self) -> Any:
         optimizer = build_optimizer(self.optimizer_name, self.model)
@@ -69,11 +73,10 @@ def fit(strategy: Any, model_name: str, optimizer_name: str, accumulate: int = 1
         **trainer_kwargs,
     )
     trainer.fit(module, loader)
-    result = {
-        "losses": module.losses,
-        "lrs": module.lrs,
-        "weights": {n: p.detach().clone() for n, p in module.model.named_parameters()},
-    }
+    context = trainer.strategy.gathered_parameters() if isinstance(trainer.strategy, ZeroStrategy) else nullcontext()
+    with context:
+        weights = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    result = {"losses": module.losses, "lrs": module.lrs, "weights": weights}
     if isinstance(trainer.strategy, ZeroStrategy):
         result["sent"] = trainer.strategy.communication_per_step()
         result["numel"] = sum(p.numel() for p in module.model.parameters())
@@ -157,3 +160,128 @@ def test_trainer_resolves_registered_names():
     trainer = pl.Trainer(strategy="zero1", accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, ZeroStrategy)
     assert trainer.strategy.config.stage == 1
+
+
+# -- stage 3 through the Trainer --------------------------------------------------------------------------------
+
+
+class ConfigureModelModule(ParityModule):
+    """Builds its model in ``configure_model``: on the meta device under stage 3, materialized unit by unit."""
+
+    def __init__(self, model_name: str, optimizer_name: str) -> None:
+        pl.LightningModule.__init__(self)
+        self.model_name = model_name
+        self.optimizer_name = optimizer_name
+        self.model: nn.Module | None = None  # type: ignore[assignment]
+        self.losses = []
+        self.lrs = []
+        self.built_on_meta = False
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = build_model(self.model_name)
+            self.built_on_meta = all(p.is_meta for p in self.model.parameters())
+
+
+def _fit_configure_model(strategy: Any) -> dict:
+    module = ConfigureModelModule("gpt", "adamw")
+    loader = DataLoader(_dataset("gpt", 2 * 4 * STEPS), batch_size=4)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, loader)
+    context = trainer.strategy.gathered_parameters() if isinstance(trainer.strategy, ZeroStrategy) else nullcontext()
+    with context:
+        weights = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    predictions = trainer.predict(module, DataLoader(_dataset("gpt", 8), batch_size=4))
+    return {
+        "losses": module.losses,
+        "lrs": module.lrs,
+        "weights": weights,
+        "meta": module.built_on_meta,
+        "predictions": predictions,
+    }
+
+
+def _ddp_then_zero3_configure_model() -> list[dict]:
+    return [_fit_configure_model("ddp"), _fit_configure_model("zero3")]
+
+
+@pytest.mark.timeout(180)
+def test_zero3_builds_configure_model_on_meta_and_matches_ddp():
+    for reference, sharded in run_distributed(_ddp_then_zero3_configure_model, 2, init_process_group=False):
+        assert not reference["meta"]
+        assert sharded["meta"]  # never materialized whole: sharded unit by unit in setup
+        assert_fits_match(reference, sharded)
+        for expected, got in zip(reference["predictions"], sharded["predictions"], strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def _ddp_then_zero3(model_name: str) -> list[dict]:
+    return [fit("ddp", model_name, "adamw"), fit(ZeroStrategy(stage=3), model_name, "adamw")]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("model_name", ["gpt", "transformer"])
+def test_trainer_zero3_matches_trainer_ddp(model_name):
+    for reference, sharded in run_distributed(_ddp_then_zero3, 2, model_name, init_process_group=False):
+        assert_fits_match(reference, sharded)
+        # Per step: 2 all-gathers (forward, backward) + 1 reduce-scatter of every parameter.
+        assert sharded["sent"]["all_gather"] == 2 * sharded["sent"]["reduce_scatter"]
+
+
+class ManualModule(ParityModule):
+    """Manual optimization that keeps using the model after stepping, inside the same training_step."""
+
+    def __init__(self) -> None:
+        super().__init__("gpt", "sgd")
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = loss_fn(self.model_name, self.model, batch)
+        self.manual_backward(loss)
+        optimizer.step()
+        with torch.no_grad():  # uses the parameters updated just now
+            after = loss_fn(self.model_name, self.model, batch)
+        self.losses.append(loss.item() + after.item())
+        return loss
+
+
+def _manual(strategy: Any) -> dict:
+    module = ManualModule()
+    loader = DataLoader(_dataset("gpt", 2 * 4 * STEPS), batch_size=4)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, loader)
+    context = trainer.strategy.gathered_parameters() if isinstance(trainer.strategy, ZeroStrategy) else nullcontext()
+    with context:
+        weights = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    return {"losses": module.losses, "lrs": [], "weights": weights}
+
+
+def _manual_ddp_then_zero() -> list[dict]:
+    return [_manual("ddp"), _manual("zero1"), _manual("zero2"), _manual("zero3")]
+
+
+@pytest.mark.timeout(180)
+def test_manual_optimization_that_reads_updated_weights_matches_ddp():
+    for reference, *sharded in run_distributed(_manual_ddp_then_zero, 2, init_process_group=False):
+        for run in sharded:
+            assert_fits_match(reference, run)
