@@ -8,19 +8,23 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.collectives import CommLedger
 from lightning_zero.config import ZeroConfig
+from lightning_zero.loss_scaler import DynamicLossScaler
 from lightning_zero.memory import ModelStateBytes, expected_model_state_bytes, model_state_bytes
 from lightning_zero.parameter_gatherer import ParameterGatherer, RankDivergenceError
+from lightning_zero.precision import ZeroPrecision
 from lightning_zero.sharded_init import shard_module
 from lightning_zero.sharded_optimizer import ZeroOptimizer
 from lightning_zero.strategy import ZeroStrategy
 
 __all__ = [
     "CommLedger",
+    "DynamicLossScaler",
     "ModelStateBytes",
     "ParameterGatherer",
     "RankDivergenceError",
     "ZeroConfig",
     "ZeroOptimizer",
+    "ZeroPrecision",
     "ZeroStrategy",
     "expected_model_state_bytes",
     "model_state_bytes",

@@ -48,6 +48,13 @@ class ZeroConfig:
     gradient buffer, so this bounds stage 2's gradient memory at ``max_inflight_buckets * bucket_numel`` elements
     above the sharded gradients."""
 
+    grad_accumulation: Literal["sharded", "local"] = "sharded"
+    """Stages 2 and 3, on the micro-batches of gradient accumulation (``accumulate_grad_batches`` > 1, or backward
+    inside ``no_sync()``). ``"sharded"``: reduce-scatter every micro-batch and add into the 1/N gradient shard, so
+    gradient memory stays 1/N while communication grows with the number of micro-batches. ``"local"``: keep full
+    gradients and communicate once, on the last micro-batch (DDP's traffic, but full gradient memory while
+    accumulating). Stage 1 keeps full gradients anyway and always communicates once."""
+
     reduce_dtype: DTypeName | None = None
     """dtype in which gradients are communicated and averaged. None: the parameters' own dtype. ``"float32"`` with
     bf16 parameters trades twice the gradient traffic for full-precision reduction."""
@@ -85,6 +92,10 @@ class ZeroConfig:
         _check_non_negative_int("persistence_threshold", self.persistence_threshold)
         if self.prefetch_limit_numel is not None:
             _check_non_negative_int("prefetch_limit_numel", self.prefetch_limit_numel)
+        if self.grad_accumulation not in ("sharded", "local"):
+            raise ValueError(
+                f"Invalid ZeroConfig.grad_accumulation: {self.grad_accumulation!r}. Expected 'sharded' or 'local'."
+            )
         for name in ("overlap_comm", "check_rank_divergence"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Invalid ZeroConfig.{name}: {getattr(self, name)!r}. Expected True or False.")

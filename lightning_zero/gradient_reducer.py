@@ -84,7 +84,8 @@ class GradientReducer:
     def _store(self, bucket: FlatBucket, slot: ParamSlot, param: nn.Parameter) -> None:
         raise NotImplementedError
 
-    def _communicates_during_backward(self) -> bool:
+    def _communicates_now(self) -> bool:
+        """Whether the backward running now launches reductions from its hooks."""
         raise NotImplementedError
 
     def _launch(self, bucket: FlatBucket) -> PendingCollective:
@@ -117,7 +118,7 @@ class GradientReducer:
         if self.state[bucket.index] is not BucketState.FILLING:
             self._begin_filling(bucket)
         self._store(bucket, slot, param)
-        if not (self.require_sync and self._communicates_during_backward()):
+        if not self._communicates_now():
             return
         if not self._callback_queued:
             # See Note [bucket flush].
@@ -227,8 +228,8 @@ class FullGradReducer(GradientReducer):
             for slot, param in bucket.slots_and_params():
                 param.grad = FlatBucket.param_view(flat, slot)
 
-    def _communicates_during_backward(self) -> bool:
-        return self.config.overlap_comm
+    def _communicates_now(self) -> bool:
+        return self.require_sync and self.config.overlap_comm
 
     def _store(self, bucket: FlatBucket, slot: ParamSlot, param: nn.Parameter) -> None:
         view = FlatBucket.param_view(self.grads[bucket.index], slot)
@@ -292,8 +293,9 @@ class ShardedGradReducer(GradientReducer):
         self._shard_is_zero = [True] * len(self.buckets)
         self._staging: list[Tensor | None] = [None] * len(self.buckets)
 
-    def _communicates_during_backward(self) -> bool:
-        return True
+    def _communicates_now(self) -> bool:
+        # Inside no_sync(), "local" accumulation keeps adding into the staging buffers until the last micro-batch.
+        return self.require_sync or self.config.grad_accumulation == "sharded"
 
     def _staging_for(self, bucket: FlatBucket) -> Tensor:
         staging = self._staging[bucket.index]

@@ -18,7 +18,7 @@ when they are next used).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -27,10 +27,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.collectives import CommLedger, ProcessGroup, all_gather
+from lightning_zero.collectives import CommLedger, ProcessGroup, all_gather, all_reduce_sum
 from lightning_zero.config import ZeroConfig
 from lightning_zero.flat_bucket import FlatBucket, build_buckets
 from lightning_zero.gradient_reducer import FullGradReducer, GradientReducer, ShardedGradReducer
+from lightning_zero.loss_scaler import DynamicLossScaler
 from lightning_zero.parameter_gatherer import ParameterGatherer
 
 # Stages compose by choosing where gradients live; everything else is shared. (Stage 3 adds parameter gathering on
@@ -51,10 +52,42 @@ class Segment(NamedTuple):
     group: int
 
 
+class ParamGroupView(MutableMapping[str, Any]):
+    """A param group as users and Lightning see it: ``params`` are the model's parameters (so ``toggle_optimizer``
+    and friends act on the model); every other key *is* the wrapped optimizer's group entry, so a learning rate set
+    here, by a scheduler, or by the wrapped optimizer is one and the same value."""
+
+    def __init__(self, group: dict[str, Any], params: list[nn.Parameter]) -> None:
+        self._group = group
+        self._params = params
+
+    def __getitem__(self, key: str) -> Any:
+        return self._params if key == "params" else self._group[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "params":
+            raise TypeError("The parameters of a sharded param group cannot be replaced after ZeroOptimizer wraps it.")
+        self._group[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._group[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._group)
+
+    def __len__(self) -> int:
+        return len(self._group)
+
+    def __repr__(self) -> str:
+        return repr({k: (f"<{len(self._params)} parameters>" if k == "params" else v) for k, v in self._group.items()})
+
+
 class ZeroOptimizer(Optimizer):
     """Wraps ``optimizer`` so that it holds optimizer state and master weights for this rank's shard only.
 
     ``gatherer`` is the stage-3 sharded model (``sharded_init.shard_module``); stages 1 and 2 pass None.
+    ``fp32_masters=False`` steps the parameters' own dtype (``bf16-true``). ``loss_scaler`` (``16-mixed``): the
+    gradients are unscaled after reduction and a step any rank finds non-finite is skipped by every rank.
     """
 
     def __init__(
@@ -64,6 +97,9 @@ class ZeroOptimizer(Optimizer):
         process_group: ProcessGroup,
         config: ZeroConfig,
         gatherer: ParameterGatherer | None = None,
+        *,
+        fp32_masters: bool = True,
+        loss_scaler: DynamicLossScaler | None = None,
     ) -> None:
         # Optimizer.__init__ is not called: the param groups, state and defaults are the wrapped optimizer's own
         # objects, so reading or changing a learning rate through either object is the same thing.
@@ -72,8 +108,12 @@ class ZeroOptimizer(Optimizer):
         self.group = process_group
         self.config = config
         self.gatherer = gatherer
+        self.loss_scaler = loss_scaler
         self.rank = process_group.rank()
         self.world_size = process_group.size()
+        self._grads_ready = False
+        self._found_inf = False
+        self._views = [ParamGroupView(g, list(g["params"])) for g in optimizer.param_groups]
 
         named_groups = _trainable_named_groups(module, optimizer)
         group_of = {id(p): g for g, named in enumerate(named_groups) for _, p in named}
@@ -94,7 +134,7 @@ class ZeroOptimizer(Optimizer):
             self.buckets = mine
             self.resident_buckets = [b for b in mine if b.resident]
         self.segments = [seg for b in self.buckets for seg in _segments(b, group_of)]
-        self.masters = [_master(seg) for seg in self.segments]
+        self.masters = [_master(seg, fp32_masters) for seg in self.segments]
         """This rank's fp32 master weights, one per segment (a view of the parameter shard when fp32)."""
         for g, group in enumerate(optimizer.param_groups):
             group["params"] = [m for seg, m in zip(self.segments, self.masters, strict=True) if seg.group == g]
@@ -102,8 +142,8 @@ class ZeroOptimizer(Optimizer):
 
     # -- the Optimizer surface -----------------------------------------------------------------------------------
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
+    def param_groups(self) -> list[ParamGroupView]:  # type: ignore[override]
+        return self._views
 
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -125,13 +165,62 @@ class ZeroOptimizer(Optimizer):
     def reduce_gradients(self) -> None:
         """Finish the gradient reduction and expose the averaged shards as the masters' ``.grad``.
 
-        Idempotent within a step; the strategy calls it right after the closure so that hooks and gradient clipping
-        that run before ``step()`` already see the reduced gradients.
+        Runs once per step; the strategy calls it right after the closure so that hooks and gradient clipping that
+        run before ``step()`` already see the reduced (and, with loss scaling, unscaled) gradients.
         """
+        if self._grads_ready:
+            return
         self.reducer.finish()
         for seg, master in zip(self.segments, self.masters, strict=True):
             grad = self.reducer.grad_shard(seg.bucket)[seg.start : seg.stop]
             master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+        if self.loss_scaler is not None:
+            self._found_inf = self._unscale_and_check(1.0 / self.loss_scaler.scale)
+        self._grads_ready = True
+
+    def _unscale_and_check(self, inv_scale: float) -> bool:
+        """Unscale this rank's gradient shards; True if any rank saw inf/NaN (all ranks get the same answer)."""
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        found = torch.zeros(1, dtype=torch.float32, device=self.masters[0].device if self.masters else "cpu")
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full_like(found, inv_scale))
+        self.ledger.record(all_reduce_sum(found, self.group)).wait()
+        return bool(found.item() > 0)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip by the norm over all shards and param groups: what ``torch.nn.utils.clip_grad_norm_`` computes on
+        the full gradients of a DDP model. Returns that total norm."""
+        if max_norm <= 0:
+            raise ValueError(f"Invalid gradient clip value {max_norm!r} for clipping by norm. Expected > 0.")
+        self.reduce_gradients()
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        device = self.masters[0].device if self.masters else torch.device("cpu")
+        if norm_type == float("inf"):
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
+            total = local.float().reshape(1)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
+        else:
+            norms = torch._foreach_norm(grads, norm_type) if grads else []
+            local = torch.stack([n.double() ** norm_type for n in norms]).sum() if norms else torch.zeros(())
+            total = local.to(device=device, dtype=torch.float64).reshape(1)
+            self.ledger.record(all_reduce_sum(total, self.group)).wait()
+            total = total ** (1.0 / norm_type)
+        total_norm = total.reshape(()).float()
+        # As torch does: scale by min(1, max_norm / (norm + 1e-6)), also when that is 1, for identical rounding.
+        coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
+        return total_norm
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient element to [-clip_value, clip_value] (element-wise: shards need no communication)."""
+        if clip_value <= 0:
+            raise ValueError(f"Invalid gradient clip value {clip_value!r} for clipping by value. Expected > 0.")
+        self.reduce_gradients()
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        if grads:
+            torch._foreach_clamp_min_(grads, -clip_value)
+            torch._foreach_clamp_max_(grads, clip_value)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -139,24 +228,30 @@ class ZeroOptimizer(Optimizer):
 
         The step consumes the gradients (as DeepSpeed's engine does): the next step starts from zero whether or not
         ``zero_grad()`` is called. A parameter that received no gradient on any rank is stepped with a zero
-        gradient, so weight decay and momentum still apply to it (DDP skips it); freeze it to exclude it.
+        gradient, so weight decay and momentum still apply to it (DDP skips it); freeze it to exclude it. With loss
+        scaling, a step whose gradients overflowed on any rank is skipped on every rank and the scale backs off.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self.reduce_gradients()
-        self.optimizer.step()
-        for seg, master in zip(self.segments, self.masters, strict=True):
-            shard = seg.bucket.param_shard[seg.start : seg.stop]
-            if master.data_ptr() != shard.data_ptr():
-                shard.copy_(master)  # fp32 master -> low-precision parameter shard
-        self.gather_parameters()
-        if self.gatherer is not None:
-            self.gatherer.refresh_gathered()  # units still in use must not keep pre-step weights
+        skip = self.loss_scaler is not None and self._found_inf
+        if not skip:
+            self.optimizer.step()
+            for seg, master in zip(self.segments, self.masters, strict=True):
+                shard = seg.bucket.param_shard[seg.start : seg.stop]
+                if master.data_ptr() != shard.data_ptr():
+                    shard.copy_(master)  # fp32 master -> low-precision parameter shard
+            self.gather_parameters()
+            if self.gatherer is not None:
+                self.gatherer.refresh_gathered()  # units still in use must not keep pre-step weights
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(self._found_inf)
         self.reducer.consume()
         for master in self.masters:
             master.grad = None
+        self._grads_ready = False
         self.ledger.end_step()
         return loss
 
@@ -175,6 +270,7 @@ class ZeroOptimizer(Optimizer):
         self.reducer.zero_grad()
         for master in self.masters:
             master.grad = None
+        self._grads_ready = False
 
     def _broadcast_from_rank0(self) -> None:
         """Start from rank 0's weights, as DDP does, so ranks seeded differently still train one model."""
@@ -218,9 +314,9 @@ def _segments(bucket: FlatBucket, group_of: dict[int, int]) -> list[Segment]:
     return runs
 
 
-def _master(segment: Segment) -> Tensor:
+def _master(segment: Segment, fp32: bool) -> Tensor:
     shard = segment.bucket.param_shard[segment.start : segment.stop]
-    if shard.dtype == torch.float32:
+    if shard.dtype == torch.float32 or not fp32:
         return shard  # the parameters are the master weights
     return shard.detach().to(torch.float32)
 

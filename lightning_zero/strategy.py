@@ -49,6 +49,7 @@ from typing_extensions import override
 from lightning_zero.config import ZeroConfig
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.parameter_gatherer import ParameterGatherer
+from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.sharded_init import ParamInitFn, shard_module
 from lightning_zero.sharded_optimizer import ZeroOptimizer
 
@@ -111,6 +112,18 @@ class ZeroStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._param_init_fn = param_init_fn
         self._gatherer: ParameterGatherer | None = None
+
+    # -- precision: ZeRO's own mixed precision (see ``precision.py``) -----------------------------------------------
+    @property
+    @override
+    def precision_plugin(self) -> ZeroPrecision:
+        return self._zero_precision
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning assigns the plugin it built from `Trainer(precision=...)`; we translate it (or refuse it).
+        self._zero_precision = to_zero_precision(plugin)
 
     # -- topology (as DDPStrategy) -------------------------------------------------------------------------------
     @property
@@ -208,8 +221,17 @@ class ZeroStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         assert self.lightning_module is not None
+        precision = self.precision_plugin
         self.optimizers = [
-            ZeroOptimizer(self.lightning_module, optimizer, self.process_group, self.config, self._gatherer)
+            ZeroOptimizer(
+                self.lightning_module,
+                optimizer,
+                self.process_group,
+                self.config,
+                self._gatherer,
+                fp32_masters=precision.fp32_masters,
+                loss_scaler=precision.loss_scaler,
+            )
             for optimizer in self.optimizers
         ]
 
