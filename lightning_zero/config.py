@@ -83,9 +83,20 @@ class ZeroConfig:
     """Stage 3: before each unit's all-gather, ranks exchange the unit's index (a few bytes) and raise an error naming
     both units if they differ, instead of pairing mismatched collectives and hanging."""
 
+    collective_timeout_s: float = 1800.0
+    """Seconds any collective may wait for the other ranks before failing. A rank that dies or hangs then fails
+    the others after at most this long instead of leaving them blocked forever; lower it for fast failure."""
+
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
             raise ValueError(f"Invalid ZeroConfig.stage: {self.stage!r}. Expected 1, 2 or 3.")
+        if isinstance(self.collective_timeout_s, bool) or not (
+            isinstance(self.collective_timeout_s, (int, float)) and self.collective_timeout_s > 0
+        ):
+            raise ValueError(
+                f"Invalid ZeroConfig.collective_timeout_s: {self.collective_timeout_s!r}. Expected a positive number "
+                "of seconds."
+            )
         _check_positive_int("bucket_numel", self.bucket_numel)
         _check_positive_int("max_inflight_buckets", self.max_inflight_buckets)
         _check_non_negative_int("wrap_min_numel", self.wrap_min_numel)

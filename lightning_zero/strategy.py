@@ -42,7 +42,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only  # type: ignore
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
-from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -64,7 +63,7 @@ class ZeroStrategy(ParallelStrategy):
     Args:
         config: the full ``ZeroConfig``. Alternatively pass its fields as keywords: ``ZeroStrategy(stage=1)``.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: nccl on CUDA, gloo on CPU.
-        timeout: timeout of every collective; a rank that stops answering fails the others after this long.
+        timeout: overrides ``config.collective_timeout_s``: how long a collective waits for the other ranks.
         start_method: ``"popen"`` re-runs the script per rank (like ``torchrun``); ``"spawn"``/``"fork"``/
             ``"forkserver"`` start ranks with ``multiprocessing`` (notebooks, tests).
         param_init_fn: stage 3, a model built on the meta device in ``configure_model``: how to initialize a
@@ -83,7 +82,7 @@ class ZeroStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = None,
         start_method: StartMethod = "popen",
         param_init_fn: ParamInitFn | None = None,
         **config_kwargs: Any,
@@ -107,7 +106,7 @@ class ZeroStrategy(ParallelStrategy):
                 "'forkserver'."
             )
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = timeout or timedelta(seconds=self.config.collective_timeout_s)
         self._start_method: StartMethod = start_method
         self._num_nodes = 1
         self._param_init_fn = param_init_fn
