@@ -6,7 +6,9 @@ Importing the package registers the strategies ``"zero1"``, ``"zero2"`` and ``"z
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero.checkpoint import CheckpointError, load_full_state_dict
 from lightning_zero.collectives import CommLedger
+from lightning_zero.consolidate import consolidate_checkpoint
 from lightning_zero.config import ZeroConfig
 from lightning_zero.loss_scaler import DynamicLossScaler
 from lightning_zero.memory import ModelStateBytes, expected_model_state_bytes, model_state_bytes
@@ -17,6 +19,7 @@ from lightning_zero.sharded_optimizer import ZeroOptimizer
 from lightning_zero.strategy import ZeroStrategy
 
 __all__ = [
+    "CheckpointError",
     "CommLedger",
     "DynamicLossScaler",
     "ModelStateBytes",
@@ -26,7 +29,9 @@ __all__ = [
     "ZeroOptimizer",
     "ZeroPrecision",
     "ZeroStrategy",
+    "consolidate_checkpoint",
     "expected_model_state_bytes",
+    "load_full_state_dict",
     "model_state_bytes",
     "shard_module",
 ]

@@ -114,6 +114,8 @@ class ZeroOptimizer(Optimizer):
         self._grads_ready = False
         self._found_inf = False
         self._views = [ParamGroupView(g, list(g["params"])) for g in optimizer.param_groups]
+        # Which parameters are reduced, sharded and stepped is decided here, once: see _check_requires_grad().
+        self._requires_grad = [(p, p.requires_grad) for view in self._views for p in view["params"]]
 
         named_groups = _trainable_named_groups(module, optimizer)
         group_of = {id(p): g for g, named in enumerate(named_groups) for _, p in named}
@@ -190,8 +192,11 @@ class ZeroOptimizer(Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the norm over all shards and param groups: what ``torch.nn.utils.clip_grad_norm_`` computes on
         the full gradients of a DDP model. Returns that total norm."""
-        if max_norm <= 0:
-            raise ValueError(f"Invalid gradient clip value {max_norm!r} for clipping by norm. Expected > 0.")
+        if not max_norm > 0:  # also NaN, which would turn every gradient into NaN
+            raise ValueError(
+                f"Invalid gradient clip value {max_norm!r} for clipping by norm. Expected > 0. HINT: to train "
+                "without clipping, do not call clip_grad_norm_."
+            )
         self.reduce_gradients()
         grads = [m.grad for m in self.masters if m.grad is not None]
         device = self.masters[0].device if self.masters else torch.device("cpu")
@@ -200,7 +205,9 @@ class ZeroOptimizer(Optimizer):
             total = local.float().reshape(1)
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
         else:
-            norms = torch._foreach_norm(grads, norm_type) if grads else []
+            # fp32 partial norms: bf16 ones (bf16-true) would round per segment, so the total, and then the clip
+            # coefficient, would depend on how the shards happen to be cut (stage 3 cuts them per unit).
+            norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32) if grads else []
             local = torch.stack([n.double() ** norm_type for n in norms]).sum() if norms else torch.zeros(())
             total = local.to(device=device, dtype=torch.float64).reshape(1)
             self.ledger.record(all_reduce_sum(total, self.group)).wait()
@@ -214,8 +221,11 @@ class ZeroOptimizer(Optimizer):
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to [-clip_value, clip_value] (element-wise: shards need no communication)."""
-        if clip_value <= 0:
-            raise ValueError(f"Invalid gradient clip value {clip_value!r} for clipping by value. Expected > 0.")
+        if not clip_value > 0:
+            raise ValueError(
+                f"Invalid gradient clip value {clip_value!r} for clipping by value. Expected > 0. HINT: to train "
+                "without clipping, do not call clip_grad_value_."
+            )
         self.reduce_gradients()
         grads = [m.grad for m in self.masters if m.grad is not None]
         if grads:
@@ -236,6 +246,7 @@ class ZeroOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.reduce_gradients()
+        self._check_requires_grad()
         skip = self.loss_scaler is not None and self._found_inf
         if not skip:
             self.optimizer.step()
@@ -254,6 +265,23 @@ class ZeroOptimizer(Optimizer):
         self._grads_ready = False
         self.ledger.end_step()
         return loss
+
+    def _check_requires_grad(self) -> None:
+        """Refuse a parameter (un)frozen since construction: DDP raises for a parameter that stops getting gradients;
+        we would step it with zero gradients (weight decay, momentum), or never step one unfrozen later."""
+        changed = next((p for p, trainable in self._requires_grad if p.requires_grad != trainable), None)
+        if changed is None:
+            return
+        name = next(n for n, p in self.module.named_parameters() if p is changed)
+        was, now = ("frozen", "trainable") if changed.requires_grad else ("trainable", "frozen")
+        raise RuntimeError(
+            f"Parameter {name!r} was {was} when ZeroOptimizer sharded {type(self.optimizer).__name__} and is {now} "
+            "now. ZeRO decides once, at setup, which parameters it reduces, shards and steps: a parameter frozen "
+            "later would still be stepped with zero gradients (so weight decay and momentum keep moving it), one "
+            "unfrozen later never. HINT: set `requires_grad` before training starts (in `__init__` or "
+            "`configure_model`); to train parts of a model in turn, give each part its own optimizer and use "
+            "`toggle_optimizer`."
+        )
 
     def gather_parameters(self) -> None:
         """All-gather every resident bucket from its shard into the full flat parameters (after a step or a load)."""
@@ -287,6 +315,10 @@ class ZeroOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
+        # torch replaces the group dicts on load: point the user-facing views at the new ones.
+        self._views = [
+            ParamGroupView(g, v["params"]) for g, v in zip(self.optimizer.param_groups, self._views, strict=True)
+        ]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(

@@ -123,6 +123,9 @@ class ZeroStrategy(ParallelStrategy):
     def precision_plugin(self, plugin: Precision | None) -> None:
         # Lightning assigns the plugin it built from `Trainer(precision=...)`; we translate it (or refuse it).
         self._zero_precision = to_zero_precision(plugin)
+        # The Trainer reads `_precision_plugin` to learn that a plugin was given to the strategy itself; left None,
+        # `ZeroStrategy(precision_plugin=...)` would be replaced by the Trainer's default precision without a word.
+        self._precision_plugin = self._zero_precision if plugin is not None else None
 
     # -- topology (as DDPStrategy) -------------------------------------------------------------------------------
     @property
@@ -330,6 +333,75 @@ class ZeroStrategy(ParallelStrategy):
             for kind, nbytes in ledger.last_step_bytes().items():
                 total[kind] = total.get(kind, 0) + nbytes
         return total
+
+    # -- checkpointing --- (a sharded directory per checkpoint; lightning_zero/checkpoint.py does the work) -------
+    # The imports are local so that checkpointing stays one self-contained block of this file.
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # checkpoints load straight into the optimizer shards, which setup() creates
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from lightning_zero.checkpoint import sharded_model_state
+
+        assert self.lightning_module is not None
+        return sharded_model_state(self.lightning_module, list(_iter_zero_optimizers(self.optimizers)), self._gatherer)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        from lightning_zero.checkpoint import sharded_optimizer_state
+
+        zero_optimizers = list(_iter_zero_optimizers(self.optimizers))
+        return sharded_optimizer_state(zero_optimizers, zero_optimizers.index(_as_zero_optimizer(optimizer)))
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Every rank writes what it owns into the directory ``filepath``; call it on every rank."""
+        from lightning_zero.checkpoint import save_sharded_checkpoint
+
+        if storage_options is not None:
+            raise TypeError(
+                f"ZeroStrategy.save_checkpoint(storage_options={storage_options!r}) is not supported: sharded "
+                "checkpoints are written by every rank, not through a CheckpointIO plugin. HINT: drop storage_options."
+            )
+        saved_with = {"world_size": self.world_size, "stage": self.config.stage}
+        save_sharded_checkpoint(checkpoint, self.broadcast(filepath), self.process_group, saved_with)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded directory (any world size or stage) or a full ``.ckpt`` file into this rank's shards.
+
+        Always as ``weights_only=True`` would (see Note [safe loading] in ``checkpoint_files.py``).
+        """
+        from lightning_zero.checkpoint import load_checkpoint
+
+        module = self.lightning_module
+        assert module is not None
+        return load_checkpoint(
+            self.broadcast(checkpoint_path),
+            module,
+            list(_iter_zero_optimizers(self.optimizers)),
+            self.process_group,
+            load_optimizer=module.trainer.state.fn == TrainerFn.FITTING,
+            strict=module.strict_loading,
+            gatherer=self._gatherer,
+        )
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # load_checkpoint() already wrote the weights into this rank's shards
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # likewise for the optimizer state
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        from lightning_zero.checkpoint_files import remove
+
+        if self.is_global_zero:
+            remove(filepath)
 
     # -- collectives Lightning asks of a strategy (as DDPStrategy) ------------------------------------------------
     @override

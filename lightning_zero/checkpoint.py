@@ -1,0 +1,251 @@
+"""Sharded checkpoints of a ZeRO model: each rank saves and loads only what it owns; any layout loads any other.
+
+Everything hinges on one question, answered in one place (``checkpoint_slices.owned_parameter_slices``): which
+elements of which parameter does this rank own, and where do their values, fp32 master and optimizer state live? A
+rank's shard of a bucket is contiguous, so the answer is at most one range ``[start, stop)`` of each flattened
+parameter.
+
+Save (``save_sharded_checkpoint``, every rank): Lightning hands over its checkpoint dictionary whose ``state_dict``
+is ``sharded_model_state()`` and whose ``optimizer_states`` are ``sharded_optimizer_state()``: this rank's ranges as
+``FlatChunk``s (written once, by their owner) and replicated tensors (frozen parameters, buffers, 0-d optimizer state
+such as Adam's ``step``; DCP writes each once). Rank 0 adds ``lightning_state.pt``: the rest of Lightning's state and
+the table of contents, merged from every rank (``checkpoint_format``: the layout; ``checkpoint_files``: safe
+reading and the atomic commit).
+
+Load (``load_checkpoint``, every rank): for every range this rank owns *now*, ask for the same range of the saved
+flattened tensor; DCP reads the overlapping pieces of whichever chunks were saved, so the world size, the stage and
+the bucket sizes may all differ from the saving run. Masters are filled first (the exact fp32 values), parameter
+shards follow from them, and ``gather_parameters()`` rebuilds full parameters. A single ``.ckpt`` file (a DDP run's
+full checkpoint) goes through the same plan with in-memory sources instead of DCP (``checkpoint_full``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch.strategies import Strategy
+from torch import Tensor, nn
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from lightning_zero.checkpoint_files import (
+    LIGHTNING_STATE_FILE,
+    CheckpointError,
+    commit,
+    file_crc32,
+    load_lightning_state,
+    partial_sibling,
+    read_metadata,
+    remove_stale_siblings,
+    write_synced,
+)
+from lightning_zero.checkpoint_format import (
+    TOC_KEY,
+    FlatChunk,
+    SavePlanner,
+    Toc,
+    build_toc,
+    check_toc_against_metadata,
+    checked_toc,
+    merge_tocs,
+)
+from lightning_zero.checkpoint_full import full_checkpoint_sources, state_dict_sources
+from lightning_zero.checkpoint_slices import LoadPlan, owned_parameter_slices
+from lightning_zero.parameter_gatherer import ParameterGatherer
+from lightning_zero.sharded_optimizer import ZeroOptimizer
+
+__all__ = [
+    "CheckpointError",
+    "load_checkpoint",
+    "load_full_state_dict",
+    "owned_parameter_slices",
+    "save_sharded_checkpoint",
+    "sharded_model_state",
+    "sharded_optimizer_state",
+]
+
+
+# -- save ------------------------------------------------------------------------------------------------------------
+def sharded_model_state(
+    module: nn.Module, zero_optimizers: Sequence[ZeroOptimizer], gatherer: ParameterGatherer | None = None
+) -> dict[str, FlatChunk | Tensor]:
+    """``module.state_dict()`` as this rank saves it: owned ranges of sharded parameters, replicated tensors whole.
+
+    Tied names map to the same object, so the tensor is stored once. Nothing is copied.
+    """
+    by_param = {id(s.param): s for s in owned_parameter_slices(zero_optimizers, gatherer)}
+    made: dict[int, FlatChunk | Tensor] = {}
+    state: dict[str, FlatChunk | Tensor] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if not isinstance(value, Tensor):
+            raise CheckpointError(
+                f"State dict entry {key!r} of {type(module).__name__} is a {type(value).__name__}; sharded "
+                "checkpoints hold tensors only. HINT: keep extra state in `on_save_checkpoint` instead."
+            )
+        if id(value) not in made:
+            s = by_param.get(id(value))
+            made[id(value)] = value.detach() if s is None else FlatChunk(s.values, s.start, s.shape)
+        state[key] = made[id(value)]
+    return state
+
+
+def sharded_optimizer_state(zero_optimizers: Sequence[ZeroOptimizer], index: int) -> dict[str, Any]:
+    """Optimizer ``index``'s state for this rank's ranges, keyed by parameter FQN, plus separate fp32 masters."""
+    zero = zero_optimizers[index]
+    state: dict[str, dict[str, FlatChunk | Tensor]] = {}
+    masters: dict[str, FlatChunk] = {}
+    for s in owned_parameter_slices(zero_optimizers):
+        if s.optimizer != index or s.master is None or s.state_key is None:
+            continue
+        if s.master.data_ptr() != s.values.data_ptr():
+            masters[s.fqn] = FlatChunk(s.master, s.start, s.shape)
+        entries: dict[str, FlatChunk | Tensor] = {}
+        for name, value in zero.state.get(s.state_key, {}).items():
+            if isinstance(value, Tensor) and value.shape == s.state_key.shape:  # element-wise, like the master
+                entries[name] = FlatChunk(value[s.state_offset : s.state_offset + s.stop - s.start], s.start, s.shape)
+            elif isinstance(value, Tensor) and value.dim() == 0:  # e.g. Adam's step: one value for the whole run
+                entries[name] = value
+            else:
+                raise CheckpointError(
+                    f"Cannot checkpoint {type(zero.optimizer).__name__} state {name!r} of parameter {s.fqn!r}: a "
+                    f"{type(value).__name__} {getattr(value, 'shape', '')}, neither element-wise nor a 0-d tensor. "
+                    "HINT: ZeRO checkpoints support element-wise optimizers whose state is tensors."
+                )
+        if entries:
+            state[s.fqn] = entries
+    groups = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in zero.optimizer.param_groups]
+    return {"state": state, "masters": masters, "param_groups": groups}
+
+
+def save_sharded_checkpoint(
+    checkpoint: dict[str, Any],
+    path: str | Path,
+    process_group: dist.ProcessGroup | None,
+    saved_with: Mapping[str, int],
+) -> None:
+    """Write ``checkpoint`` (with sharded ``state_dict`` / ``optimizer_states``) as the directory ``path``.
+
+    Collective: every rank of ``process_group`` calls it with the same path. See Note [atomic commit].
+    """
+    path = Path(path)
+    rank = 0 if process_group is None else process_group.rank()
+    optimizer_states = checkpoint.pop("optimizer_states", None)
+    tensors, toc = build_toc(checkpoint.pop("state_dict", {}), optimizer_states or [])
+    if optimizer_states is not None:  # Lightning checks it is there; the tensors themselves live in DCP
+        checkpoint["optimizer_states"] = [{"param_groups": s["param_groups"]} for s in optimizer_states]
+    staged = [partial_sibling(path)]
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_siblings(path)
+        staged[0].mkdir()
+    if process_group is not None:
+        dist.broadcast_object_list(staged, src=dist.get_global_rank(process_group, 0), group=process_group)
+    try:
+        writer = FileSystemWriter(staged[0], single_file_per_rank=True, sync_files=True)
+        dcp_save(tensors, storage_writer=writer, planner=SavePlanner(), process_group=process_group)
+        world = 1 if process_group is None else process_group.size()
+        files = sorted({info.relative_path for info in read_metadata(staged[0]).storage_data.values()})
+        toc["files"] = {name: file_crc32(staged[0] / name) for name in files[rank::world]}  # read back from cache
+        tocs: list[Toc | None] = [None] * world
+        if process_group is None:
+            tocs[0] = toc
+        else:
+            dst = dist.get_global_rank(process_group, 0)
+            dist.gather_object(toc, tocs if rank == 0 else None, dst=dst, group=process_group)
+        if rank == 0:
+            merged = merge_tocs([t for t in tocs if t is not None], saved_with)
+            write_synced({**checkpoint, TOC_KEY: merged}, staged[0] / LIGHTNING_STATE_FILE)
+            commit(staged[0], path)
+    except BaseException:
+        if rank == 0:
+            remove_stale_siblings(path)
+        raise
+    if process_group is not None:  # nobody returns before the checkpoint exists under its final name
+        dist.barrier(group=process_group)
+
+
+# -- load ------------------------------------------------------------------------------------------------------------
+def load_checkpoint(
+    path: str | Path,
+    module: nn.Module,
+    zero_optimizers: Sequence[ZeroOptimizer],
+    process_group: dist.ProcessGroup | None,
+    *,
+    load_optimizer: bool,
+    strict: bool = True,
+    gatherer: ParameterGatherer | None = None,
+) -> dict[str, Any]:
+    """Load a sharded checkpoint directory (any world size, stage or bucket size) or a full ``.ckpt`` file.
+
+    Collective. Weights, masters and (``load_optimizer``) optimizer state land directly in this rank's shards;
+    returns the rest of Lightning's state (loops, callbacks, LR schedulers, param-group hyper-parameters, ...).
+    """
+    path = Path(path)
+    slices = owned_parameter_slices(zero_optimizers, gatherer)
+    if path.is_file():  # e.g. a DDP run's checkpoint: full tensors, sliced here
+        state = load_lightning_state(path, mmap=True)
+        sources, toc = full_checkpoint_sources(state, module, zero_optimizers if load_optimizer else (), path)
+        plan = LoadPlan(module, slices, toc, strict=strict, origin=path)
+        if load_optimizer and toc["optimizers"]:
+            plan.add_optimizers(zero_optimizers, state.get("optimizer_states"))
+        plan.read_from(sources)
+        plan.finish(zero_optimizers)
+        return state
+    if not (path / LIGHTNING_STATE_FILE).is_file():
+        what = "does not exist" if not path.exists() else f"has no {LIGHTNING_STATE_FILE}, so it is not a checkpoint"
+        raise CheckpointError(
+            f"Checkpoint path {path} {what}. HINT: pass a directory written by ZeroStrategy (an interrupted save "
+            "never leaves one under its final name) or a single .ckpt file."
+        )
+    state = load_lightning_state(path / LIGHTNING_STATE_FILE)
+    toc = checked_toc(state.pop(TOC_KEY, None), path / LIGHTNING_STATE_FILE)
+    metadata = read_metadata(path)
+    check_toc_against_metadata(toc, metadata, path)
+    plan = LoadPlan(module, slices, toc, strict=strict, origin=path)
+    if load_optimizer and toc["optimizers"]:
+        plan.add_optimizers(zero_optimizers, state.get("optimizer_states"))
+    plan.read_dcp(path, metadata, process_group)
+    plan.finish(zero_optimizers)
+    return state
+
+
+def load_full_state_dict(
+    target: Strategy | nn.Module,
+    state_dict: Mapping[str, Tensor] | str | PathLike[str],
+    *,
+    optimizers: Sequence[ZeroOptimizer] = (),
+    prefix: str = "",
+    strict: bool = True,
+) -> None:
+    """Load full (unsharded) weights, e.g. pretrained ones, into a ZeRO model; every rank calls it.
+
+    ``target`` is a ``ZeroStrategy`` after setup (its LightningModule and optimizers are used) or a module wrapped by
+    ``optimizers``. ``state_dict`` is a mapping or a file (``torch.save`` of one, or of a Lightning checkpoint),
+    memory-mapped so that each rank copies out only the ranges it owns, one parameter at a time. ``prefix`` is
+    prepended to its keys to name the module's parameters, e.g. ``"model."`` for the GPT inside ``LitGPT``.
+    """
+    if isinstance(target, Strategy):
+        if target.lightning_module is None:
+            raise CheckpointError(
+                f"load_full_state_dict got a {type(target).__name__} without a LightningModule. HINT: call it once "
+                "the Trainer has set the strategy up, e.g. from the LightningModule's `on_fit_start` hook."
+            )
+        module: nn.Module = target.lightning_module
+        optimizers = [
+            o for o in (getattr(o, "_optimizer", o) for o in target.optimizers) if isinstance(o, ZeroOptimizer)
+        ]
+    else:
+        module = target
+    origin = Path(state_dict) if isinstance(state_dict, str | PathLike) else Path("<state_dict>")
+    if not isinstance(state_dict, Mapping):
+        state_dict = load_lightning_state(origin, mmap=True)
+        nested = state_dict.get("state_dict")
+        state_dict = nested if isinstance(nested, Mapping) else state_dict
+    sources, toc = state_dict_sources(state_dict, prefix, origin)
+    plan = LoadPlan(module, owned_parameter_slices(optimizers), toc, strict=strict, origin=origin, prefix=prefix)
+    plan.read_from(sources)
+    plan.finish(optimizers)

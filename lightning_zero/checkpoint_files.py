@@ -1,0 +1,290 @@
+"""Checkpoint files, read without trusting them and written so that a crash never leaves a usable-looking half.
+
+Note [safe loading]
+Nothing a user loads may run code from the checkpoint. ``lightning_state.pt`` and DCP's tensor records are read with
+``torch.load(weights_only=True)``. DCP's own ``FileSystemReader.read_metadata`` (torch 2.13) reads ``.metadata`` with
+a plain ``pickle.load``, which executes whatever a crafted file asks for; ``read_metadata`` here unpickles it with an
+allow-list of DCP's metadata dataclasses, ``torch.Size``/dtype/layout lookups and ``pathlib`` paths, refusing
+anything else before it is built, and then checks the structure (file names stay inside the directory, every file is
+present and long enough). DCP also stores non-tensor values as pickles that ``DefaultLoadPlanner.load_bytes`` opens
+with ``weights_only=False``; we never write those and ``SafeLoadPlanner`` refuses to read them.
+
+Note [atomic commit]
+A save writes into a hidden sibling ``.<name>.partial-<token>`` (never matched by Lightning's ``*.ckpt`` / ``last*``
+lookups). Rank 0 writes ``lightning_state.pt`` only after DCP has finished every rank's files and ``.metadata`` (all
+fsynced), then commits with one rename. Replacing an existing checkpoint (``last.ckpt`` is saved over and over)
+swaps the two directories atomically with ``renameat2(RENAME_EXCHANGE)`` and deletes the old one afterwards, so at
+every instant ``<name>`` is either the old complete checkpoint or the new complete one. A crash leaves at most a
+hidden partial directory, removed by the next save of the same name. Removal renames before deleting, for the same
+reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import os
+import pickle
+import shutil
+import uuid
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+LIGHTNING_STATE_FILE = "lightning_state.pt"
+"""Rank 0's file in a checkpoint directory: Lightning's state and the table of contents; written last."""
+DCP_METADATA_FILE = ".metadata"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the file or key and what to do."""
+
+
+# -- reading: restricted metadata, validated files, errors that name the file ---------------------------------------
+_METADATA_GLOBALS: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),  # a lookup of torch.strided & co. by name
+    "torch": frozenset({"Size"}),
+    "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}),
+    "collections": frozenset({"OrderedDict"}),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not part of DCP checkpoint metadata")
+
+
+def read_metadata(directory: Path) -> Metadata:
+    """DCP's ``.metadata`` of ``directory``, unpickled with an allow-list and validated (Note [safe loading])."""
+    path = directory / DCP_METADATA_FILE
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path} is missing, so {directory} is not a complete checkpoint. HINT: a crash during a save leaves no "
+            "checkpoint under the final name; pass an earlier checkpoint directory."
+        ) from None
+    except Exception as error:  # any unpickling failure: truncated, garbage, or a refused global
+        raise CheckpointError(
+            f"Refused to load corrupted or unsafe checkpoint metadata {path}: {error}. HINT: the file must be the "
+            "index DCP wrote; re-copy the checkpoint directory or use another checkpoint."
+        ) from error
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"{path} does not hold DCP checkpoint metadata (found {type(metadata).__name__}).")
+    needed: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        name = info.relative_path if isinstance(info, _StorageInfo) else None
+        if (
+            not isinstance(name, str)
+            or not isinstance(index, MetadataIndex)
+            or name in ("", ".", "..")
+            or name != os.path.basename(name)
+            or info.offset < 0
+            or info.length < 0
+        ):
+            raise CheckpointError(f"{path} lists an invalid storage location {info!r} for {index!r}.")
+        needed[name] = max(needed.get(name, 0), info.offset + info.length)
+    for name, nbytes in sorted(needed.items()):
+        _check_shard_file(directory / name, nbytes, path)
+    return metadata
+
+
+def _check_shard_file(path: Path, nbytes: int, listed_in: Path) -> None:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"Checkpoint shard file {path} is missing (listed in {listed_in}). HINT: a checkpoint is usable only "
+            "complete; copy every file of the directory, or use an earlier checkpoint."
+        ) from None
+    if size < nbytes:
+        raise CheckpointError(
+            f"Checkpoint shard file {path} is truncated: {size} bytes, but {listed_in} needs {nbytes}. HINT: the "
+            "copy or the disk was interrupted; use an earlier checkpoint."
+        )
+
+
+class SafeReader(FileSystemReader):
+    """A ``FileSystemReader`` over already validated metadata that checks each file's CRC-32 (``checksums``, recorded
+    when saving) before its first read and names the file behind any read error."""
+
+    def __init__(self, directory: Path, metadata: Metadata, checksums: Mapping[str, int]) -> None:
+        super().__init__(directory)
+        self._directory = directory
+        self._metadata = metadata
+        self._checksums = checksums
+        self._verified: set[str] = set()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata.storage_meta is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self._metadata.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():
+            self._verify(name)
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except CheckpointError:
+                raise
+            except Exception as error:
+                raise CheckpointError(
+                    f"Could not read checkpoint shard file {self._directory / name}: {error}. HINT: the file is "
+                    "corrupted; re-copy the checkpoint directory or use an earlier checkpoint."
+                ) from error
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _verify(self, name: str) -> None:
+        # torch.load does not check the CRCs of its zip records: a flipped bit in tensor data would load silently.
+        expected = self._checksums.get(name)
+        if name in self._verified or expected is None:
+            return
+        found = file_crc32(self._directory / name)
+        if found != expected:
+            raise CheckpointError(
+                f"Checkpoint shard file {self._directory / name} is corrupted: its CRC-32 is {found:#010x}, but "
+                f"{expected:#010x} was recorded when it was saved. HINT: re-copy the checkpoint or use an earlier one."
+            )
+        self._verified.add(name)
+
+
+def file_crc32(path: Path, block: int = 1 << 24) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def load_lightning_state(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """``torch.load(weights_only=True)`` of a Lightning state file, with errors that name it.
+
+    ``mmap``: map the tensors' bytes instead of reading them, so that a full checkpoint is paged in piece by piece as
+    the slices this rank owns are copied out of it.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise CheckpointError(f"Checkpoint file {path} does not exist.") from None
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"Refused to load {path}: rebuilding it would run code named in the file ({error}). HINT: checkpoints "
+            "are loaded with weights_only=True; allow-list classes you trust with "
+            "`torch.serialization.add_safe_globals([...])`."
+        ) from error
+    except Exception as error:
+        raise CheckpointError(f"Could not read checkpoint file {path}: {error}. HINT: it is corrupted.") from error
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a Lightning checkpoint dictionary.")
+    return state
+
+
+# -- atomic commit and removal (Note [atomic commit]) ----------------------------------------------------------------
+def partial_sibling(path: Path) -> Path:
+    return path.with_name(f".{path.name}.partial-{uuid.uuid4().hex[:12]}")
+
+
+def remove_stale_siblings(path: Path) -> None:
+    """Delete what interrupted saves and removals of ``path`` left behind."""
+    for stale in list(path.parent.glob(f".{path.name}.partial-*")) + list(path.parent.glob(f".{path.name}.trash-*")):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def write_synced(obj: object, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def commit(staged: Path, final: Path) -> None:
+    """Make the complete directory ``staged`` appear as ``final`` in one step, replacing what was there."""
+    _fsync_directory(staged)
+    previous: Path | None = None
+    if not os.path.lexists(final):
+        os.rename(staged, final)
+    elif _exchange(staged, final):
+        previous = staged  # the exchange left the old checkpoint (or file, or link) where the new one was
+    else:
+        # No atomic exchange on this OS or filesystem: a crash between the two renames leaves the old checkpoint
+        # under a hidden name instead of ``final``, never a partial one under ``final``.
+        previous = final.with_name(f".{final.name}.trash-{uuid.uuid4().hex[:12]}")
+        os.rename(final, previous)
+        os.rename(staged, final)
+    _fsync_directory(final.parent)
+    if previous is not None:
+        _delete(previous)
+
+
+def remove(path: str | os.PathLike[str]) -> None:
+    """Remove a checkpoint file, directory or link; a directory is renamed away first, then deleted."""
+    path = Path(path)
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        trash = path.with_name(f".{path.name}.trash-{uuid.uuid4().hex[:12]}")
+        os.rename(path, trash)
+        shutil.rmtree(trash)
+
+
+def _delete(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with Linux ``renameat2(RENAME_EXCHANGE)``; False where unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    # Nonzero (EINVAL, ENOSYS): the filesystem cannot exchange; the caller falls back to two renames.
+    return bool(renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0)
+
+
+def _fsync_directory(path: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems cannot open or sync a directory
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,244 @@
+"""What this rank owns of each parameter, and the plan that fills exactly that from a checkpoint.
+
+``owned_parameter_slices`` is the one place that knows the sharded layout: for every parameter held in a bucket, the
+range ``[start, stop)`` of the flattened parameter in this rank's shard (a rank's shard of a bucket is contiguous, so
+there is at most one), a view of its values, and where its fp32 master and optimizer state live. Saving writes these
+ranges; ``LoadPlan`` asks for the same ranges of the saved tensors, whatever layout saved them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from lightning_zero.checkpoint_files import CheckpointError, SafeReader
+from lightning_zero.checkpoint_format import FlatChunk, SafeLoadPlanner, Toc, info_dtype
+from lightning_zero.parameter_gatherer import ParameterGatherer
+from lightning_zero.sharded_optimizer import ZeroOptimizer
+
+Read = tuple[Tensor, int | None]
+"""A destination and where it starts in the flattened saved tensor (None: the whole, unflattened tensor)."""
+
+
+class OwnedSlice(NamedTuple):
+    """Elements ``[start, stop)`` of the flattened parameter ``fqn`` that this rank owns (empty when none)."""
+
+    fqn: str
+    param: nn.Parameter
+    shape: torch.Size
+    """The full parameter's shape."""
+    start: int
+    stop: int
+    values: Tensor
+    """(stop - start,) this rank's parameter values: a view of the bucket's persistent ``param_shard``."""
+    optimizer: int | None
+    """Index of the ZeroOptimizer that steps these elements; None for frozen parameters."""
+    master: Tensor | None
+    """(stop - start,) the fp32 master weights (``values`` itself when the parameters are fp32)."""
+    state_key: Tensor | None
+    """The master tensor that keys these elements' optimizer state (one per contiguous run of a param group)."""
+    state_offset: int
+    """Where ``master`` starts inside ``state_key`` (and inside each element-wise optimizer state tensor)."""
+
+
+def owned_parameter_slices(
+    zero_optimizers: Sequence[ZeroOptimizer], gatherer: ParameterGatherer | None = None
+) -> list[OwnedSlice]:
+    """One ``OwnedSlice`` per sharded parameter (possibly empty): the only place that knows the sharded layout.
+
+    The buckets are the optimizers' (stages 1 and 2) or, with a stage-3 ``gatherer``, every bucket of the sharded
+    model, frozen ones included. A parameter held in no bucket is replicated: every rank has all of it (frozen
+    parameters in stages 1 and 2, or every parameter when no optimizer was set up, e.g. under ``trainer.validate``).
+    """
+    gatherer = gatherer or next((z.gatherer for z in zero_optimizers if z.gatherer is not None), None)
+    held = [b for z in zero_optimizers for b in z.buckets]
+    if gatherer is not None:
+        held = [b for unit in gatherer.units for b in unit.buckets] + gatherer.resident_buckets
+    buckets = {id(b): b for b in held}
+    owners: dict[int, list[tuple[int, int, int, Tensor]]] = {}  # bucket -> (optimizer, start, stop, master)
+    for i, zero in enumerate(zero_optimizers):
+        for segment, master in zip(zero.segments, zero.masters, strict=True):
+            owners.setdefault(id(segment.bucket), []).append((i, segment.start, segment.stop, master))
+    slices: list[OwnedSlice] = []
+    for bucket in buckets.values():
+        lo, hi = bucket.rank * bucket.shard_numel, (bucket.rank + 1) * bucket.shard_numel
+        shard = bucket.param_shard  # (shard_numel,) in the bucket's coordinates [lo, hi)
+        for slot, param in bucket.slots_and_params():
+            first, last = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if first >= last:
+                slices.append(OwnedSlice(slot.fqn, param, slot.shape, 0, 0, shard[:0], None, None, None, 0))
+                continue
+            a, b = first - lo, last - lo  # within the shard
+            start, stop = first - slot.offset, last - slot.offset
+            owned = OwnedSlice(slot.fqn, param, slot.shape, start, stop, shard[a:b], None, None, None, 0)
+            for i, seg_start, seg_stop, master in owners.get(id(bucket), ()):
+                if seg_start <= a and b <= seg_stop:  # the run of this param group that holds the parameter
+                    view = master[a - seg_start : b - seg_start]
+                    owned = owned._replace(optimizer=i, master=view, state_key=master, state_offset=a - seg_start)
+            slices.append(owned)
+    return slices
+
+
+class LoadPlan:
+    """Every destination this rank fills, keyed by the storage key it is read from, and what to do afterwards."""
+
+    def __init__(
+        self, module: nn.Module, slices: list[OwnedSlice], toc: Toc, *, strict: bool, origin: Path, prefix: str = ""
+    ) -> None:
+        self.slices = slices
+        self.toc = toc
+        self.origin = origin
+        self.reads: dict[str, Read] = {}
+        self.after: list[Callable[[], object]] = []
+        by_param = {id(s.param): s for s in slices}
+        module_state = {k: v for k, v in module.state_dict(keep_vars=True).items() if k.startswith(prefix)}
+        _check_keys(type(module).__name__, set(module_state), set(toc["state_dict"]), strict, origin)
+        placed: set[int] = set()
+        for key, value in module_state.items():
+            storage = toc["state_dict"].get(key)
+            if storage is None or id(value) in placed:  # absent (strict=False) or tied to an earlier key
+                continue
+            placed.add(id(value))
+            s = by_param.get(id(value))
+            saved = torch.Size(toc["tensors"][storage]["shape"])
+            if saved != (value.shape if s is None else s.shape):
+                raise CheckpointError(
+                    f"Shape mismatch for {key!r}: {origin} has {tuple(saved)}, the model has "
+                    f"{tuple(value.shape if s is None else s.shape)}. HINT: the checkpoint comes from a different "
+                    "model configuration."
+                )
+            source = toc["masters"].get(storage, storage)  # the exact fp32 values when they were saved
+            if s is None:
+                self._add(source, self._whole(value.detach()), key)
+            elif s.stop > s.start:
+                target = s.values if s.master is None else s.master
+                self._add(source, (target, s.start), key)
+                if target.data_ptr() != s.values.data_ptr():
+                    self.after.append(partial(s.values.copy_, target))  # fp32 master -> low-precision shard
+
+    def _add(self, source: str, read: Read, key: str) -> None:
+        if source in self.reads:
+            raise CheckpointError(
+                f"{self.origin} stores {key!r} as the same tensor as another parameter (tied weights), but the model "
+                "has separate parameters. HINT: tie them in the model as in the run that saved."
+            )
+        self.reads[source] = read
+
+    def _whole(self, tensor: Tensor) -> Read:
+        if tensor.is_contiguous():
+            return tensor.view(-1), 0
+        staging = torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        self.after.append(lambda: tensor.copy_(staging.view(tensor.shape)))
+        return staging, 0
+
+    def add_optimizers(self, zero_optimizers: Sequence[ZeroOptimizer], saved: list[Any] | None) -> None:
+        if len(self.toc["optimizers"]) != len(zero_optimizers) or saved is None or len(saved) != len(zero_optimizers):
+            raise CheckpointError(
+                f"{self.origin} holds the state of {len(self.toc['optimizers'])} optimizer(s), but "
+                f"configure_optimizers returned {len(zero_optimizers)}. HINT: resume with the same optimizers."
+            )
+        for i, zero in enumerate(zero_optimizers):
+            self.after.append(self._plan_optimizer(i, zero, saved[i]["param_groups"]))
+
+    def _plan_optimizer(self, i: int, zero: ZeroOptimizer, saved_groups: list[dict[str, Any]]) -> Callable[[], None]:
+        """Read optimizer ``i``'s state for every owned range into per-segment tensors; load them afterwards."""
+        names = self.toc["optimizers"][i]
+        state: dict[int, dict[str, Tensor]] = {}  # id(segment master) -> state name -> tensor being filled
+        for s in self.slices:
+            if s.optimizer != i or s.state_key is None:
+                continue
+            entry = state.setdefault(id(s.state_key), {})
+            for name, storage in names.get(s.fqn, {}).items():
+                info = self.toc["tensors"][storage]
+                if info["flat"]:  # element-wise: this range of the segment's tensor
+                    if name not in entry:  # zeros: a parameter absent from a full checkpoint had no state yet
+                        entry[name] = torch.zeros_like(s.state_key)
+                    buffer = entry[name]
+                    self.reads[storage] = (buffer[s.state_offset : s.state_offset + s.stop - s.start], s.start)
+                elif name not in entry:  # one value per segment, read from its first parameter
+                    entry[name] = torch.empty(info["shape"], dtype=info_dtype(info))
+                    self.reads[storage] = (entry[name], None)
+        groups = zero.optimizer.param_groups  # the wrapped optimizer's own groups: their params are the masters
+        if len(saved_groups) != len(groups):
+            raise CheckpointError(
+                f"Optimizer {i} has {len(groups)} param groups, but {self.origin} saved "
+                f"{len(saved_groups)}. HINT: configure_optimizers must build the same param groups as when saving."
+            )
+
+        def load() -> None:
+            params = [p for group in groups for p in group["params"]]
+            index = {id(p): k for k, p in enumerate(params)}
+            filled = {index[key]: entry for key, entry in state.items() if entry}
+            # A segment whose parameters never had a gradient in a full checkpoint lacks the 0-d entries (step):
+            # it shares the optimizer's count, as every segment of a ZeRO run does.
+            shared = {n: t for entry in filled.values() for n, t in entry.items() if t.dim() == 0}
+            for entry in filled.values():
+                for name, value in shared.items():
+                    entry.setdefault(name, value.clone())
+            restored = [
+                {**_hyper_parameters(saved), "params": [index[id(p)] for p in group["params"]]}
+                for saved, group in zip(saved_groups, groups, strict=True)
+            ]
+            zero.optimizer.load_state_dict({"state": filled, "param_groups": restored})
+            # torch's load_state_dict builds new group dicts; keep the original ones, updated, since
+            # ZeroOptimizer.param_groups (what Lightning and LR monitors read) wraps them.
+            for original, loaded in zip(groups, zero.optimizer.param_groups, strict=True):
+                original.update(loaded)
+            zero.optimizer.param_groups = groups
+
+        return load
+
+    def read_dcp(self, directory: Path, metadata: Metadata, process_group: dist.ProcessGroup | None) -> None:
+        request: dict[str, FlatChunk | Tensor] = {}
+        for key, (destination, start) in self.reads.items():
+            shape = torch.Size(self.toc["tensors"][key]["shape"])
+            request[key] = destination if start is None else FlatChunk(destination, start, shape)
+        try:
+            dcp_load(
+                request,
+                storage_reader=SafeReader(directory, metadata, self.toc["files"]),
+                planner=SafeLoadPlanner(),
+                process_group=process_group,
+                no_dist=process_group is None,
+            )
+        except CheckpointException as error:  # DCP gathers every rank's failure; ours already say what to do
+            first = next(f[0] if isinstance(f, tuple) else f for f in error.failures.values())
+            if isinstance(first, CheckpointError):
+                raise first from error
+            raise CheckpointError(f"Loading {directory} failed: {first}") from error
+
+    def read_from(self, sources: Mapping[str, Tensor]) -> None:
+        with torch.no_grad():
+            for key, (destination, start) in self.reads.items():
+                source = sources[key]
+                destination.copy_(source if start is None else source[start : start + destination.numel()])
+
+    def finish(self, zero_optimizers: Sequence[ZeroOptimizer]) -> None:
+        with torch.no_grad():
+            for step in self.after:
+                step()
+        for zero in zero_optimizers:
+            zero.gather_parameters()
+
+
+def _check_keys(model: str, expected: set[str], saved: set[str], strict: bool, origin: Path) -> None:
+    missing, unexpected = sorted(expected - saved), sorted(saved - expected)
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"{origin} does not match the {model}: {len(missing)} key(s) missing from the checkpoint "
+            f"{missing[:5]}, {len(unexpected)} unexpected key(s) {unexpected[:5]}. HINT: load a checkpoint of this "
+            "model, or set `strict_loading = False` on the LightningModule to load only the matching keys."
+        )
+
+
+def _hyper_parameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}

@@ -1,0 +1,95 @@
+"""A sharded checkpoint directory -> one plain Lightning checkpoint file, on one CPU process without a process group.
+
+    python -m lightning_zero consolidate CKPT_DIR OUT_FILE
+
+The output holds the full fp32 ``state_dict`` under the LightningModule's own key names (tied parameters share one
+tensor, as ``state_dict()`` has them) plus Lightning's fields (epoch, global step, loops, hyper-parameters, ...), so
+``MyModule.load_from_checkpoint(OUT_FILE)`` and ``nn.Module.load_state_dict(torch.load(OUT_FILE)["state_dict"])``
+both work. Optimizer and LR-scheduler state are left out, as in Lightning's ``save_weights_only`` checkpoints.
+
+Tensors are read one at a time, each from every saved chunk of it (fp32 masters where the run kept them), so peak
+memory is the output state dict plus one tensor: no optimizer state is ever read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from lightning_zero.checkpoint_files import (
+    LIGHTNING_STATE_FILE,
+    CheckpointError,
+    SafeReader,
+    load_lightning_state,
+    partial_sibling,
+    read_metadata,
+    write_synced,
+)
+from lightning_zero.checkpoint_format import (
+    TOC_KEY,
+    FlatChunk,
+    SafeLoadPlanner,
+    check_toc_against_metadata,
+    checked_toc,
+    info_dtype,
+)
+
+# Lightning state that only makes sense next to the optimizer tensors this file leaves out.
+_DROPPED = ("optimizer_states", "lr_schedulers")
+
+
+def consolidate_checkpoint(ckpt_dir: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> Path:
+    """Write the checkpoint directory ``ckpt_dir`` as the single file ``out_file`` (replaced atomically)."""
+    directory, out = Path(ckpt_dir), Path(out_file)
+    state = load_lightning_state(directory / LIGHTNING_STATE_FILE)
+    toc = checked_toc(state.pop(TOC_KEY, None), directory / LIGHTNING_STATE_FILE)
+    metadata = read_metadata(directory)
+    check_toc_against_metadata(toc, metadata, directory)
+    reader = SafeReader(directory, metadata, toc["files"])
+    full: dict[str, Tensor] = {}
+    by_storage: dict[str, Tensor] = {}
+    for key, storage in toc["state_dict"].items():
+        if storage not in by_storage:
+            source = toc["masters"].get(storage, storage)  # the fp32 master when the parameters were low precision
+            shape = torch.Size(toc["tensors"][storage]["shape"])
+            flat = torch.empty(shape.numel(), dtype=info_dtype(toc["tensors"][source]))
+            with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the point
+                warnings.simplefilter("ignore", UserWarning)
+                dcp_load({source: FlatChunk(flat, 0, shape)}, storage_reader=reader, planner=SafeLoadPlanner())
+            tensor = flat.view(shape)
+            by_storage[storage] = tensor.float() if tensor.is_floating_point() else tensor
+        full[key] = by_storage[storage]
+    consolidated = {k: v for k, v in state.items() if k not in _DROPPED}
+    consolidated["state_dict"] = full
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staged = partial_sibling(out)
+    try:
+        write_synced(consolidated, staged)
+        os.replace(staged, out)
+    finally:
+        staged.unlink(missing_ok=True)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_zero consolidate",
+        description="Write a sharded lightning_zero checkpoint directory as one plain Lightning checkpoint file.",
+    )
+    parser.add_argument("ckpt_dir", help="checkpoint directory written by ZeroStrategy")
+    parser.add_argument("out_file", help="the single .ckpt file to write")
+    args = parser.parse_args(argv)
+    try:
+        out = consolidate_checkpoint(args.ckpt_dir, args.out_file)
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    return 0

@@ -1,0 +1,247 @@
+"""Sharded checkpoint files without a process group: the owned-slice layout, safety against pickled payloads, clear
+errors for damaged or mismatched checkpoints, and the atomic commit (training-level behaviour: test_checkpoint_trainer).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import pickle
+import re
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from lightning_zero.checkpoint import (
+    load_checkpoint,
+    load_full_state_dict,
+    owned_parameter_slices,
+    save_sharded_checkpoint,
+    sharded_model_state,
+)
+from lightning_zero.checkpoint_files import (
+    DCP_METADATA_FILE,
+    LIGHTNING_STATE_FILE,
+    CheckpointError,
+    commit,
+    remove,
+)
+from lightning_zero.checkpoint_format import SafeLoadPlanner
+from lightning_zero.consolidate import consolidate_checkpoint
+from lightning_zero.flat_bucket import build_buckets
+from lightning_zero.models.mlp import MLP
+from lightning_zero.sharded_optimizer import Segment
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+class Payload:
+    """Unpickling this creates ``marker``: the stand-in for code a malicious checkpoint would run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _mlp(hidden: int = 16) -> MLP:
+    torch.manual_seed(0)
+    return MLP(in_features=6, hidden=(hidden,), out_features=3)
+
+
+def _save(module: nn.Module, path: Path) -> Path:
+    checkpoint = {"epoch": 1, "global_step": 7, "state_dict": sharded_model_state(module, [])}
+    save_sharded_checkpoint(checkpoint, path, None, {"world_size": 1, "stage": 2})
+    return path
+
+
+def _load(module: nn.Module, path: Path) -> dict:
+    return load_checkpoint(path, module, [], None, load_optimizer=False)
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    return _save(_mlp(), tmp_path / "epoch=1-step=7.ckpt")
+
+
+# -- layout ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_owned_slices_of_all_ranks_tile_every_parameter_exactly(world_size):
+    model = _mlp(hidden=5)  # small, odd sizes: parameters straddle ranks and buckets end in padding
+    expected = {n: p.detach().clone().reshape(-1) for n, p in model.named_parameters()}
+    covered: dict[str, list[tuple[int, int]]] = {n: [] for n in expected}
+    for rank in range(world_size):
+        buckets = build_buckets([list(model.named_parameters())], 40, rank, world_size, list(model.parameters()))
+        segments = [Segment(b, 0, min(b.shard_numel, b.numel - rank * b.shard_numel), 0) for b in buckets]
+        segments = [s for s in segments if s.stop > 0]
+        masters = [s.bucket.param_shard[s.start : s.stop] for s in segments]  # fp32: the parameters themselves
+        fake = SimpleNamespace(buckets=buckets, segments=segments, masters=masters, gatherer=None)
+        for s in owned_parameter_slices([fake]):
+            if s.stop > s.start:
+                covered[s.fqn].append((s.start, s.stop))
+                torch.testing.assert_close(s.values, expected[s.fqn][s.start : s.stop], rtol=0, atol=0)
+                assert s.optimizer == 0
+                assert s.master is not None
+                assert s.master.data_ptr() == s.values.data_ptr()
+    for name, ranges in covered.items():
+        ranges.sort()
+        assert (ranges[0][0], ranges[-1][1]) == (0, expected[name].numel()), name
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges)), f"{name}: gaps or overlaps {ranges}"
+
+
+# -- round trip without a process group ------------------------------------------------------------------------------
+def test_round_trip_consolidate_and_pretrained_weights_in_one_process(saved, tmp_path):
+    source = dict(_mlp().state_dict())
+    target = _mlp(hidden=16)
+    with torch.no_grad():
+        for p in target.parameters():
+            p.zero_()
+    state = _load(target, saved)
+    assert state["global_step"] == 7
+    assert "state_dict" not in state
+    for name, value in target.state_dict().items():
+        assert torch.equal(value, source[name]), name
+
+    out = consolidate_checkpoint(saved, tmp_path / "plain.ckpt")
+    plain = torch.load(out, weights_only=True)
+    assert plain["global_step"] == 7
+    assert {k: torch.equal(v, source[k]) for k, v in plain["state_dict"].items()} == dict.fromkeys(source, True)
+
+    wrapper = nn.Module()
+    wrapper.inner = _mlp()
+    with torch.no_grad():
+        for p in wrapper.parameters():
+            p.zero_()
+    torch.save(source, tmp_path / "pretrained.pt")
+    load_full_state_dict(wrapper, tmp_path / "pretrained.pt", prefix="inner.")
+    for name, value in wrapper.inner.state_dict().items():
+        assert torch.equal(value, source[name]), name
+
+
+# -- nothing in a checkpoint can run code -----------------------------------------------------------------------------
+def _assert_payload_is_live(marker: Path) -> None:
+    pickle.loads(pickle.dumps(Payload(marker)))  # unpickled unsafely, the payload does create the file...
+    assert marker.exists()
+    marker.unlink()
+
+
+def test_pickled_payload_in_lightning_state_is_refused(saved, tmp_path):
+    marker = tmp_path / "pwned"
+    _assert_payload_is_live(marker)
+    torch.save({"epoch": 1, "callbacks": {"x": Payload(marker)}}, saved / LIGHTNING_STATE_FILE)
+    with pytest.raises(CheckpointError, match=re.escape(str(saved / LIGHTNING_STATE_FILE))):
+        _load(_mlp(), saved)
+    with pytest.raises(CheckpointError, match="Refused to load"):
+        consolidate_checkpoint(saved, tmp_path / "out.ckpt")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("where", ["whole file", "inside valid metadata"])
+def test_pickled_payload_in_dcp_metadata_is_refused(saved, tmp_path, where):
+    marker = tmp_path / "pwned"
+    _assert_payload_is_live(marker)
+    if where == "whole file":
+        payload = pickle.dumps(Payload(marker))
+    else:  # a genuine Metadata object carrying the payload in a field DCP itself never looks at
+        with open(saved / DCP_METADATA_FILE, "rb") as f:
+            metadata = pickle.load(f)
+        metadata.planner_data = {"x": Payload(marker)}
+        payload = pickle.dumps(metadata)
+    (saved / DCP_METADATA_FILE).write_bytes(payload)
+    with pytest.raises(CheckpointError, match=re.escape(str(saved / DCP_METADATA_FILE))):
+        _load(_mlp(), saved)
+    with pytest.raises(CheckpointError, match="unsafe"):
+        consolidate_checkpoint(saved, tmp_path / "out.ckpt")
+    assert not marker.exists()
+
+
+def test_pickled_entry_stored_by_dcp_is_refused(saved, tmp_path):
+    """DCP stores non-tensor values as pickles that its own planner would unpickle with weights_only=False."""
+    marker = tmp_path / "pwned"
+    entries = {f"model/{k}": v for k, v in _mlp().state_dict().items()}
+    entries["model/net.0.weight"] = Payload(marker)  # not a tensor: DCP pickles it
+    for f in saved.glob("__*"):
+        f.unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_save(entries, checkpoint_id=saved)
+    with pytest.raises(CheckpointError, match=r"'model/net\.0\.weight' is BytesStorageMetadata"):
+        _load(_mlp(), saved)
+    with pytest.raises(CheckpointError, match="Refusing to unpickle"):
+        SafeLoadPlanner().load_bytes(SimpleNamespace(dest_index=SimpleNamespace(fqn="x")), io.BytesIO())
+    assert not marker.exists()
+
+
+# -- damaged or mismatched checkpoints name the file or key ----------------------------------------------------------
+def test_missing_truncated_and_corrupted_shard_files_are_named(saved):
+    shard = next(saved.glob("__*.distcp"))
+    data = shard.read_bytes()
+
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=re.escape(f"{shard} is truncated")):
+        _load(_mlp(), saved)
+
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF  # same size, one bit of tensor data off: torch.load alone would not notice
+    shard.write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match=re.escape(f"{shard} is corrupted")):
+        _load(_mlp(), saved)
+
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=re.escape(f"{shard} is missing")):
+        _load(_mlp(), saved)
+
+
+def test_corrupted_metadata_and_incomplete_directory_are_named(saved):
+    (saved / DCP_METADATA_FILE).write_bytes(b"\x80\x04garbage")
+    with pytest.raises(CheckpointError, match=re.escape(str(saved / DCP_METADATA_FILE))):
+        _load(_mlp(), saved)
+    (saved / LIGHTNING_STATE_FILE).unlink()
+    with pytest.raises(CheckpointError, match=f"has no {LIGHTNING_STATE_FILE}, so it is not a checkpoint"):
+        _load(_mlp(), saved)
+
+
+def test_checkpoint_of_a_different_model_names_the_keys(saved):
+    other = nn.Sequential(nn.Linear(6, 16), nn.Linear(16, 3))
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint \['0\.bias'") as error:
+        _load(other, saved)
+    assert "unexpected key(s) ['net.0.bias'" in str(error.value)
+    assert str(saved) in str(error.value)
+
+
+def test_mismatched_shape_names_the_key_and_both_shapes(saved):
+    expected = r"Shape mismatch for 'net\.0\.weight': .* has \(16, 6\), the model has \(8, 6\)"
+    with pytest.raises(CheckpointError, match=expected):
+        _load(_mlp(hidden=8), saved)
+
+
+# -- atomic commit ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("existing", ["nothing", "directory", "file", "symlink"])
+def test_commit_replaces_whatever_is_there_and_leaves_nothing_behind(tmp_path, existing):
+    final, staged, target = tmp_path / "last.ckpt", tmp_path / ".last.ckpt.partial-1", tmp_path / "other.ckpt"
+    staged.mkdir()
+    (staged / "new").write_text("new")
+    target.mkdir()
+    if existing == "directory":
+        final.mkdir()
+        (final / "old").write_text("old")
+    elif existing == "file":
+        final.write_text("old single-file checkpoint")
+    elif existing == "symlink":
+        final.symlink_to(target.name)
+    commit(staged, final)
+    assert final.is_dir()
+    assert not final.is_symlink()
+    assert (final / "new").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "other.ckpt"]
+    os.symlink(target.name, tmp_path / "link.ckpt")
+    remove(tmp_path / "link.ckpt")  # removing a link never touches what it points to
+    remove(final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.ckpt"]
