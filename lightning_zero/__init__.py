@@ -8,8 +8,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.checkpoint import CheckpointError, load_full_state_dict
 from lightning_zero.collectives import CommLedger
-from lightning_zero.consolidate import consolidate_checkpoint
 from lightning_zero.config import ZeroConfig
+from lightning_zero.consolidate import consolidate_checkpoint
 from lightning_zero.loss_scaler import DynamicLossScaler
 from lightning_zero.memory import ModelStateBytes, expected_model_state_bytes, model_state_bytes
 from lightning_zero.parameter_gatherer import ParameterGatherer, RankDivergenceError
