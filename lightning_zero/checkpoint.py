@@ -194,6 +194,7 @@ def load_checkpoint(
             plan.add_optimizers(zero_optimizers, state.get("optimizer_states"))
         plan.read_from(sources)
         plan.finish(zero_optimizers)
+        _refresh(gatherer)
         return state
     if not (path / LIGHTNING_STATE_FILE).is_file():
         what = "does not exist" if not path.exists() else f"has no {LIGHTNING_STATE_FILE}, so it is not a checkpoint"
@@ -210,7 +211,13 @@ def load_checkpoint(
         plan.add_optimizers(zero_optimizers, state.get("optimizer_states"))
     plan.read_dcp(path, metadata, process_group)
     plan.finish(zero_optimizers)
+    _refresh(gatherer)
     return state
+
+
+def _refresh(gatherer: ParameterGatherer | None) -> None:
+    if gatherer is not None:
+        gatherer.refresh_gathered()  # a stage-3 unit gathered right now must not keep the weights from before
 
 
 def load_full_state_dict(

@@ -9,6 +9,7 @@ import os
 import signal
 import tempfile
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,12 @@ def zero(stage: int) -> ZeroStrategy:
 
 
 def weights(module: nn.Module) -> dict[str, Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    """The full state dict on every rank (stage 3 gathers its sharded parameters for the copy)."""
+    trainer = getattr(module, "_trainer", None)
+    strategy = trainer.strategy if trainer is not None else None
+    context = strategy.gathered_parameters() if isinstance(strategy, ZeroStrategy) else nullcontext()
+    with context:
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def assert_same(actual: dict[str, Tensor], expected: dict[str, Tensor], exact: bool = True) -> None:
@@ -147,7 +153,7 @@ def _snapshot(trainer: pl.Trainer) -> dict[str, Any]:
     state: list[tuple[str, str, int | None, Tensor]] = []  # (fqn, state name, start or None for 0-d, values)
     optimizers = list(trainer.strategy.optimizers)
     if all(isinstance(o, ZeroOptimizer) for o in optimizers):
-        for s in owned_parameter_slices(optimizers):
+        for s in owned_parameter_slices(optimizers, getattr(trainer.strategy, "_gatherer", None)):
             if s.state_key is not None:
                 for name, value in optimizers[s.optimizer].state.get(s.state_key, {}).items():
                     piece = value if value.dim() == 0 else value[s.state_offset : s.state_offset + s.stop - s.start]

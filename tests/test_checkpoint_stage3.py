@@ -1,0 +1,40 @@
+"""Sharded checkpoints of stage 3: exact resume, and loading across stages and world sizes in both directions."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+
+from tests.harness import run_distributed
+from tests.test_checkpoint_trainer import (
+    _load,
+    _resume_exactly,
+    _save_at_step_4,
+    assert_same,
+    assert_same_training_state,
+)
+
+
+@pytest.mark.timeout(150)
+def test_stage3_resume_is_bit_identical_to_uninterrupted():
+    with tempfile.TemporaryDirectory() as root:
+        for uninterrupted, *resumed in run_distributed(
+            _resume_exactly, 2, root, 3, 2, True, "32-true", init_process_group=False
+        ):
+            assert len(resumed) == 2  # mid-epoch and end of epoch
+            for weights_after_resume in resumed:
+                assert_same(weights_after_resume, uninterrupted)
+
+
+@pytest.mark.timeout(180)
+def test_stage3_checkpoints_load_at_other_stages_and_world_sizes():
+    with tempfile.TemporaryDirectory() as root:
+        saved = run_distributed(_save_at_step_4, 2, root, 3, init_process_group=False)
+        source = f"{root}/w2/epoch=0-step=4.ckpt"
+        # stage 3 at 2 ranks -> stage 1 at 4 ranks (saved again) -> stage 3 at 2 ranks; stage 3 -> stage 2 at 1 rank.
+        at4 = run_distributed(_load, 4, root, source, 1, 4, f"{root}/w4.ckpt", init_process_group=False)
+        back = run_distributed(_load, 2, root, f"{root}/w4.ckpt", 3, 2, None, init_process_group=False)
+        at1 = run_distributed(_load, 1, root, source, 2, 1, None, init_process_group=False)
+    for loaded in (at4, back, at1):
+        assert_same_training_state(loaded, saved)
