@@ -1,56 +1,135 @@
-"""Train a small GPT with ZeRO on two CPU processes.
+"""Train a GPT with ZeRO on two CPU processes, configured with Hydra (``conf/``).
 
-    .venv/bin/python examples/train.py                       # ZeRO stage 2, 2 processes, 60 steps
-    .venv/bin/python examples/train.py --strategy zero1 --max-steps 200
+    .venv/bin/python examples/train.py
 
-Each process holds the full model but only half of the optimizer state (stage 1) and of the gradients (stage 2).
-At the end every rank prints its model-state bytes and the bytes it communicated in the last step.
+trains the small GPT (3.3M parameters) on the shipped fables (``data/fables.txt``) with ZeRO (the ``strategy`` default
+in ``conf/config.yaml``) on two CPU processes in about a minute: Lightning's progress bar, the loss every 10 steps, a
+per-rank table of model-state memory and bytes communicated, and a sample of generated text. Everything is a Hydra
+override::
+
+    .venv/bin/python examples/train.py strategy=zero1 trainer.max_steps=200 trainer.devices=2
+    .venv/bin/python examples/train.py strategy=ddp model=tiny data=synthetic
+    .venv/bin/python examples/train.py -m strategy=zero1,zero2        # a sweep: one job (of 2 processes) each
+    .venv/bin/python examples/train.py --cfg job                      # print the composed config
+
+Two nodes (here both on localhost; on a cluster run the same command on each node with its --node-rank)::
+
+    torchrun --nnodes=2 --nproc-per-node=1 --node-rank=0 --master-addr=127.0.0.1 --master-port=29500 \\
+        examples/train.py trainer.num_nodes=2 trainer.devices=1 &
+    torchrun --nnodes=2 --nproc-per-node=1 --node-rank=1 --master-addr=127.0.0.1 --master-port=29500 \\
+        examples/train.py trainer.num_nodes=2 trainer.devices=1
+
+Outputs (the composed config, logs, ``memory_report.json``) go to Hydra's directory: ``outputs/<date>/<time>/``,
+or ``multirun/<date>/<time>/<job>/`` for a sweep.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Any
 
+import hydra
 import lightning.pytorch as pl
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from typing_extensions import override
 
-import lightning_zero  # noqa: F401  (registers the "zero1" / "zero2" strategies)
 from lightning_zero import ZeroStrategy
-from lightning_zero.models.gpt import GPTConfig
-from lightning_zero.models.lightning_gpt import LitGPT, SyntheticTextDataModule
+from lightning_zero.data import ByteCorpusDataModule, decode, encode
+from lightning_zero.hydra_launch import HydraJob
+from lightning_zero.hydra_schema import register_configs
+from lightning_zero.models import LitGPT
+
+REPO = Path(__file__).resolve().parent.parent
+
+register_configs()  # the schemas conf/ extends; must exist before Hydra composes
+# Emitted by Lightning's own internals with this torch; nothing a user of the example can act on.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", default="zero2", choices=["zero1", "zero2", "ddp"])
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--max-steps", type=int, default=60)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args()
+class PrintLoss(pl.Callback):
+    """A line per ``every_n_steps`` optimizer steps, so the falling loss stays on screen under the progress bar."""
 
-    pl.seed_everything(0)
-    config = GPTConfig.tiny()
-    model = LitGPT(config, lr=args.lr)
-    data = SyntheticTextDataModule(vocab_size=config.vocab_size, seq_len=config.block_size, batch_size=args.batch_size)
-    trainer = pl.Trainer(
-        strategy=args.strategy,
-        accelerator="cpu",
-        devices=args.devices,
-        max_steps=args.max_steps,
-        log_every_n_steps=10,
-        enable_checkpointing=False,
-        logger=False,
-    )
-    trainer.fit(model, data)
+    def __init__(self, every_n_steps: int) -> None:
+        self.every_n_steps = max(1, every_n_steps)
 
-    strategy = trainer.strategy
-    if isinstance(strategy, ZeroStrategy):
-        state = strategy.model_state_bytes()
-        print(
-            f"[rank {trainer.global_rank}] loss {float(trainer.callback_metrics['train_loss']):.3f} | "
-            f"params {state.parameters:,} B, grads {state.gradients:,} B, optimizer state {state.optimizer_state:,} B"
-            f" | last step sent {strategy.communication_per_step()}"
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if trainer.is_global_zero and (step % self.every_n_steps == 0 or step in (1, trainer.max_steps)):
+            message = (
+                f"step {step:>4}/{trainer.max_steps}  train_loss {float(trainer.callback_metrics['train_loss']):.3f}"
+            )
+            bar = trainer.progress_bar_callback
+            if bar is not None:
+                bar.print(message)  # above the progress bar instead of through it
+            else:
+                print(message, flush=True)
+
+
+class SampleText(pl.Callback):
+    """Continue a prompt with the trained model; rank 0 prints the text once fit is over.
+
+    Sampled at the end of training, while the strategy is still set up. Stage 3 shards the parameters, so every
+    rank gathers them (``gathered_parameters``, a collective) and samples with the same seed, getting the same text.
+    """
+
+    def __init__(self, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, seed: int) -> None:
+        self.prompt = prompt
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_k = top_k
+        self.seed = seed
+        self.text: str | None = None
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert isinstance(pl_module, LitGPT)
+        was_training = pl_module.training
+        pl_module.eval()
+        torch.manual_seed(self.seed)
+        prompt = encode(self.prompt).unsqueeze(0).to(pl_module.device)  # (1, T)
+        strategy = trainer.strategy
+        with strategy.gathered_parameters() if isinstance(strategy, ZeroStrategy) else contextlib.nullcontext():
+            tokens = pl_module.gpt.generate(prompt, self.max_new_tokens, self.temperature, self.top_k)
+        self.text = decode(tokens[0].cpu())
+        pl_module.train(was_training)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero and self.text is not None:
+            print(f"\nSample, {self.max_new_tokens} bytes after {self.prompt!r}:\n\n{self.text}\n", flush=True)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> float:
+    with HydraJob() as job:
+        pl.seed_everything(cfg.seed, workers=True, verbose=False)
+        model: LitGPT = instantiate(cfg.model, _convert_="all")
+        # Relative data paths are relative to the repository, so the example runs from any directory.
+        paths = {"path": str(REPO / cfg.data.path)} if "path" in cfg.data else {}
+        data: pl.LightningDataModule = instantiate(cfg.data, **paths)
+        vocab = getattr(data, "vocab_size", 0)
+        if vocab > model.config.vocab_size:
+            raise ValueError(
+                f"model.config.vocab_size={model.config.vocab_size} is smaller than the data's vocabulary of {vocab} "
+                f"tokens. HINT: set model.config.vocab_size={vocab} or more."
+            )
+        callbacks: list[pl.Callback] = [instantiate(cfg.report), PrintLoss(cfg.trainer.log_every_n_steps)]
+        if isinstance(data, ByteCorpusDataModule):  # text: show what the model writes
+            callbacks.append(SampleText(**cfg.sample, seed=cfg.seed))
+        trainer: pl.Trainer = instantiate(
+            cfg.trainer,
+            strategy=instantiate(cfg.strategy, _convert_="all"),
+            callbacks=callbacks,
+            default_root_dir=str(job.output_dir),
         )
+        job.attach(trainer)
+        trainer.fit(model, data)
+        return float(trainer.callback_metrics["train_loss"])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """``python -m lightning_zero <command>``: tools that run without a training job.
 
-    python -m lightning_zero consolidate CKPT_DIR OUT_FILE   # a sharded checkpoint -> one plain checkpoint
-    python -m lightning_zero estimate --params 7.5e9 --gpus 64  # model-state memory per rank, per stage
+python -m lightning_zero consolidate CKPT_DIR OUT_FILE   # a sharded checkpoint -> one plain checkpoint
+python -m lightning_zero estimate --params 7.5e9 --gpus 64  # model-state memory per rank, per stage
 """
 
 from __future__ import annotations

@@ -125,6 +125,10 @@ class ParameterGatherer:
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, partial(self._pre_backward, unit), mode="any")
         unit.release()
+        if unit.index == 0:
+            # The whole forward is over: a unit prefetched for it but never called (a branch not taken, a step
+            # that only read some weights) is freed now rather than held until the next backward or step.
+            self.release_all()
 
     # -- backward -------------------------------------------------------------------------------------------------
     def _pre_backward(self, unit: ShardedUnit, grad: Any) -> None:

@@ -46,6 +46,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.fault_monitor import FaultMonitor
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.parameter_gatherer import ParameterGatherer
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
@@ -111,6 +112,7 @@ class ZeroStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._param_init_fn = param_init_fn
         self._gatherer: ParameterGatherer | None = None
+        self._fault_monitor: FaultMonitor | None = None
 
     # -- precision: ZeRO's own mixed precision (see ``precision.py``) -----------------------------------------------
     @property
@@ -190,6 +192,11 @@ class ZeroStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        # Names the rank that failed, died or hangs in the errors of the others (see fault_monitor.py).
+        if self._fault_monitor is None:
+            self._fault_monitor = FaultMonitor.from_default_group()
+            if self._fault_monitor is not None:
+                self._fault_monitor.start()
 
     # -- model and optimizers ------------------------------------------------------------------------------------
     @override
@@ -428,7 +435,15 @@ class ZeroStrategy(ParallelStrategy):
         return tensor
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._fault_monitor is not None:
+            self._fault_monitor.on_exception(exception)
+
+    @override
     def teardown(self) -> None:
+        if self._fault_monitor is not None:
+            self._fault_monitor.stop()
+            self._fault_monitor = None
         # Stage 3 keeps its hooks: the model stays sharded and usable (a later fit/test, or inference).
         if self._gatherer is None:
             for optimizer in _iter_zero_optimizers(self.optimizers):

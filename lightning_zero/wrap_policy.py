@@ -29,6 +29,18 @@ def _class_matches(module: nn.Module, names: tuple[str, ...]) -> bool:
     return cls.__name__ in names or f"{cls.__module__}.{cls.__qualname__}" in names
 
 
+def _check_classes_exist(root: nn.Module, names: tuple[str, ...]) -> None:
+    # A misspelled class would silently leave the whole model in the root unit: every rank would gather all of it.
+    missing = [n for n in names if not any(_class_matches(m, (n,)) for m in root.modules())]
+    if missing:
+        present = sorted({type(m).__name__ for m in root.modules()})
+        raise ValueError(
+            f"Invalid ZeroConfig.wrap_module_classes: {missing} name no module class of {type(root).__name__} "
+            f"(its classes: {present}). HINT: use a class name from that list, e.g. ('Block',), or None to wrap "
+            "the repeated layers automatically."
+        )
+
+
 def _repeated_layers(root: nn.Module) -> set[int]:
     """ids of modules that sit in a ModuleList/Sequential next to siblings of the same class (transformer layers)."""
     chosen: set[int] = set()
@@ -43,6 +55,7 @@ def find_unit_roots(root: nn.Module, config: ZeroConfig) -> list[tuple[str, nn.M
     """The modules (with qualified names, in forward-registration pre-order) that become units, the root excluded."""
     by_class = _repeated_layers(root) if config.wrap_module_classes is None else set()
     names = config.wrap_module_classes or ()
+    _check_classes_exist(root, names)
     chosen: set[int] = set()
 
     def visit(module: nn.Module, inside_leaf_unit: bool) -> int:

@@ -197,3 +197,36 @@ def test_stage3_unit_recomputed_in_backward_matches_ddp():
     config = ZeroConfig(stage=3, wrap_module_classes=("Block",))
     for reference, sharded in run_distributed(ddp_and_zero, 2, "gpt_checkpointed", "adamw", 8, 1, config):
         assert_runs_match(reference, sharded)
+
+
+class _ReadsWithoutCalling(nn.Module):
+    """A root whose forward sometimes skips its layers: the prefetched first layer is then never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 4)
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.head(x)
+        if not self.skip:
+            for layer in self.layers:
+                x = layer(x)
+        return x
+
+
+def _prefetched_but_unused() -> list[str]:
+    model = _ReadsWithoutCalling()
+    gatherer = shard_module(model, ZeroConfig(stage=3), dist.group.WORLD, CPU)
+    model(torch.randn(2, 4)).sum().backward()  # records the forward order: root, layers.0, layers.1
+    model.skip = True
+    with torch.no_grad():
+        model(torch.randn(2, 4))  # the root's pre-forward prefetches layers.0, which this forward never calls
+    return [u.state.value for u in gatherer.units]
+
+
+@pytest.mark.timeout(60)
+def test_a_prefetched_unit_the_forward_never_used_is_freed_when_the_root_forward_ends():
+    for states in run_distributed(_prefetched_but_unused, 2):
+        assert set(states) == {"sharded"}, states

@@ -1,0 +1,315 @@
+"""``MemoryReport``: a Lightning callback that shows, per rank, what the model state costs and what a step sends.
+
+At the end of training every rank measures its model-state bytes (parameters, gradients, fp32 master weights,
+optimizer state), its peak memory and the bytes it sent in the last optimizer step per collective; rank 0 prints one
+row per rank and can write the numbers as JSON and a PNG bar chart of memory by ZeRO stage::
+
+    trainer = pl.Trainer(strategy="zero2", devices=2, callbacks=[MemoryReport(plot_path="memory.png")])
+
+Works with any strategy. ``ZeroStrategy`` reports its own counts; for other strategies (DDP, single device) the
+tensors are counted directly and DDP's all-reduce is shown as its bandwidth-optimal size, 2Ψ(N-1)/N gradient bytes
+(marked ``*``), since DDP does not record what it sends.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_zero.collectives import Collective
+from lightning_zero.memory import ModelStateBytes, expected_model_state_bytes
+from lightning_zero.strategy import ZeroStrategy
+
+COLLECTIVES: tuple[str, ...] = tuple(c.value for c in Collective)
+STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's numbers. Bytes throughout."""
+
+    rank: int
+    parameters: int
+    gradients: int
+    master_weights: int
+    optimizer_state: int
+    peak_memory: int
+    """Peak CUDA memory allocated on GPU; on CPU the peak resident set size of the process since it started
+    (libraries included; in a Hydra sweep, over the jobs it has run so far)."""
+    sent: dict[str, int]
+    """Bytes sent in the last optimizer step, per collective."""
+
+    @property
+    def model_state(self) -> ModelStateBytes:
+        return ModelStateBytes(self.parameters, self.gradients, self.master_weights, self.optimizer_state)
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """The whole table: what ran, and a row per rank."""
+
+    strategy: str
+    stage: int | None
+    """0 for DDP, the ZeRO stage for ``ZeroStrategy``, None for anything else."""
+    world_size: int
+    num_params: int
+    param_bytes: int
+    """Bytes per parameter element (4 for fp32, 2 for bf16)."""
+    peak_memory_kind: str
+    """What ``RankReport.peak_memory`` measures: "peak RSS" (CPU) or "peak CUDA allocated"."""
+    sent_is_estimate: bool
+    """True when ``sent`` is DDP's formula rather than a measurement."""
+    ranks: list[RankReport]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+class MemoryReport(pl.Callback):
+    """Print per-rank model-state memory and communication when training ends; optionally save JSON and a chart.
+
+    Args:
+        json_path: where rank 0 writes the report as JSON; relative paths are relative to the trainer's
+            ``default_root_dir``. None: not written.
+        plot_path: where rank 0 writes a PNG bar chart of model-state memory per rank for every stage (the paper's
+            formula for this model and world size, next to what this run measured). Needs matplotlib
+            (``pip install "lightning-zero[plot]"``). None: no chart.
+    """
+
+    def __init__(self, json_path: str | Path | None = None, plot_path: str | Path | None = None) -> None:
+        if plot_path is not None:
+            _require_matplotlib()
+        self.json_path = None if json_path is None else Path(json_path)
+        self.plot_path = None if plot_path is None else Path(plot_path)
+        self.report: FitReport | None = None
+        """Set on every rank at the end of training (the rows of other ranks are gathered on all of them)."""
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Measured here, while optimizers and the process group are alive; printed in on_fit_end, after the
+        # progress bar has closed, so the table is not interleaved with it.
+        rows = _gather_rows(_measure(trainer, pl_module).to(trainer.strategy.root_device))
+        params = list(pl_module.parameters())  # tied weights once
+        self.report = FitReport(
+            strategy=type(trainer.strategy).__name__,
+            stage=_stage_of(trainer.strategy),
+            world_size=trainer.world_size,
+            num_params=_num_params(trainer, params),
+            param_bytes=params[0].element_size() if params else 4,
+            peak_memory_kind="peak CUDA allocated" if trainer.strategy.root_device.type == "cuda" else "peak RSS",
+            sent_is_estimate=not isinstance(trainer.strategy, ZeroStrategy) and trainer.world_size > 1,
+            ranks=[_row_to_report(r, row) for r, row in enumerate(rows.tolist())],
+        )
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.report is None or not trainer.is_global_zero:
+            return
+        print(format_report(self.report), flush=True)
+        root = Path(trainer.default_root_dir)
+        if self.json_path is not None:
+            path = root / self.json_path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(self.report.to_json())
+        if self.plot_path is not None:
+            path = root / self.plot_path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            title = (
+                f"{self.report.num_params:,} parameters ({self.report.param_bytes} bytes each) on "
+                f"{self.report.world_size} ranks: formula per stage, and this run"
+            )
+            plot_memory_by_stage(_report_bars(self.report), path, title)
+            print(f"memory chart written to {path}", flush=True)
+
+
+# -- measuring -------------------------------------------------------------------------------------------------------
+_FIELDS = 5  # parameters, gradients, master_weights, optimizer_state, peak_memory; then one per collective
+
+
+def _measure(trainer: pl.Trainer, module: pl.LightningModule) -> Tensor:
+    strategy = trainer.strategy
+    if isinstance(strategy, ZeroStrategy):
+        state = strategy.model_state_bytes()
+        sent = strategy.communication_per_step()
+    else:
+        state = _count_model_state(module, trainer.optimizers)
+        sent = {}
+        if trainer.world_size > 1 and isinstance(strategy, DDPStrategy):
+            # DDP all-reduces every gradient once per step; bandwidth-optimal bytes sent: 2 * size * (N-1) / N.
+            n = trainer.world_size
+            sent = {Collective.ALL_REDUCE.value: 2 * state.gradients * (n - 1) // n}
+    values = [*state, _peak_memory(strategy.root_device), *(sent.get(c, 0) for c in COLLECTIVES)]
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _gather_rows(local: Tensor) -> Tensor:
+    """Every rank's row, in rank order: (world, fields). A plain all-gather: the numbers need no autograd."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return local.cpu().unsqueeze(0)
+    rows = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, local)
+    return torch.stack(rows).cpu()
+
+
+def _row_to_report(rank: int, row: Sequence[int]) -> RankReport:
+    params, grads, masters, state, peak = row[:_FIELDS]
+    return RankReport(rank, params, grads, masters, state, peak, dict(zip(COLLECTIVES, row[_FIELDS:], strict=True)))
+
+
+def _num_params(trainer: pl.Trainer, params: Sequence[Tensor]) -> int:
+    if all(p.numel() > 0 for p in params):
+        return sum(p.numel() for p in params)
+    # Outside forward, stage-3 parameters are empty placeholders; the flat buckets know the real sizes.
+    buckets = [b for optimizer in trainer.strategy.optimizers for b in getattr(optimizer, "buckets", ())]
+    return sum(int(b.numel) for b in buckets)
+
+
+def _count_model_state(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> ModelStateBytes:
+    params = list(module.parameters())  # tied weights once
+    parameters = sum(p.numel() * p.element_size() for p in params)
+    # Gradients live from backward until zero_grad frees them; count what a step holds, whether or not they exist
+    # at this moment (Lightning may already have set them to None).
+    gradients = sum((p.grad if p.grad is not None else p).nbytes for p in params if p.requires_grad)
+    # Zero-dim entries (Adam's step counter) are bookkeeping, not per-parameter state.
+    state = sum(
+        v.numel() * v.element_size()
+        for optimizer in optimizers
+        for per_param in optimizer.state.values()
+        for v in per_param.values()
+        if isinstance(v, Tensor) and v.dim() > 0
+    )
+    return ModelStateBytes(parameters, gradients, 0, state)
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+
+
+def _stage_of(strategy: pl.strategies.Strategy) -> int | None:
+    if isinstance(strategy, ZeroStrategy):
+        return int(strategy.config.stage)
+    if isinstance(strategy, DDPStrategy):
+        return 0
+    return None
+
+
+# -- showing ---------------------------------------------------------------------------------------------------------
+def format_bytes(nbytes: float) -> str:
+    """Decimal units (kB, MB, GB), as the ZeRO paper counts."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def format_report(report: FitReport) -> str:
+    what = STAGE_NAMES.get(report.stage, report.strategy) if report.stage is not None else report.strategy
+    header = ["rank", "params", "grads", "fp32 master", "optim state", "model state", report.peak_memory_kind]
+    sent_columns = [c for c in COLLECTIVES if any(r.sent.get(c, 0) for r in report.ranks)]
+    mark = "*" if report.sent_is_estimate else ""
+    header += [f"{c}{mark}" for c in sent_columns]
+    rows = [
+        [
+            str(r.rank),
+            *(format_bytes(v) for v in r.model_state),
+            format_bytes(r.model_state.total),
+            format_bytes(r.peak_memory),
+            *(format_bytes(r.sent[c]) for c in sent_columns),
+        ]
+        for r in report.ranks
+    ]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    lines = [
+        f"Model state and communication per rank: {what}, {report.world_size} rank(s), "
+        f"{report.num_params:,} parameters ({report.param_bytes} bytes each)",
+        "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)),
+        *("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows),
+    ]
+    if sent_columns:
+        lines.append(
+            "collective columns: bytes this rank sent in the last optimizer step"
+            + (" (* DDP's bandwidth-optimal all-reduce, 2Ψ(N-1)/N, not measured)" if mark else "")
+        )
+    return "\n".join(lines)
+
+
+def memory_by_stage(report: FitReport) -> dict[str, ModelStateBytes]:
+    """The paper's per-rank model state for every stage at this run's model size, world size and precision."""
+    measured = report.ranks[0].model_state
+    sharded_state = report.stage is not None and report.stage >= 1
+    elements = report.num_params / report.world_size if sharded_state else report.num_params
+    # Infer the optimizer's bytes per parameter (8 for Adam in fp32) from what rank 0 holds.
+    optimizer_bytes = round(measured.optimizer_state / elements) if elements else 0
+    master_bytes = 0 if report.param_bytes >= 4 else 4
+    return {
+        name: expected_model_state_bytes(
+            report.num_params, report.world_size, stage, report.param_bytes, master_bytes, optimizer_bytes
+        )
+        for stage, name in STAGE_NAMES.items()
+    }
+
+
+def plot_memory_by_stage(bars: Mapping[str, ModelStateBytes], path: Path, title: str) -> None:
+    """One stacked bar (parameters, gradients, master weights, optimizer state) per entry, saved as a PNG."""
+    plt = _require_matplotlib()
+    parts = ("parameters", "gradients", "master_weights", "optimizer_state")
+    figure, axes = plt.subplots(figsize=(1.6 * len(bars) + 2, 4.5))
+    bottoms = [0.0] * len(bars)
+    scale, unit = _axis_unit(max(b.total for b in bars.values()))
+    for part in parts:
+        heights = [getattr(b, part) / scale for b in bars.values()]
+        axes.bar(list(bars), heights, bottom=bottoms, label=part.replace("_", " "))
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    for x, total in enumerate(bottoms):
+        axes.annotate(f"{total:.1f}", (x, total), ha="center", va="bottom")
+    axes.set_ylabel(f"model state per rank ({unit})")
+    axes.set_title(title)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def _report_bars(report: FitReport) -> dict[str, ModelStateBytes]:
+    """The formula for every stage, then what rank 0 measured in this run."""
+    bars = memory_by_stage(report)
+    if report.ranks:
+        label = STAGE_NAMES.get(report.stage, report.strategy) if report.stage is not None else report.strategy
+        bars[f"{label}\nmeasured"] = report.ranks[0].model_state
+    return bars
+
+
+def _axis_unit(largest: float) -> tuple[float, str]:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if largest >= scale:
+            return scale, unit
+    return 1.0, "B"
+
+
+def _require_matplotlib() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: never needs a display
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ImportError(
+            "MemoryReport(plot_path=...) needs matplotlib, which is not installed. "
+            'HINT: pip install "lightning-zero[plot]" (or pip install matplotlib), or set plot_path=None.'
+        ) from error
+    return plt
