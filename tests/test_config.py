@@ -77,7 +77,14 @@ def test_strategy_refuses_unknown_start_method():
 
 def test_import_registers_presets():
     assert lightning_zero.ZeroStrategy is ZeroStrategy
-    for name, stage in [("zero1", 1), ("zero2", 2), ("zero1_spawn", 1), ("zero2_spawn", 2), ("zero3", 3), ("zero3_spawn", 3)]:
+    for name, stage in [
+        ("zero1", 1),
+        ("zero2", 2),
+        ("zero1_spawn", 1),
+        ("zero2_spawn", 2),
+        ("zero3", 3),
+        ("zero3_spawn", 3),
+    ]:
         entry = StrategyRegistry[name]
         assert entry["strategy"] is ZeroStrategy
         assert entry["init_params"]["stage"] == stage
