@@ -10,6 +10,17 @@ is what gives the paper's 4Ψ + 12Ψ/N (stage 1), 2Ψ + 14Ψ/N (stage 2) and 16�
 | ``bf16-mixed`` | bf16                  | fp32                            | bf16 autocast   | -            |
 | ``16-mixed``   | fp16                  | fp32                            | fp16 autocast   | dynamic      |
 | ``bf16-true``  | bf16                  | bf16 (no fp32 copy)             | inputs to bf16  | -            |
+
+Note [reduced gradients live in the optimizer]
+After backward, a parameter's ``.grad`` does not hold the averaged gradient: stage 1 has already reduce-scattered
+its flat gradient buffers into the sharded optimizer (and zeroed them for the next accumulation), stages 2 and 3 keep
+only this rank's shard and leave ``.grad`` empty. The reduced gradients are the ``ZeroOptimizer``'s master
+gradients. So clipping must go through Lightning (``Trainer(gradient_clip_val=...)``, or ``self.clip_gradients(...)``
+inside ``configure_gradient_clipping`` or a manual ``training_step``), which lands in ``ZeroOptimizer.clip_grad_*``
+and clips by the global norm across shards; ``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` finds no
+gradients and clips nothing, and code that inspects ``p.grad`` (``lightning.pytorch.utilities.grad_norm``) sees none.
+We cannot see such a call, so a ``configure_gradient_clipping`` that never clipped through Lightning during a fit is
+named in a warning when the fit ends.
 """
 
 from __future__ import annotations
@@ -18,9 +29,12 @@ from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
@@ -50,11 +64,18 @@ class ZeroPrecision(Precision):
                 "'bf16-true' instead."
             )
         if loss_scaler is not None and precision != "16-mixed":
-            raise ValueError(f"A loss scaler is only used with precision='16-mixed', not {precision!r}.")
+            raise ValueError(
+                f"A loss scaler is only used with precision='16-mixed', not {precision!r}. HINT: drop `loss_scaler` "
+                "(bf16 and fp32 gradients do not underflow), or use ZeroPrecision('16-mixed', loss_scaler=...)."
+            )
         self.precision = precision
         self.param_dtype = _PARAM_DTYPE[precision]
         self.fp32_masters = precision != "bf16-true"
         self.loss_scaler = loss_scaler or (DynamicLossScaler() if precision == "16-mixed" else None)
+        # A user's `configure_gradient_clipping` during this fit: its class, calls, and calls that clipped through
+        # Lightning. See Note [reduced gradients live in the optimizer].
+        self._clipping_hook: tuple[str, int, int] | None = None
+        self._clipped = False
 
     # -- model ----------------------------------------------------------------------------------------------------
     @override
@@ -95,6 +116,56 @@ class ZeroPrecision(Precision):
         return super().pre_backward(tensor, module)
 
     @override
+    def clip_gradients(
+        self,
+        optimizer: Any,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        # Lightning reads 0 as "no clipping" (it was the Trainer's default) but also ignores a negative or NaN value
+        # without a word; such a value is a mistake, and training unclipped would hide it.
+        if not clip_val >= 0:
+            algorithm = GradClipAlgorithmType(gradient_clip_algorithm).value
+            raise ValueError(
+                f"Invalid gradient clip value {clip_val!r} for clipping by {algorithm}. Expected a positive number "
+                "(or 0, which disables clipping). HINT: fix `Trainer(gradient_clip_val=...)` or the value passed to "
+                "`self.clip_gradients(...)`; None disables clipping too."
+            )
+        self._clipped = True
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    @override
+    def _clip_gradients(
+        self,
+        model: pl.LightningModule | nn.Module,
+        optimizer: Any,
+        clip_val: int | float | None = None,
+        gradient_clip_algorithm: GradClipAlgorithmType | None = None,
+    ) -> None:
+        self._clipped = False
+        super()._clip_gradients(model, optimizer, clip_val, gradient_clip_algorithm)  # calls the user's hook
+        # Lightning calls the hook in automatic optimization only.
+        hooked = isinstance(model, pl.LightningModule) and model.automatic_optimization
+        if hooked and is_overridden("configure_gradient_clipping", model):
+            _, calls, clipped = self._clipping_hook or ("", 0, 0)
+            self._clipping_hook = (type(model).__name__, calls + 1, clipped + self._clipped)
+
+    @override
+    def teardown(self) -> None:
+        # Only after the fit: a hook that clips conditionally (say, after warm-up) skips some steps on purpose.
+        if self._clipping_hook is not None and self._clipping_hook[2] == 0:
+            name, calls, _ = self._clipping_hook
+            rank_zero_warn(
+                f"`{name}.configure_gradient_clipping` ran {calls} times and never clipped through Lightning. Under "
+                "ZeroStrategy the parameters' `.grad` do not hold the reduced gradients (Note [reduced gradients "
+                "live in the optimizer] in lightning_zero/precision.py), so clipping them directly, e.g. "
+                "`torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`, clipped nothing. HINT: call "
+                "`self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm=...)` in the hook."
+            )
+        self._clipping_hook = None
+        super().teardown()
+
+    @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         _zero_optimizer(optimizer).clip_grad_norm_(clip_val)
 
@@ -126,8 +197,27 @@ def to_zero_precision(plugin: Precision | None) -> ZeroPrecision:
     if type(plugin) is Precision:
         return ZeroPrecision("32-true")
     name = getattr(plugin, "precision", None)
-    if isinstance(plugin, (MixedPrecision, HalfPrecision)) and name in SUPPORTED:
-        return ZeroPrecision(name)
+    # Exact types only: a subclass customizes what the plugin does, which the translation would silently drop.
+    if type(plugin) in (MixedPrecision, HalfPrecision) and name in SUPPORTED:
+        scaler = getattr(plugin, "scaler", None)
+        if name != "16-mixed" or scaler is None or not scaler.is_enabled():  # disabled: e.g. a CUDA scaler on CPU
+            return ZeroPrecision(name)
+        # Keep the schedule of a GradScaler the user configured (Lightning's own default equals ours).
+        loss_scaler = DynamicLossScaler(
+            scale=scaler.get_scale(),
+            growth_factor=scaler.get_growth_factor(),
+            backoff_factor=scaler.get_backoff_factor(),
+            growth_interval=scaler.get_growth_interval(),
+        )
+        return ZeroPrecision("16-mixed", loss_scaler=loss_scaler)
+    if isinstance(plugin, (MixedPrecision, HalfPrecision)) and type(plugin) not in (MixedPrecision, HalfPrecision):
+        base = "MixedPrecision" if isinstance(plugin, MixedPrecision) else "HalfPrecision"
+        raise ValueError(
+            f"ZeroStrategy cannot use {type(plugin).__name__}, a customized {base}: "
+            "ZeRO replaces the precision plugin with its own (bf16/fp16 parameters, fp32 master weights), which "
+            f"would silently drop the customization. HINT: subclass lightning_zero.ZeroPrecision({name!r}) "
+            "instead and pass it in `plugins`."
+        )
     raise ValueError(
         f"ZeroStrategy does not support the precision plugin {type(plugin).__name__}"
         f"{f' (precision={name!r})' if name else ''}. HINT: use Trainer(precision=...) with one of "

@@ -6,8 +6,9 @@ The lifecycle, in Lightning's hook order:
 - ``setup``: move the module to this rank's device, synchronise it from rank 0, then build the user's optimizers
   (``configure_optimizers``) and wrap each in a ``ZeroOptimizer`` that shards it.
 - ``optimizer_step``: the gradient reduction is finished right after the closure (forward + backward), so that
-  ``on_before_optimizer_step`` hooks and gradient clipping see the reduced gradients; then the sharded step and the
-  parameter all-gather run.
+  ``on_before_optimizer_step`` hooks and gradient clipping see the reduced gradients (as the ``ZeroOptimizer``'s
+  master gradients, not as parameters' ``.grad``: Note [reduced gradients live in the optimizer] in
+  ``precision.py``); then the sharded step and the parameter all-gather run.
 - ``block_backward_sync``: Lightning enters it for the non-final micro-batches of gradient accumulation.
 
 Stage 3 adds: ``model_sharded_context`` builds ``configure_model`` on the meta device; ``setup`` shards the model
