@@ -48,6 +48,7 @@ _COLLECTIVE_ERROR_MARKERS = (
     "connection reset by peer",
     "connection closed by peer",
     "timed out",
+    "application timeout caused pair closure",  # gloo, when its own timeout closes a connection
     "broken pipe",
 )
 _NAMESPACE = "lightning_zero/faults"
