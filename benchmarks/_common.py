@@ -22,6 +22,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -39,25 +40,55 @@ CHILD_ENV: dict[str, str] = {
 _MMAP_PROBE_BYTES = 8 * 2**20  # see mmap_threshold_active
 
 
+@dataclass
+class Run:
+    """What ``run_ranks`` returns."""
+
+    results: list[Any]
+    """``fn``'s return value per rank, in rank order."""
+    wall_s: float
+    """From starting the first rank to the exit of the last one."""
+    other_cpu_cores: float
+    """CPUs the rest of the machine kept busy meanwhile, on average (the ranks' own CPU time excluded). Anything well
+    above 0 means the timings were taken under contention."""
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
     args: tuple[Any, ...],
     env: Mapping[str, str | None] | None = None,
+    idle_wait: float = 0.0,
     timeout: float = 1800.0,
-) -> list[Any]:
+    max_other_cores: float = float("inf"),
+    attempts: int = 1,
+) -> Run:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes joined in a gloo group.
 
     The children's environment is this process's plus ``CHILD_ENV`` plus ``env`` (a ``None`` value removes the
-    variable). Returns the per-rank results in rank order. ``fn`` must be a module-level function. Raises
-    ``RuntimeError`` with the failing ranks' tracebacks if any rank fails, dies or exceeds ``timeout`` seconds (all
-    ranks are then killed).
+    variable). First waits up to ``idle_wait`` seconds for the machine to be idle. A run during which other processes
+    used more than ``max_other_cores`` CPUs is repeated, up to ``attempts`` runs in all; the least disturbed one is
+    returned. ``fn`` must be a module-level function. Raises ``RuntimeError`` with the failing ranks' tracebacks if any
+    rank fails, dies or exceeds ``timeout`` seconds (all ranks are then killed).
     """
     for key, value in {**CHILD_ENV, **(env or {})}.items():  # inherited at exec: glibc reads it before any malloc
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+    runs: list[Run] = []
+    for _ in range(max(1, attempts)):
+        if idle_wait > 0:
+            wait_until_idle(idle_wait)
+        runs.append(_run_once(fn, world_size, args, timeout))
+        if runs[-1].other_cpu_cores <= max_other_cores:
+            break
+        print(f"  (other processes used {runs[-1].other_cpu_cores:.2f} CPU cores during the run)", flush=True)
+    return min(runs, key=lambda run: run.other_cpu_cores)
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float) -> Run:
+    start, busy = time.monotonic(), busy_cpu_seconds()
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="zero_bench_") as tmp:
         init_method = f"file://{os.path.join(tmp, 'store')}"
@@ -71,6 +102,7 @@ def run_ranks(
             readers.append(reader)
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
+        cpu_seconds: dict[int, float] = {}
         deadline = time.monotonic() + timeout
         pending = dict(enumerate(readers))
         while pending and not failures:
@@ -81,7 +113,7 @@ def run_ranks(
                 if reader in ready:
                     del pending[rank]
                     try:
-                        ok, value = reader.recv()
+                        ok, value, cpu_seconds[rank] = reader.recv()
                     except EOFError:
                         ok, value = False, f"died (exit code {procs[rank].exitcode})"
                     (results if ok else failures)[rank] = value
@@ -91,7 +123,9 @@ def run_ranks(
             proc.join()
     if failures:
         raise RuntimeError("".join(f"\n--- rank {r} ---\n{msg}" for r, msg in sorted(failures.items())))
-    return [results[r] for r in range(world_size)]
+    wall = time.monotonic() - start
+    others = (busy_cpu_seconds() - busy - sum(cpu_seconds.values())) / wall
+    return Run([results[r] for r in range(world_size)], wall, max(0.0, others))
 
 
 def _entry(
@@ -111,7 +145,7 @@ def _entry(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    conn.send(message)
+    conn.send((*message, own_cpu_seconds()))
 
 
 def memory_status() -> dict[str, int]:
@@ -146,6 +180,32 @@ def mmap_threshold_active() -> bool:
         return at_exec and bool(ctypes.c_size_t.from_address(ptr - ctypes.sizeof(ctypes.c_size_t)).value & 0x2)
     finally:
         libc.free(ptr)
+
+
+def busy_cpu_seconds() -> float:
+    """CPU-seconds all processes on the machine have spent busy since boot (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """CPU-seconds this process (all its threads) has used so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def wait_until_idle(max_wait: float, busy_cores: float = 0.25, interval: float = 2.0) -> float:
+    """Wait up to ``max_wait`` seconds for other processes to use fewer than ``busy_cores`` CPUs (measured over
+    ``interval`` seconds), so that a measurement does not start while someone else is computing. Returns the busy
+    cores of the last interval."""
+    deadline = time.monotonic() + max_wait
+    while True:
+        start = busy_cpu_seconds()
+        time.sleep(interval)
+        busy = (busy_cpu_seconds() - start) / interval
+        if busy < busy_cores or time.monotonic() >= deadline:
+            return busy
 
 
 def machine_info() -> dict[str, Any]:
@@ -185,6 +245,27 @@ def adam_state(optimizer: torch.optim.Optimizer) -> list[Tensor]:
 
 def ring_all_reduce_bytes(numel: int, world: int, element_size: int = 4) -> int:
     return 2 * numel * element_size * (world - 1) // world
+
+
+Column = tuple[str, Callable[[dict[str, Any]], Any], str, bool]
+"""A results-table column: header, value of one row's record, format, whether to add a ratio-to-baseline column."""
+
+
+def ratio_table(records: Mapping[str, dict[str, Any]], columns: list[Column], baseline: str, ratio_title: str) -> str:
+    """Markdown table with a row per record; numeric columns flagged in ``columns`` get a ratio to ``baseline``."""
+    base = records.get(baseline)
+    header, rows = ["variant"], [[name] for name in records]
+    for title, value, fmt, ratio in columns:
+        header += [title, ratio_title] if ratio else [title]
+        for row, record in zip(rows, records.values(), strict=True):
+            row.append(fmt.format(value(record)))
+            if ratio:
+                row.append(f"{value(record) / value(base):.2f}×" if base and value(base) else "–")
+    return markdown_table(header, rows)
+
+
+def joined(values: list[float], fmt: str, scale: float = 1.0) -> str:
+    return " / ".join(fmt.format(v * scale) for v in values)
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

@@ -10,7 +10,10 @@ For a bucket of ``size`` fp32 elements (the full, unsharded bucket) each rank ti
 * ``all_to_all_single+sum``: every rank sends chunk r to rank r, then sums the N received chunks into its shard;
 * ``lightning_zero reduce_scatter``: ``lightning_zero.collectives.reduce_scatter`` end to end (on gloo: the
   all-to-all form above plus its in-place pre-division and its receive-buffer allocation);
-* ``all_gather_single``: a 1/N shard in, the whole bucket out (ZeRO's parameter gather).
+* ``all_gather_single``: a 1/N shard in, the whole bucket out (ZeRO's parameter gather);
+* two alternatives built from N in-place rooted collectives on the bucket's shard views, one per rank: ``reduce``
+  (chunk r summed into rank r: a reduce-scatter) and ``broadcast`` (rank r's shard sent to all: an all-gather). For
+  N = 2 they put the same bytes on the wire as the bandwidth-optimal reduce-scatter and all-gather.
 
 Ranks are fresh spawned processes with one compute thread each and the same environment as ``step_time.py``
 (``MALLOC_MMAP_THRESHOLD_=65536``). Each timing starts after a barrier and ends when the collective (and its local
@@ -70,6 +73,28 @@ def _all_gather_single(numel: int, world: int) -> Callable[[], None]:
     return lambda: dist.all_gather_single(out, shard)
 
 
+def _broadcast_per_rank(numel: int, world: int) -> Callable[[], None]:
+    out = torch.ones(numel)
+    shards = out.chunk(world)  # in-place views: rank r broadcasts its own shard, the others receive into theirs
+
+    def run() -> None:
+        for work in [dist.broadcast(shard, src=r, async_op=True) for r, shard in enumerate(shards)]:
+            work.wait()
+
+    return run
+
+
+def _reduce_per_rank(numel: int, world: int) -> Callable[[], None]:
+    inp = torch.ones(numel)
+    chunks = inp.chunk(world)  # chunk r is summed into rank r's copy of it, in place
+
+    def run() -> None:
+        for work in [dist.reduce(chunk, dst=r, async_op=True) for r, chunk in enumerate(chunks)]:
+            work.wait()
+
+    return run
+
+
 # name -> (op, bytes one rank sends for a bucket of ``n`` bytes on ``N`` ranks)
 OPS: dict[str, tuple[Op, Callable[[int, int], int]]] = {
     "all_reduce": (_all_reduce, lambda n, w: 2 * n * (w - 1) // w),
@@ -77,6 +102,9 @@ OPS: dict[str, tuple[Op, Callable[[int, int], int]]] = {
     "all_to_all_single+sum": (_all_to_all_sum, lambda n, w: n * (w - 1) // w),
     "lightning_zero reduce_scatter": (_lightning_zero_reduce_scatter, lambda n, w: n * (w - 1) // w),
     "all_gather_single": (_all_gather_single, lambda n, w: n * (w - 1) // w),
+    # Alternatives, not used by lightning_zero today: N in-place collectives, one rooted at each rank.
+    "alt: reduce × N (a reduce-scatter)": (_reduce_per_rank, lambda n, w: n * (w - 1) // w),
+    "alt: broadcast × N (an all-gather)": (_broadcast_per_rank, lambda n, w: n * (w - 1) // w),
 }
 
 
@@ -109,10 +137,21 @@ def main() -> None:
     parser.add_argument("--sizes", default="500000,4000000,25000000", help="comma-separated fp32 element counts")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--idle-wait", type=float, default=120.0, help="max seconds to wait for an idle machine")
+    parser.add_argument("--max-other-cores", type=float, default=0.25, help="rerun a run others disturbed more")
+    parser.add_argument("--attempts", type=int, default=3, help="runs at most, per measurement, see above")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/collectives.json"))
     ns = parser.parse_args()
     sizes = [int(s) for s in ns.sizes.split(",")]
-    per_rank = bench.run_ranks(bench_rank, ns.world_size, (sizes, ns.warmup, ns.repeats))
+    run = bench.run_ranks(
+        bench_rank,
+        ns.world_size,
+        (sizes, ns.warmup, ns.repeats),
+        idle_wait=ns.idle_wait,
+        max_other_cores=ns.max_other_cores,
+        attempts=ns.attempts,
+    )
+    per_rank = run.results
 
     results: dict[str, dict[str, Any]] = {}
     rows = []
@@ -135,6 +174,7 @@ def main() -> None:
             bench.markdown_table(["median ms"] + [_size_label(s) for s in sizes], compact),
         ]
     )
+    text += f"\n\nOther processes used {run.other_cpu_cores:.2f} CPU cores on average during the run."
     print(text)
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -142,6 +182,7 @@ def main() -> None:
         "world_size": ns.world_size,
         "warmup": ns.warmup,
         "repeats": ns.repeats,
+        "other_cpu_cores": run.other_cpu_cores,
         "results": results,
         "report_markdown": text,
     }

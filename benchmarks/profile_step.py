@@ -1,19 +1,25 @@
-"""Where a training step's time goes: a copy of ``step_time.py``'s loop with timers around each phase.
+"""Where a training step's time goes: ``step_time.py``'s loop with timers around each phase.
 
     .venv/bin/python benchmarks/profile_step.py --variants ddp,zero1,zero2 --steps 8 --warmup 3 \\
         --out benchmarks/results/profile_step.json
 
 Same model, data, ranks and environment as ``step_time.py``. Phases (ms, median over the timed steps, mean over
 ranks): ``zero_grad``, ``forward`` (logits + loss), ``backward`` (DDP: including its overlapped all-reduce and the final
-wait for it), ``reduce_finish`` (ours: launching the buckets the hooks did not and waiting for all of them),
-``optimizer`` (AdamW itself: full model for DDP, this rank's shard for ours), ``all_gather`` (ours: gathering the
-updated parameters). For our stages the reducer's methods are also wrapped (without changing them) to split the time
-spent inside backward hooks: storing gradients into buckets (stage 2: staging allocation + copy), launching a bucket
-(pre-division, receive-buffer allocation, issuing the all-to-all) and blocking on an in-flight bucket (wait +
-local sum), each attributed to the phase in which it happened.
+wait for it) and the optimizer ``step``. For our stages some methods are wrapped on the instances (their code is not
+changed) to split the time further, each charged to the phase in which it ran: ``ZeroOptimizer.reduce_gradients``
+(launch what the backward hooks did not, wait for every bucket), the wrapped ``AdamW.step`` (this rank's shard; for
+DDP the whole ``step`` is AdamW on the full model), ``ZeroOptimizer.gather_parameters`` (all-gather of the updated
+parameters) and, inside backward, the reducer's ``_store`` (stage 2: staging allocation + copy into the bucket),
+``_launch`` (pre-division, receive-buffer allocation, issuing the all-to-all) and ``_wait_oldest`` (blocking on an
+in-flight bucket, then the local sum). Rows marked ``[cpu]`` are the CPU time of the rank's
+main thread in that phase (``time.thread_time``): nearly blind to other processes competing for the cores, and ~0 while
+blocked on communication; ``total [cpu, all threads]`` includes gloo's threads.
 
 Extra knobs, to test hypotheses: ``--mmap-threshold 0`` (glibc's default malloc behaviour), ``--bucket-numel``,
-``--max-inflight-buckets``, ``--no-overlap``.
+``--max-inflight-buckets``, ``--no-overlap``, and ``--experiments`` = comma-separated monkeypatches of our collectives
+and buffers, applied in the ranks only (the package is not modified): ``bcast_gather`` (all-gather as N in-place
+broadcasts), ``rs_pool`` (reduce-scatter into a reused receive buffer, dividing only the reduced shard),
+``staging_pool`` (stage 2: reuse staging buffers instead of allocating them every backward).
 """
 
 from __future__ import annotations
@@ -26,44 +32,51 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import _common as bench
 import torch
 import torch.distributed as dist
 from step_time import BenchArgs, lm_loss
+from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_zero import ZeroConfig, ZeroOptimizer
+from lightning_zero import ZeroConfig, ZeroOptimizer, gradient_reducer, sharded_optimizer
+from lightning_zero.collectives import Collective, PendingCollective
 from lightning_zero.models import GPT, GPTConfig
 
 
 class PhaseTimer:
-    """Accumulates seconds per phase for the current step; wrapped methods are charged to ``phase/method``."""
+    """Accumulates, per phase of the current step, wall seconds and this thread's CPU seconds (``phase [cpu]``: less
+    sensitive to other processes competing for the cores). Wrapped methods are charged to ``phase/method``."""
 
     def __init__(self) -> None:
         self.current: dict[str, float] = defaultdict(float)
         self.phase = "idle"
 
+    def _charge(self, key: str, wall: float, cpu: float) -> None:
+        self.current[key] += time.perf_counter() - wall
+        self.current[f"{key} [cpu]"] += time.thread_time() - cpu
+
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         self.phase = phase
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
-            self.current[phase] += time.perf_counter() - start
+            self._charge(phase, wall, cpu)
             self.phase = "idle"
 
     def wrap(self, obj: object, method: str) -> None:
         original = getattr(obj, method)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.thread_time()
             try:
                 return original(*args, **kwargs)
             finally:
-                self.current[f"  {self.phase}/{method}"] += time.perf_counter() - start
+                self._charge(f"  {self.phase}/{method}", wall, cpu)
 
         setattr(obj, method, timed)
 
@@ -72,50 +85,118 @@ class PhaseTimer:
         return step
 
 
-def profile_rank(rank: int, world: int, variant: str, args: BenchArgs, zero: dict[str, Any]) -> list[dict[str, float]]:
+class _AllWorks:
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def _broadcast_all_gather(output: Tensor, input: Tensor, group: Any) -> PendingCollective:
+    """Experiment ``bcast_gather``: the all-gather as N in-place broadcasts of the shard views of ``output``."""
+    world, rank, n = group.size(), group.rank(), input.numel()
+    shards = output.view(-1).split(n)
+    if shards[rank].data_ptr() != input.data_ptr():
+        shards[rank].copy_(input.view(-1))
+    works = [dist.broadcast(shards[r], dist.get_global_rank(group, r), group, async_op=True) for r in range(world)]
+    nbytes = n * input.element_size() * (world - 1)
+    return PendingCollective(Collective.ALL_GATHER, _AllWorks(works), (output, input), nbytes)  # type: ignore[arg-type]
+
+
+_FREE: dict[tuple[int, torch.dtype], list[Tensor]] = defaultdict(list)
+
+
+def _pooled_reduce_scatter(output: Tensor, input: Tensor, group: Any) -> PendingCollective:
+    """Experiment ``rs_pool``: all-to-all into a reused receive buffer; divide only the summed shard (no pre-division
+    of the whole bucket: fp32 cannot overflow here)."""
+    world, free = group.size(), _FREE[(input.numel(), input.dtype)]
+    received = free.pop() if free else torch.empty_like(input)
+    work = dist.all_to_all_single(received, input, group=group, async_op=True)
+
+    def finish() -> None:
+        torch.sum(received.view(world, -1), dim=0, out=output.view(-1))
+        output.div_(world)
+        free.append(received)
+
+    nbytes = input.numel() * input.element_size() * (world - 1) // world
+    return PendingCollective(Collective.REDUCE_SCATTER, work, (received, input, output), nbytes, finish)
+
+
+def _pool_staging(reducer: Any) -> None:
+    """Experiment ``staging_pool`` (stage 2): reuse staging buffers (``zero_()``) instead of a fresh ``torch.zeros``
+    per bucket and backward; a buffer goes back to the pool once its reduce-scatter completed."""
+    original_launch, original_complete, lent = reducer._launch, reducer._complete, {}
+
+    def staging_for(bucket: Any) -> Tensor:
+        if reducer._staging[bucket.index] is None:
+            free = _FREE[(bucket.padded_numel, reducer._reduce_dtype(bucket))]
+            reducer._staging[bucket.index] = free.pop().zero_() if free else None
+        if reducer._staging[bucket.index] is None:
+            return cast(Tensor, original_staging_for(bucket))
+        return cast(Tensor, reducer._staging[bucket.index])
+
+    def launch(bucket: Any) -> PendingCollective:
+        lent[bucket.index] = reducer._staging[bucket.index]
+        return cast(PendingCollective, original_launch(bucket))
+
+    def complete(bucket: Any) -> None:
+        original_complete(bucket)
+        staging = lent.pop(bucket.index, None)
+        if staging is not None:
+            _FREE[(staging.numel(), staging.dtype)].append(staging)
+
+    original_staging_for = reducer._staging_for
+    reducer._staging_for, reducer._launch, reducer._complete = staging_for, launch, complete
+
+
+EXPERIMENTS = ("bcast_gather", "rs_pool", "staging_pool")
+
+
+def profile_rank(
+    rank: int, world: int, variant: str, args: BenchArgs, zero: dict[str, Any], experiments: list[str]
+) -> list[dict[str, float]]:
     config = GPTConfig.bench25m()
     torch.manual_seed(args.seed)
     model = GPT(config)
     timer = PhaseTimer()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    forward: Callable[[torch.Tensor], torch.Tensor] = model
+    step_opt: torch.optim.Optimizer = opt
     if variant == "ddp":
-        forward: Callable[[torch.Tensor], torch.Tensor] = DistributedDataParallel(model)
-        zopt = None
+        forward = DistributedDataParallel(model)
     else:
+        if "bcast_gather" in experiments:
+            sharded_optimizer.all_gather = _broadcast_all_gather  # type: ignore[assignment]
+        if "rs_pool" in experiments:
+            gradient_reducer.reduce_scatter = _pooled_reduce_scatter  # type: ignore[assignment]
         zopt = ZeroOptimizer(model, opt, dist.group.WORLD, ZeroConfig(stage=int(variant[-1]), **zero))
-        forward = model
+        if "staging_pool" in experiments and hasattr(zopt.reducer, "_staging_for"):
+            _pool_staging(zopt.reducer)
+        for obj, method in [(zopt, "reduce_gradients"), (opt, "step"), (zopt, "gather_parameters")]:
+            timer.wrap(obj, method)
         for method in ("_store", "_launch", "_wait_oldest"):
             timer.wrap(zopt.reducer, method)
+        step_opt = zopt
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     steps = []
     for _ in range(args.warmup + args.steps):
         batch = torch.randint(config.vocab_size, (args.batch_size, config.block_size + 1), generator=gen)
         x, y = batch[:, :-1], batch[:, 1:]
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         with timer("zero_grad"):
-            (zopt or opt).zero_grad()
+            step_opt.zero_grad()
         with timer("forward"):
             loss = lm_loss(forward(x), y)
         with timer("backward"):
             loss.backward()
-        if zopt is None:
-            with timer("optimizer"):
-                opt.step()
-        else:
-            with torch.no_grad():  # ZeroOptimizer.step(), phase by phase
-                with timer("reduce_finish"):
-                    zopt.reduce_gradients()
-                with timer("optimizer"):
-                    zopt.optimizer.step()
-                with timer("all_gather"):
-                    zopt._gather_parameters()
-                for bucket, master in zip(zopt.buckets, zopt.masters, strict=True):
-                    if master.grad is not zopt.reducer.grad_shard(bucket):
-                        master.grad = None
-                zopt.ledger.end_step()
+        with timer("step"):
+            step_opt.step()
         total = time.perf_counter() - start
-        steps.append({**timer.take(), "total": total})
+        cpu = time.process_time() - cpu_start
+        steps.append({**timer.take(), "total": total, "total [cpu, all threads]": cpu, "loss": loss.item()})
     return steps[args.warmup :]
 
 
@@ -129,6 +210,10 @@ def main() -> None:
     parser.add_argument("--bucket-numel", type=int, default=None)
     parser.add_argument("--max-inflight-buckets", type=int, default=None)
     parser.add_argument("--no-overlap", action="store_true")
+    parser.add_argument("--experiments", default="", help=f"comma-separated monkeypatches of ours: {EXPERIMENTS}")
+    parser.add_argument("--idle-wait", type=float, default=120.0, help="max seconds to wait for an idle machine")
+    parser.add_argument("--max-other-cores", type=float, default=0.25, help="rerun a run others disturbed more")
+    parser.add_argument("--attempts", type=int, default=3, help="runs at most, per measurement, see above")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_step.json"))
     ns = parser.parse_args()
     args = BenchArgs(world_size=ns.world_size, steps=ns.steps, warmup=ns.warmup)
@@ -139,28 +224,46 @@ def main() -> None:
         zero["max_inflight_buckets"] = ns.max_inflight_buckets
     env = {"MALLOC_MMAP_THRESHOLD_": str(ns.mmap_threshold) if ns.mmap_threshold else None}
     variants = ns.variants.split(",")
+    experiments = [e for e in ns.experiments.split(",") if e]
+    if set(experiments) - set(EXPERIMENTS):
+        parser.error(f"unknown experiments {sorted(set(experiments) - set(EXPERIMENTS))}; known: {EXPERIMENTS}")
     medians: dict[str, dict[str, float]] = {}
+    losses: dict[str, float] = {}
     raw: dict[str, Any] = {}
     for variant in variants:
-        ranks = bench.run_ranks(profile_rank, ns.world_size, (variant, args, zero), env)
+        run = bench.run_ranks(
+            profile_rank,
+            ns.world_size,
+            (variant, args, zero, experiments),
+            env,
+            ns.idle_wait,
+            max_other_cores=ns.max_other_cores,
+            attempts=ns.attempts,
+        )
+        ranks = run.results
+        print(f"{variant}: other processes used {run.other_cpu_cores:.2f} cores meanwhile", flush=True)
         raw[variant] = ranks
-        phases = sorted({k for r in ranks for s in r for k in s}, key=lambda k: (k == "total", k.strip()))
+        phases = {k for r in ranks for s in r for k in s} - {"loss"}
+        losses[variant] = statistics.fmean(r[-1]["loss"] for r in ranks)
         medians[variant] = {
             k: statistics.fmean(statistics.median(s.get(k, 0.0) for s in r) for r in ranks) for k in phases
         }
     phases = list(dict.fromkeys(k for m in medians.values() for k in m))
-    phases.sort(key=lambda k: (k == "total", _ORDER.get(k.strip().split("/")[0], 9), k.strip()))
+    phases.sort(key=lambda k: (k.startswith("total"), _ORDER.get(k.strip().split("/")[0].split()[0], 9), k.strip()))
     rows = [[k] + [f"{medians[v][k] * 1e3:.1f}" if k in medians[v] else "" for v in variants] for k in phases]
+    rows.append(["loss at the last step (mean over ranks)"] + [f"{losses[v]:.6f}" for v in variants])
     text = bench.markdown_table(["ms (median over steps, mean over ranks)", *variants], rows)
-    text += f"\n\nZeroConfig overrides: {zero}; MALLOC_MMAP_THRESHOLD_={env['MALLOC_MMAP_THRESHOLD_']}"
+    text += f"\n\nZeroConfig overrides: {zero}; MALLOC_MMAP_THRESHOLD_={env['MALLOC_MMAP_THRESHOLD_']}; "
+    text += f"experiments: {experiments or 'none'}"
     print(text)
     ns.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"machine": bench.machine_info(), "zero": zero, "env": env, "medians_s": medians, "raw": raw}
+    payload = {"machine": bench.machine_info(), "zero": zero, "env": env, "experiments": experiments}
+    payload |= {"medians_s": medians, "raw": raw}
     ns.out.write_text(json.dumps(payload, indent=2))
     print(f"wrote {ns.out}")
 
 
-_ORDER = {"zero_grad": 0, "forward": 1, "backward": 2, "reduce_finish": 3, "optimizer": 4, "all_gather": 5}
+_ORDER = {"zero_grad": 0, "forward": 1, "backward": 2, "step": 3}
 
 if __name__ == "__main__":
     main()

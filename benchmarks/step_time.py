@@ -16,6 +16,7 @@ seeded model factory and the arguments, and returns a ``Prepared`` (a step funct
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -33,7 +34,7 @@ from torch import Tensor
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_zero import ZeroConfig, ZeroOptimizer, expected_model_state_bytes, model_state_bytes
+from lightning_zero import ZeroConfig, ZeroOptimizer, expected_model_state_bytes, model_state_bytes, shard_module
 from lightning_zero.models import GPT, GPTConfig
 
 MiB = 2**20
@@ -162,6 +163,96 @@ def run_zero2(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
     return _run_ours(2, build, args)
 
 
+# -- stage 3 and its peers ----------------------------------------------------------------------------------------
+def _three_psi(psi: int, world: int) -> int:
+    return 3 * psi * 4 * (world - 1) // world  # all-gather before forward and backward + reduce-scatter, fp32
+
+
+@runner("zero3")
+def run_zero3(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
+    config = ZeroConfig(stage=3)
+    with torch.device("meta"):  # sharded init: the model is never materialized whole
+        model = build()
+    gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu"))
+    zopt = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=args.lr), dist.group.WORLD, config, gatherer)
+    return Prepared(
+        make_step(model, zopt),
+        lambda: model_state_bytes(model, [zopt], gatherer).total,
+        zopt.ledger.last_step_bytes,
+        "measured: ZeroOptimizer.ledger (both all-gathers and the reduce-scatter)",
+        fp32_expected(model.num_parameters(), dist.get_world_size(), 3),
+    )
+
+
+@runner("fsdp2")
+def run_fsdp2(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = build()
+    psi, world = model.num_parameters(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:  # one unit per block, as our stage 3's default policy, plus the root
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    def local(tensors: list[Tensor]) -> list[Tensor]:
+        return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+    def state_bytes() -> int:
+        params = list(model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        return bench.tensor_bytes(local(params) + local(grads) + local(bench.adam_state(opt)))
+
+    return Prepared(
+        make_step(model, opt),
+        state_bytes,
+        lambda: {"all_gather+reduce_scatter": _three_psi(psi, world)},
+        "theory: 3·Ψ·4·(N−1)/N (FSDP2 records no traffic)",
+        fp32_expected(psi, world, 3),
+    )
+
+
+if importlib.util.find_spec("deepspeed") is not None:  # a benchmark peer only, never a dependency
+
+    @runner("deepspeed3")
+    def run_deepspeed3(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # DeepSpeed asks its launcher's variable (one node)
+        import deepspeed
+
+        model = build()
+        psi, world = model.num_parameters(), dist.get_world_size()
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        config = {
+            "train_micro_batch_size_per_gpu": args.batch_size,
+            "zero_optimization": {"stage": 3},
+            "zero_allow_untested_optimizer": True,  # torch's AdamW: DeepSpeed's CPU Adam needs a compiled extension
+        }
+        engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+        def step(x: Tensor, y: Tensor) -> Tensor:
+            loss = lm_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            return loss.detach()
+
+        def state_bytes() -> int:
+            partitions = [p.ds_tensor for p in model.parameters() if hasattr(p, "ds_tensor")]
+            masters = list(getattr(ds_opt, "fp32_partitioned_groups_flat", []))
+            grads = [m.grad for m in masters if m.grad is not None]
+            return bench.tensor_bytes(partitions + masters + grads + bench.adam_state(ds_opt.optimizer))
+
+        return Prepared(
+            step,
+            state_bytes,
+            lambda: {"all_gather+reduce_scatter": _three_psi(psi, world)},
+            "theory: 3·Ψ·4·(N−1)/N (DeepSpeed's engine records no traffic here)",
+            fp32_expected(psi, world, 3),
+        )
+
+
 def bench_rank(rank: int, world: int, variant: str, args: BenchArgs) -> dict[str, Any]:
     """Runs on every rank: build, train ``warmup + steps`` steps, report timings, memory and bytes."""
     baseline = bench.memory_status()
@@ -177,16 +268,18 @@ def bench_rank(rank: int, world: int, variant: str, args: BenchArgs) -> dict[str
         torch.randint(config.vocab_size, (args.batch_size, config.block_size + 1), generator=gen)
         for _ in range(args.warmup + args.steps)
     ]
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     for batch in tokens:
         x, y = batch[:, :-1], batch[:, 1:]
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = prepared.step(x, y)
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)  # all threads of this rank, gloo's included
         losses.append(loss.item())
     return {
         "times": times,
+        "cpu_times": cpu_times,
         "losses": losses,
         "state_bytes": prepared.state_bytes(),
         "expected_state_bytes": prepared.expected_state_bytes,
@@ -198,7 +291,7 @@ def bench_rank(rank: int, world: int, variant: str, args: BenchArgs) -> dict[str
     }
 
 
-def aggregate(per_repeat: list[list[dict[str, Any]]], warmup: int) -> dict[str, Any]:
+def aggregate(per_repeat: list[list[dict[str, Any]]], warmup: int, zero_theory_bytes: int) -> dict[str, Any]:
     """Per-repeat results (each a list over ranks) -> one variant's summary."""
     medians = []
     for ranks in per_repeat:
@@ -208,6 +301,7 @@ def aggregate(per_repeat: list[list[dict[str, Any]]], warmup: int) -> dict[str, 
     comm = ranks[0]["comm_bytes"]
     return {
         "step_time_s": bench.summarize(medians) | {"per_repeat": medians},
+        "cpu_time_s": statistics.median(t for rs in per_repeat for r in rs for t in r["cpu_times"][warmup:]),
         "peak_rss_bytes": max(r["memory"]["VmHWM"] for rs in per_repeat for r in rs),
         "peak_ru_maxrss_bytes": max(r["memory"]["ru_maxrss"] for rs in per_repeat for r in rs),
         "baseline_rss_bytes": max(r["baseline_memory"]["VmRSS"] for rs in per_repeat for r in rs),
@@ -215,55 +309,44 @@ def aggregate(per_repeat: list[list[dict[str, Any]]], warmup: int) -> dict[str, 
         "expected_state_bytes": ranks[0]["expected_state_bytes"],
         "comm_bytes": comm,
         "comm_bytes_total": sum(comm.values()),
+        "zero_theory_bytes": zero_theory_bytes,
         "comm_source": ranks[0]["comm_source"],
         "last_loss": statistics.fmean(r["losses"][-1] for r in ranks),
         "mmap_threshold_active": all(r["mmap_threshold_active"] for rs in per_repeat for r in rs),
+        "other_cpu_cores": [rs[0]["other_cpu_cores"] for rs in per_repeat],
         "raw": per_repeat,
     }
 
 
-# (header, value of a variant's summary, format, add a "×DDP" column)
-COLUMNS: list[tuple[str, Callable[[dict[str, Any]], float], str, bool]] = [
-    ("step ms (median)", lambda s: s["step_time_s"]["median"] * 1e3, "{:.0f}", True),
-    ("spread over repeats ms", lambda s: (s["step_time_s"]["max"] - s["step_time_s"]["min"]) * 1e3, "{:.0f}", False),
+# Two tables of (header, value of a variant's summary, format, add a "×DDP" column).
+TIME_COLUMNS: list[bench.Column] = [
+    ("step ms, median of repeats", lambda s: s["step_time_s"]["median"] * 1e3, "{:.0f}", True),
+    ("step ms, best repeat", lambda s: s["step_time_s"]["min"] * 1e3, "{:.0f}", True),
+    ("step ms per repeat", lambda s: bench.joined(s["step_time_s"]["per_repeat"], "{:.0f}", 1e3), "{}", False),
+    ("others' CPU use per repeat, cores", lambda s: bench.joined(s["other_cpu_cores"], "{:.2f}"), "{}", False),
+    ("CPU ms/step/rank", lambda s: s["cpu_time_s"] * 1e3, "{:.0f}", True),
+    ("last-step loss", lambda s: s["last_loss"], "{:.6f}", False),
+]
+SIZE_COLUMNS: list[bench.Column] = [
     ("peak RSS/rank MiB", lambda s: s["peak_rss_bytes"] / MiB, "{:.0f}", True),
     ("peak − RSS before build MiB", lambda s: (s["peak_rss_bytes"] - s["baseline_rss_bytes"]) / MiB, "{:.0f}", False),
     ("model state MiB", lambda s: s["state_bytes"] / MiB, "{:.1f}", True),
     ("(theory)", lambda s: s["expected_state_bytes"] / MiB, "{:.1f}", False),
-    ("sent MiB/step/rank", lambda s: s["comm_bytes_total"] / MiB, "{:.1f}", True),
-    ("last-step loss", lambda s: s["last_loss"], "{:.6f}", False),
+    ("sent B/step/rank", lambda s: s["comm_bytes_total"], "{:,}", True),
+    ("sent ÷ 2Ψ·4·(N−1)/N", lambda s: s["comm_bytes_total"] / s["zero_theory_bytes"], "{:.6f}", False),
 ]
 
 
-def report(summary: dict[str, dict[str, Any]], psi: int, world: int) -> str:
+def report(summary: dict[str, dict[str, Any]]) -> str:
     ddp = summary.get("ddp")
-    header, rows = ["variant"], [[name] for name in summary]
-    for title, value, fmt, ratio in COLUMNS:
-        header += [title, "×DDP"] if ratio else [title]
-        for row, s in zip(rows, summary.values(), strict=True):
-            row.append(fmt.format(value(s)))
-            if ratio:
-                row.append(f"{value(s) / value(ddp):.2f}×" if ddp and value(ddp) else "–")
-    sources = [f"- sent bytes of {name}: {s['comm_source']}" for name, s in summary.items()]
-    lines = [bench.markdown_table(header, rows), "", *sources, ""]
-    theory = bench.ring_all_reduce_bytes(psi, world)
-    checks = []
-    for name, s in summary.items():
-        if s["comm_source"].startswith("measured"):
-            sent, kinds = s["comm_bytes_total"], ", ".join(f"{k}={v:,}" for k, v in s["comm_bytes"].items())
-            checks.append([name, f"{theory:,}", f"{sent:,}", f"{sent / theory:.6f}", kinds])
-    if checks:
-        lines += [
-            f"Bytes per step per rank vs theory 2·Ψ·4·(N−1)/N (Ψ = {psi:,}, N = {world}, fp32):",
-            "",
-            bench.markdown_table(["variant", "theory B", "measured B", "measured/theory", "per collective"], checks),
-            "",
-        ]
+    sources = [f"- sent bytes of {name}: {s['comm_source']} ({s['comm_bytes']})" for name, s in summary.items()]
+    tables = [bench.ratio_table(summary, columns, "ddp", "×DDP") for columns in (TIME_COLUMNS, SIZE_COLUMNS)]
+    lines = [tables[0], "", tables[1], "", *sources, ""]
     if ddp:
         worst = max(abs(s["last_loss"] - ddp["last_loss"]) for s in summary.values())
         lines.append(f"Loss sanity check: max |loss − DDP loss| at the last step = {worst:.2e}.")
     if not all(s["mmap_threshold_active"] for s in summary.values()):
-        lines.append("NOTE: MALLOC_MMAP_THRESHOLD_=65536 was not in effect in some rank; peak RSS includes freed heap.")
+        lines.append("NOTE: MALLOC_MMAP_THRESHOLD_ was not in effect in some rank: peak RSS includes freed heap.")
     return "\n".join(lines)
 
 
@@ -276,6 +359,9 @@ def main() -> None:
     parser.add_argument(
         "--mmap-threshold", type=int, default=65536, help="MALLOC_MMAP_THRESHOLD_ of the ranks; 0: glibc's default"
     )
+    parser.add_argument("--idle-wait", type=float, default=120.0, help="max seconds to wait for an idle machine")
+    parser.add_argument("--max-other-cores", type=float, default=0.25, help="rerun a run others disturbed more")
+    parser.add_argument("--attempts", type=int, default=3, help="runs at most, per measurement, see above")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step_time.json"))
     ns = parser.parse_args()
     variants = ns.variants.split(",")
@@ -283,26 +369,33 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variant(s) {unknown}; known: {list(RUNNERS)}")
     args = BenchArgs(**{f.name: getattr(ns, f.name) for f in fields(BenchArgs)})
+    with torch.device("meta"):
+        psi = GPT(GPTConfig.bench25m()).num_parameters()
+    theory = bench.ring_all_reduce_bytes(psi, args.world_size)
     env = {"MALLOC_MMAP_THRESHOLD_": str(ns.mmap_threshold) if ns.mmap_threshold else None}
     raw: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in variants}
     for repeat in range(ns.repeats):
         for variant in variants:
-            start = time.monotonic()
-            load = os.getloadavg()[0]
-            ranks = bench.run_ranks(bench_rank, args.world_size, (variant, args), env)
-            for r in ranks:
-                r["loadavg_1min_before_after"] = [load, os.getloadavg()[0]]
+            run = bench.run_ranks(
+                bench_rank,
+                args.world_size,
+                (variant, args),
+                env,
+                ns.idle_wait,
+                max_other_cores=ns.max_other_cores,
+                attempts=ns.attempts,
+            )
+            ranks = run.results
+            ranks[0]["other_cpu_cores"] = run.other_cpu_cores
             raw[variant].append(ranks)
-            median = aggregate([ranks], args.warmup)["step_time_s"]["median"]
+            median = aggregate([ranks], args.warmup, theory)["step_time_s"]["median"]
             print(
-                f"[{repeat + 1}/{ns.repeats}] {variant}: {median * 1e3:.0f} ms/step, {time.monotonic() - start:.0f} s, "
-                f"1-min load average before/after {load:.1f}/{os.getloadavg()[0]:.1f}",
+                f"[{repeat + 1}/{ns.repeats}] {variant}: {median * 1e3:.0f} ms/step, {run.wall_s:.0f} s, "
+                f"other processes used {run.other_cpu_cores:.2f} cores meanwhile",
                 flush=True,
             )
-    summary = {v: aggregate(raw[v], args.warmup) for v in variants}
-    with torch.device("meta"):
-        psi = GPT(GPTConfig.bench25m()).num_parameters()
-    text = report(summary, psi, args.world_size)
+    summary = {v: aggregate(raw[v], args.warmup, theory) for v in variants}
+    text = report(summary) + f"\n(Ψ = {psi:,} parameters, N = {args.world_size}: 2Ψ·4·(N−1)/N = {theory:,} B)"
     print(text)
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
