@@ -253,6 +253,9 @@ def load_full_state_dict(
         nested = state_dict.get("state_dict")
         state_dict = nested if isinstance(nested, Mapping) else state_dict
     sources, toc = state_dict_sources(state_dict, prefix, origin)
-    plan = LoadPlan(module, owned_parameter_slices(optimizers), toc, strict=strict, origin=origin, prefix=prefix)
+    gatherer = next((o.gatherer for o in optimizers if o.gatherer is not None), None)  # stage 3's sharded model
+    slices = owned_parameter_slices(optimizers, gatherer)
+    plan = LoadPlan(module, slices, toc, strict=strict, origin=origin, prefix=prefix)
     plan.read_from(sources)
     plan.finish(optimizers)
+    _refresh(gatherer)

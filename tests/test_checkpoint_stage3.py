@@ -5,7 +5,11 @@ from __future__ import annotations
 import tempfile
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from lightning_zero import ZeroConfig, ZeroOptimizer, load_full_state_dict, shard_module
+from lightning_zero.models.gpt import GPT, GPTConfig
 from tests.harness import run_distributed
 from tests.test_checkpoint_trainer import (
     _load,
@@ -38,3 +42,30 @@ def test_stage3_checkpoints_load_at_other_stages_and_world_sizes():
         at1 = run_distributed(_load, 1, root, source, 2, 1, None, init_process_group=False)
     for loaded in (at4, back, at1):
         assert_same_training_state(loaded, saved)
+
+
+def _pretrained_into_stage3(path: str) -> tuple[list[bool], bool]:
+    torch.manual_seed(dist.get_rank())  # every rank starts elsewhere; the load must overwrite all of it
+    config = ZeroConfig(stage=3)
+    with torch.device("meta"):  # never built whole: materialized and sharded unit by unit
+        model = GPT(GPTConfig.tiny(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, bias=False))
+    gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu"))
+    optimizer = ZeroOptimizer(model, torch.optim.AdamW(model.parameters()), dist.group.WORLD, config, gatherer)
+    load_full_state_dict(model, path, optimizers=[optimizer])
+    expected = torch.load(path, weights_only=True)
+    with gatherer.gathered():
+        same = [torch.equal(v, expected[k]) for k, v in model.state_dict().items()]
+    model(torch.zeros(2, 8, dtype=torch.long)).sum().backward()
+    optimizer.step()
+    return same, all(u.state.value == "sharded" for u in gatherer.units)
+
+
+@pytest.mark.timeout(60)
+def test_pretrained_state_dict_loads_into_a_stage3_model_built_on_meta(tmp_path):
+    torch.manual_seed(0)
+    source = GPT(GPTConfig.tiny(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, bias=False))
+    torch.save(source.state_dict(), tmp_path / "pretrained.pt")
+    for same, sharded in run_distributed(_pretrained_into_stage3, 2, str(tmp_path / "pretrained.pt")):
+        assert same
+        assert all(same)
+        assert sharded
