@@ -69,3 +69,13 @@ def test_pretrained_state_dict_loads_into_a_stage3_model_built_on_meta(tmp_path)
         assert same
         assert all(same)
         assert sharded
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("devices", [1, 4])
+def test_stage3_resume_is_bit_identical_at_one_and_four_ranks(devices):
+    with tempfile.TemporaryDirectory() as root:
+        for uninterrupted, resumed in run_distributed(
+            _resume_exactly, devices, root, 3, devices, False, "32-true", init_process_group=False
+        ):
+            assert_same(resumed, uninterrupted)

@@ -219,6 +219,8 @@ def _resume_exactly(root: str, stage: int, devices: int, boundary_too: bool, pre
         (2, 2, True, "32-true"),
         (2, 1, False, "32-true"),
         (1, 4, False, "32-true"),
+        (1, 1, False, "32-true"),
+        (2, 4, False, "32-true"),
         (2, 2, False, "bf16-mixed"),  # bf16 parameters, separate fp32 masters
         (1, 2, False, "16-mixed"),  # fp16 parameters and the dynamic loss scaler's state
     ],
