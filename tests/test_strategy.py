@@ -56,26 +56,36 @@ def _dataset(model_name: str, samples: int) -> TensorDataset:
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def fit(strategy: Any, model_name: str, optimizer_name: str, accumulate: int = 1, **trainer_kwargs: Any) -> dict:
-    module = ParityModule(model_name, optimizer_name)
-    # Lightning adds a DistributedSampler: each rank sees its own half of the data, identically for every strategy.
-    loader = DataLoader(_dataset(model_name, 2 * 4 * STEPS * accumulate), batch_size=4)
-    trainer = pl.Trainer(
+def _trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
+    """The Trainer every test here uses: 2 CPU processes, STEPS steps, nothing written to disk."""
+    return pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
         max_steps=STEPS,
-        accumulate_grad_batches=accumulate,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        **trainer_kwargs,
+        **kwargs,
     )
-    trainer.fit(module, loader)
-    context = trainer.strategy.gathered_parameters() if isinstance(trainer.strategy, ZeroStrategy) else nullcontext()
+
+
+def _full_weights(trainer: pl.Trainer, model: nn.Module) -> dict[str, Tensor]:
+    """Every parameter in full (stage 3 gathers them for the copy)."""
+    strategy = trainer.strategy
+    context = strategy.gathered_parameters() if isinstance(strategy, ZeroStrategy) else nullcontext()
     with context:
-        weights = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def fit(strategy: Any, model_name: str, optimizer_name: str, accumulate: int = 1, **trainer_kwargs: Any) -> dict:
+    module = ParityModule(model_name, optimizer_name)
+    # Lightning adds a DistributedSampler: each rank sees its own half of the data, identically for every strategy.
+    loader = DataLoader(_dataset(model_name, 2 * 4 * STEPS * accumulate), batch_size=4)
+    trainer = _trainer(strategy, accumulate_grad_batches=accumulate, **trainer_kwargs)
+    trainer.fit(module, loader)
+    weights = _full_weights(trainer, module.model)
     result = {"losses": module.losses, "lrs": module.lrs, "weights": weights}
     if isinstance(trainer.strategy, ZeroStrategy):
         result["sent"] = trainer.strategy.communication_per_step()
@@ -186,20 +196,9 @@ class ConfigureModelModule(ParityModule):
 def _fit_configure_model(strategy: Any) -> dict:
     module = ConfigureModelModule("gpt", "adamw")
     loader = DataLoader(_dataset("gpt", 2 * 4 * STEPS), batch_size=4)
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _trainer(strategy)
     trainer.fit(module, loader)
-    context = trainer.strategy.gathered_parameters() if isinstance(trainer.strategy, ZeroStrategy) else nullcontext()
-    with context:
-        weights = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    weights = _full_weights(trainer, module.model)
     predictions = trainer.predict(module, DataLoader(_dataset("gpt", 8), batch_size=4))
     return {
         "losses": module.losses,
@@ -259,20 +258,9 @@ class ManualModule(ParityModule):
 def _manual(strategy: Any) -> dict:
     module = ManualModule()
     loader = DataLoader(_dataset("gpt", 2 * 4 * STEPS), batch_size=4)
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _trainer(strategy)
     trainer.fit(module, loader)
-    context = trainer.strategy.gathered_parameters() if isinstance(trainer.strategy, ZeroStrategy) else nullcontext()
-    with context:
-        weights = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    weights = _full_weights(trainer, module.model)
     return {"losses": module.losses, "lrs": [], "weights": weights}
 
 
