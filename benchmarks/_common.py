@@ -217,7 +217,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "backend": "gloo",
-        "child_env": dict(CHILD_ENV),
+        "child_env": {key: os.environ.get(key) for key in CHILD_ENV},  # as the last run_ranks() set it
     }
 
 

@@ -7,7 +7,11 @@ Every variant trains the same model (``GPTConfig.bench25m()``, seq 128, fp32, Ad
 per-rank batches, on ``--world-size`` gloo ranks that are fresh spawned processes (one compute thread each, glibc
 ``MALLOC_MMAP_THRESHOLD_=65536`` so that peak RSS tracks live tensors). A step is timed from a barrier to the end of
 the optimizer step; the step time of a step is the slowest rank's, and the reported figure is the median over the
-steps after ``--warmup``. ``--repeats R`` runs the variants round-robin R times and reports the spread.
+steps after ``--warmup``. ``--repeats R`` runs the variants round-robin R times and reports every repeat. Each run
+first waits (up to ``--idle-wait`` s) for an idle machine and is re-run (up to ``--attempts``) if other processes used
+more than ``--max-other-cores`` CPUs meanwhile; what they used is reported. ``--mmap-threshold 0`` leaves glibc's
+default (dynamic) malloc threshold: step times then include no page faults of recycled buffers, but freed memory stays
+in the heap, so peak RSS is no longer meaningful.
 
 Adding a variant (stage 3, FSDP2, DeepSpeed, ...) is one function decorated with ``@runner("name")``: it receives a
 seeded model factory and the arguments, and returns a ``Prepared`` (a step function plus memory and byte counters).
