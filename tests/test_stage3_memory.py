@@ -90,6 +90,9 @@ def test_a_model_larger_than_the_per_rank_budget_trains_at_four_ranks_within_it(
     budget_mb = 4 * sum(p.numel() for p in GPT(_config(48)).parameters()) / 1e6  # the full fp32 model: ~150 MB
     sharded = run_distributed(_peak_of, 4, True)
     assert max(sharded) < budget_mb, (sharded, budget_mb)
-    # The budget is a real one: building the model whole on each rank first goes over it.
+    # The budget is a real one: building the model whole on each rank first holds all of it at once. The whole
+    # build's RSS delta can come in a few MB under the model's bytes when it reuses pages the warm-up left
+    # resident, so it is compared with a 5% allowance, and the sharded peak must stay clearly below it.
     whole = run_distributed(_peak_of, 2, False)
-    assert min(whole) >= budget_mb, (whole, budget_mb)
+    assert min(whole) >= 0.95 * budget_mb, (whole, budget_mb)
+    assert max(sharded) < 0.9 * min(whole), (sharded, whole)
