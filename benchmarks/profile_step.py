@@ -9,17 +9,14 @@ wait for it) and the optimizer ``step``. For our stages some methods are wrapped
 changed) to split the time further, each charged to the phase in which it ran: ``ZeroOptimizer.reduce_gradients``
 (launch what the backward hooks did not, wait for every bucket), the wrapped ``AdamW.step`` (this rank's shard; for
 DDP the whole ``step`` is AdamW on the full model), ``ZeroOptimizer.gather_parameters`` (all-gather of the updated
-parameters) and, inside backward, the reducer's ``_store`` (stage 2: staging allocation + copy into the bucket),
-``_launch`` (pre-division, receive-buffer allocation, issuing the all-to-all) and ``_wait_oldest`` (blocking on an
+parameters) and, inside backward, the reducer's ``_store`` (stage 2: copy into the bucket's staging buffer),
+``_launch`` (issuing the all-to-all) and ``_wait_oldest`` (blocking on an
 in-flight bucket, then the local sum). Rows marked ``[cpu]`` are the CPU time of the rank's
 main thread in that phase (``time.thread_time``): nearly blind to other processes competing for the cores, and ~0 while
 blocked on communication; ``total [cpu, all threads]`` includes gloo's threads.
 
 Extra knobs, to test hypotheses: ``--mmap-threshold 0`` (glibc's default malloc behaviour), ``--bucket-numel``,
-``--max-inflight-buckets``, ``--no-overlap``, and ``--experiments`` = comma-separated monkeypatches of our collectives
-and buffers, applied in the ranks only (the package is not modified): ``bcast_gather`` (all-gather as N in-place
-broadcasts), ``rs_pool`` (reduce-scatter into a reused receive buffer, dividing only the reduced shard),
-``staging_pool`` (stage 2: reuse staging buffers instead of allocating them every backward).
+``--max-inflight-buckets`` and ``--no-overlap``.
 """
 
 from __future__ import annotations
@@ -32,17 +29,15 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import _common as bench
 import torch
 import torch.distributed as dist
 from step_time import BenchArgs, lm_loss
-from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_zero import ZeroConfig, ZeroOptimizer, gradient_reducer, sharded_optimizer
-from lightning_zero.collectives import Collective, PendingCollective
+from lightning_zero import ZeroConfig, ZeroOptimizer, shard_module
 from lightning_zero.models import GPT, GPTConfig
 
 
@@ -68,7 +63,7 @@ class PhaseTimer:
             self._charge(phase, wall, cpu)
             self.phase = "idle"
 
-    def wrap(self, obj: object, method: str) -> None:
+    def wrap(self, obj: object, method: str, label: str | None = None) -> None:
         original = getattr(obj, method)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -76,7 +71,7 @@ class PhaseTimer:
             try:
                 return original(*args, **kwargs)
             finally:
-                self._charge(f"  {self.phase}/{method}", wall, cpu)
+                self._charge(f"  {self.phase}/{label or method}", wall, cpu)
 
         setattr(obj, method, timed)
 
@@ -85,78 +80,7 @@ class PhaseTimer:
         return step
 
 
-class _AllWorks:
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-
-
-def _broadcast_all_gather(output: Tensor, input: Tensor, group: Any) -> PendingCollective:
-    """Experiment ``bcast_gather``: the all-gather as N in-place broadcasts of the shard views of ``output``."""
-    world, rank, n = group.size(), group.rank(), input.numel()
-    shards = output.view(-1).split(n)
-    if shards[rank].data_ptr() != input.data_ptr():
-        shards[rank].copy_(input.view(-1))
-    works = [dist.broadcast(shards[r], dist.get_global_rank(group, r), group, async_op=True) for r in range(world)]
-    nbytes = n * input.element_size() * (world - 1)
-    return PendingCollective(Collective.ALL_GATHER, _AllWorks(works), (output, input), nbytes)  # type: ignore[arg-type]
-
-
-_FREE: dict[tuple[int, torch.dtype], list[Tensor]] = defaultdict(list)
-
-
-def _pooled_reduce_scatter(output: Tensor, input: Tensor, group: Any) -> PendingCollective:
-    """Experiment ``rs_pool``: all-to-all into a reused receive buffer; divide only the summed shard (no pre-division
-    of the whole bucket: fp32 cannot overflow here)."""
-    world, free = group.size(), _FREE[(input.numel(), input.dtype)]
-    received = free.pop() if free else torch.empty_like(input)
-    work = dist.all_to_all_single(received, input, group=group, async_op=True)
-
-    def finish() -> None:
-        torch.sum(received.view(world, -1), dim=0, out=output.view(-1))
-        output.div_(world)
-        free.append(received)
-
-    nbytes = input.numel() * input.element_size() * (world - 1) // world
-    return PendingCollective(Collective.REDUCE_SCATTER, work, (received, input, output), nbytes, finish)
-
-
-def _pool_staging(reducer: Any) -> None:
-    """Experiment ``staging_pool`` (stage 2): reuse staging buffers (``zero_()``) instead of a fresh ``torch.zeros``
-    per bucket and backward; a buffer goes back to the pool once its reduce-scatter completed."""
-    original_launch, original_complete, lent = reducer._launch, reducer._complete, {}
-
-    def staging_for(bucket: Any) -> Tensor:
-        if reducer._staging[bucket.index] is None:
-            free = _FREE[(bucket.padded_numel, reducer._reduce_dtype(bucket))]
-            reducer._staging[bucket.index] = free.pop().zero_() if free else None
-        if reducer._staging[bucket.index] is None:
-            return cast(Tensor, original_staging_for(bucket))
-        return cast(Tensor, reducer._staging[bucket.index])
-
-    def launch(bucket: Any) -> PendingCollective:
-        lent[bucket.index] = reducer._staging[bucket.index]
-        return cast(PendingCollective, original_launch(bucket))
-
-    def complete(bucket: Any) -> None:
-        original_complete(bucket)
-        staging = lent.pop(bucket.index, None)
-        if staging is not None:
-            _FREE[(staging.numel(), staging.dtype)].append(staging)
-
-    original_staging_for = reducer._staging_for
-    reducer._staging_for, reducer._launch, reducer._complete = staging_for, launch, complete
-
-
-EXPERIMENTS = ("bcast_gather", "rs_pool", "staging_pool")
-
-
-def profile_rank(
-    rank: int, world: int, variant: str, args: BenchArgs, zero: dict[str, Any], experiments: list[str]
-) -> list[dict[str, float]]:
+def profile_rank(rank: int, world: int, variant: str, args: BenchArgs, zero: dict[str, Any]) -> list[dict[str, float]]:
     config = GPTConfig.bench25m()
     torch.manual_seed(args.seed)
     model = GPT(config)
@@ -167,13 +91,19 @@ def profile_rank(
     if variant == "ddp":
         forward = DistributedDataParallel(model)
     else:
-        if "bcast_gather" in experiments:
-            sharded_optimizer.all_gather = _broadcast_all_gather  # type: ignore[assignment]
-        if "rs_pool" in experiments:
-            gradient_reducer.reduce_scatter = _pooled_reduce_scatter  # type: ignore[assignment]
-        zopt = ZeroOptimizer(model, opt, dist.group.WORLD, ZeroConfig(stage=int(variant[-1]), **zero))
-        if "staging_pool" in experiments and hasattr(zopt.reducer, "_staging_for"):
-            _pool_staging(zopt.reducer)
+        stage = int(variant[-1])
+        gatherer = None
+        if stage == 3:  # as step_time.py: built on meta and sharded, one unit per block plus the root
+            with torch.device("meta"):
+                model = GPT(config)
+            gatherer = shard_module(model, ZeroConfig(stage=3, **zero), dist.group.WORLD, torch.device("cpu"))
+            opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+            forward = model
+            for unit in gatherer.units:
+                for method in ("gather", "wait"):
+                    timer.wrap(unit, method, f"unit.{method}")
+            timer.wrap(gatherer, "_check_same_unit")
+        zopt = ZeroOptimizer(model, opt, dist.group.WORLD, ZeroConfig(stage=stage, **zero), gatherer)
         for obj, method in [(zopt, "reduce_gradients"), (opt, "step"), (zopt, "gather_parameters")]:
             timer.wrap(obj, method)
         for method in ("_store", "_launch", "_wait_oldest"):
@@ -210,7 +140,6 @@ def main() -> None:
     parser.add_argument("--bucket-numel", type=int, default=None)
     parser.add_argument("--max-inflight-buckets", type=int, default=None)
     parser.add_argument("--no-overlap", action="store_true")
-    parser.add_argument("--experiments", default="", help=f"comma-separated monkeypatches of ours: {EXPERIMENTS}")
     parser.add_argument("--idle-wait", type=float, default=120.0, help="max seconds to wait for an idle machine")
     parser.add_argument("--max-other-cores", type=float, default=0.25, help="rerun a run others disturbed more")
     parser.add_argument("--attempts", type=int, default=3, help="runs at most, per measurement, see above")
@@ -224,9 +153,6 @@ def main() -> None:
         zero["max_inflight_buckets"] = ns.max_inflight_buckets
     env = {"MALLOC_MMAP_THRESHOLD_": str(ns.mmap_threshold) if ns.mmap_threshold else None}
     variants = ns.variants.split(",")
-    experiments = [e for e in ns.experiments.split(",") if e]
-    if set(experiments) - set(EXPERIMENTS):
-        parser.error(f"unknown experiments {sorted(set(experiments) - set(EXPERIMENTS))}; known: {EXPERIMENTS}")
     medians: dict[str, dict[str, float]] = {}
     losses: dict[str, float] = {}
     raw: dict[str, Any] = {}
@@ -234,7 +160,7 @@ def main() -> None:
         run = bench.run_ranks(
             profile_rank,
             ns.world_size,
-            (variant, args, zero, experiments),
+            (variant, args, zero),
             env,
             ns.idle_wait,
             max_other_cores=ns.max_other_cores,
@@ -253,11 +179,10 @@ def main() -> None:
     rows = [[k] + [f"{medians[v][k] * 1e3:.1f}" if k in medians[v] else "" for v in variants] for k in phases]
     rows.append(["loss at the last step (mean over ranks)"] + [f"{losses[v]:.6f}" for v in variants])
     text = bench.markdown_table(["ms (median over steps, mean over ranks)", *variants], rows)
-    text += f"\n\nZeroConfig overrides: {zero}; MALLOC_MMAP_THRESHOLD_={env['MALLOC_MMAP_THRESHOLD_']}; "
-    text += f"experiments: {experiments or 'none'}"
+    text += f"\n\nZeroConfig overrides: {zero}; MALLOC_MMAP_THRESHOLD_={env['MALLOC_MMAP_THRESHOLD_']}"
     print(text)
     ns.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"machine": bench.machine_info(), "zero": zero, "env": env, "experiments": experiments}
+    payload = {"machine": bench.machine_info(), "zero": zero, "env": env}
     payload |= {"medians_s": medians, "raw": raw}
     ns.out.write_text(json.dumps(payload, indent=2))
     print(f"wrote {ns.out}")

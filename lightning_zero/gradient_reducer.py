@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
+from lightning_zero.buffer_pool import BufferPool
 from lightning_zero.collectives import CommLedger, PendingCollective, ProcessGroup, reduce_scatter
 from lightning_zero.config import ZeroConfig, dtype_from_name
 from lightning_zero.flat_bucket import FlatBucket, ParamSlot
@@ -74,6 +75,12 @@ class GradientReducer:
         self._next_launch = 0
         self._callback_queued = False
         self._in_flight: deque[tuple[FlatBucket, PendingCollective]] = deque()
+        self.pool = BufferPool()
+        """Receive buffers (and stage 2's staging buffers), reused across buckets and steps."""
+        for bucket in self.buckets:
+            self.pool.reserve(bucket.padded_numel, self._reduce_dtype(bucket), bucket.device)
+        self._lent: list[list[Tensor]] = [[] for _ in self.buckets]
+        """Pooled buffers an in-flight bucket's collective uses; back to the pool when it completes."""
         self._handles: list[RemovableHandle] = []
         for bucket in self.buckets:
             for slot, param in bucket.slots_and_params():
@@ -108,6 +115,10 @@ class GradientReducer:
     def state_bytes(self) -> int:
         """Bytes of gradient storage this rank holds between steps."""
         raise NotImplementedError
+
+    def buffer_bytes(self) -> int:
+        """Bytes of reusable communication buffers (not model state: a few buckets' worth, whatever the model)."""
+        return self.pool.nbytes()
 
     # -- protocol ------------------------------------------------------------------------------------------------
     def _reduce_dtype(self, bucket: FlatBucket) -> torch.dtype:
@@ -169,10 +180,19 @@ class GradientReducer:
         # accumulation target for the next backward, and stage 2's staging buffers are memory we promised to free.
         self.wait()
 
+    def _reduce_scatter(self, bucket: FlatBucket, output: Tensor, input: Tensor) -> PendingCollective:
+        """Issue the bucket's reduce-scatter with a pooled receive buffer, held until the bucket completes."""
+        scratch = self.pool.take(input.numel(), input.dtype, input.device)
+        self._lent[bucket.index].append(scratch)
+        return reduce_scatter(output, input, self.group, scratch=scratch)
+
     def _wait_oldest(self) -> None:
         bucket, pending = self._in_flight.popleft()
         pending.wait()
         self._complete(bucket)
+        for buffer in self._lent[bucket.index]:
+            self.pool.give(buffer)
+        self._lent[bucket.index].clear()
         self.state[bucket.index] = BucketState.REDUCED
 
     def wait(self) -> None:
@@ -245,7 +265,7 @@ class FullGradReducer(GradientReducer):
         reduce_dtype = self._reduce_dtype(bucket)
         send = flat if reduce_dtype == flat.dtype else flat.to(reduce_dtype)
         out = torch.empty(bucket.shard_numel, dtype=reduce_dtype, device=flat.device)
-        pending = reduce_scatter(out, send, self.group)
+        pending = self._reduce_scatter(bucket, out, send)
         total = self._reduced[bucket.index]
         if total is None:
             self._reduced[bucket.index] = out
@@ -277,7 +297,15 @@ class FullGradReducer(GradientReducer):
 
 
 class ShardedGradReducer(GradientReducer):
-    """Stage 2: gradients are reduce-scattered during every backward and only this rank's shard is kept."""
+    """Stage 2: gradients are reduce-scattered during every backward and only this rank's shard is kept.
+
+    Note [staging without memset]
+    A bucket collects its gradients in a full-size staging buffer lent by the pool, whose content is stale. Each
+    parameter's first gradient of the round is copied into its slot and later ones (a module called twice, local
+    accumulation) are added, so a slot is written once instead of zeroed and then added to. Slots that got no
+    gradient, and the padding, are zeroed just before the reduction. When autograd is to accumulate into the slot
+    itself (``accumulate_into_staging``) that slot is zeroed first, since autograd adds to an existing ``.grad``.
+    """
 
     def __init__(
         self,
@@ -292,6 +320,8 @@ class ShardedGradReducer(GradientReducer):
         """(shard_numel,) per bucket: this rank's accumulated, averaged gradient."""
         self._shard_is_zero = [True] * len(self.buckets)
         self._staging: list[Tensor | None] = [None] * len(self.buckets)
+        self._stale: list[set[int]] = [set() for _ in self.buckets]
+        """Offsets of the slots of each staging buffer not yet written this round: Note [staging without memset]."""
 
     def _communicates_now(self) -> bool:
         # Inside no_sync(), "local" accumulation keeps adding into the staging buffers until the last micro-batch.
@@ -300,8 +330,10 @@ class ShardedGradReducer(GradientReducer):
     def _staging_for(self, bucket: FlatBucket) -> Tensor:
         staging = self._staging[bucket.index]
         if staging is None:
-            staging = torch.zeros(bucket.padded_numel, dtype=self._reduce_dtype(bucket), device=bucket.device)
+            staging = self.pool.take(bucket.padded_numel, self._reduce_dtype(bucket), bucket.device)
+            staging[bucket.numel :].zero_()  # the padding: < world_size elements
             self._staging[bucket.index] = staging
+            self._stale[bucket.index] = {slot.offset for slot in bucket.slots}
         return staging
 
     def accumulate_into_staging(self, bucket: FlatBucket) -> None:
@@ -311,30 +343,47 @@ class ShardedGradReducer(GradientReducer):
         if bucket.dtype != self._reduce_dtype(bucket):
             return  # autograd produces the parameter dtype; the copy in _store converts it
         staging = self._staging_for(bucket)
+        stale = self._stale[bucket.index]
         for slot, param in bucket.slots_and_params():
             if param.grad is None:
-                param.grad = FlatBucket.param_view(staging, slot)
+                view = FlatBucket.param_view(staging, slot)
+                if slot.offset in stale:  # Note [staging without memset]
+                    view.zero_()
+                    stale.discard(slot.offset)
+                param.grad = view
 
     def _store(self, bucket: FlatBucket, slot: ParamSlot, param: nn.Parameter) -> None:
         view = FlatBucket.param_view(self._staging_for(bucket), slot)
         grad = param.grad
         assert grad is not None
         if grad.data_ptr() != view.data_ptr():
-            # add_, not copy_: a gradient can arrive twice in one backward under reentrant recomputation.
-            view.add_(grad)
+            stale = self._stale[bucket.index]
+            if slot.offset in stale:  # Note [staging without memset]
+                view.copy_(grad)
+                stale.discard(slot.offset)
+            else:  # a second gradient in one round: reentrant recomputation, local accumulation
+                view.add_(grad)
         param.grad = None  # the full gradient lives on only in the bucket
 
     def _launch(self, bucket: FlatBucket) -> PendingCollective:
-        staging = self._staging[bucket.index]
-        if staging is None:  # no gradient arrived on this rank: it still contributes zeros
-            staging = torch.zeros(bucket.padded_numel, dtype=self._reduce_dtype(bucket), device=bucket.device)
+        # No gradient may have arrived on this rank: it still contributes (zeros).
+        staging = self._staging_for(bucket)
+        for slot in bucket.slots:
+            if slot.offset in self._stale[bucket.index]:
+                staging[slot.offset : slot.offset + slot.numel].zero_()
+        self._stale[bucket.index] = set()
         self._staging[bucket.index] = None
+        for param in bucket.params:
+            # A view attached by accumulate_into_staging whose gradient never came: the buffer goes back to the
+            # pool, so the view must not outlive this round.
+            param.grad = None
+        self._lent[bucket.index].append(staging)  # back to the pool once the reduction has completed
         shard = self.shards[bucket.index]
         if self._shard_is_zero[bucket.index]:
             self._shard_is_zero[bucket.index] = False
-            return reduce_scatter(shard, staging, self.group)
+            return self._reduce_scatter(bucket, shard, staging)
         out = torch.empty_like(shard)
-        return _accumulate_into(shard, out, reduce_scatter(out, staging, self.group))
+        return _accumulate_into(shard, out, self._reduce_scatter(bucket, out, staging))
 
     def grad_shard(self, bucket: FlatBucket) -> Tensor:
         return self.shards[bucket.index]

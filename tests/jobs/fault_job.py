@@ -50,7 +50,8 @@ class FaultyMLP(pl.LightningModule):
         if self.fault == "kill-backward":
             self.model.net[0].weight.register_hook(self._kill_in_backward)
         if self.fault in ("kill-reduce-scatter", "kill-all-gather"):
-            name = "all_to_all_single" if self.fault == "kill-reduce-scatter" else "all_gather_single"
+            # On gloo the reduce-scatter is an all-to-all and the all-gather N broadcasts (lightning_zero.collectives).
+            name = "all_to_all_single" if self.fault == "kill-reduce-scatter" else "broadcast"
             _die_inside(name, self)
 
     def _kill_in_backward(self, grad: Tensor) -> Tensor:

@@ -1,0 +1,137 @@
+"""The collectives on gloo (all-to-all reduce-scatter, broadcast all-gather) against their definitions, and the pool
+of buffers the gradient reduction reuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_zero import ZeroConfig, ZeroOptimizer
+from lightning_zero.buffer_pool import BufferPool
+from lightning_zero.collectives import all_gather, reduce_scatter
+from lightning_zero.models.gpt import GPT, GPTConfig
+from tests.harness import run_distributed
+
+SHARD = 1000
+
+
+def _contribution(rank: int, world: int, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(world * SHARD, generator=generator).to(dtype)
+
+
+def _reduce_scatter(dtype_name: str, with_scratch: bool) -> bool:
+    dtype = getattr(torch, dtype_name)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = _contribution(rank, world, dtype)
+    expected = torch.stack([_contribution(r, world, dtype).float() for r in range(world)]).mean(0)
+    expected = expected[rank * SHARD : (rank + 1) * SHARD]
+    output = torch.full((SHARD,), float("nan"), dtype=dtype)
+    scratch = torch.full((world * SHARD,), float("nan"), dtype=dtype) if with_scratch else None
+    pending = reduce_scatter(output, mine, dist.group.WORLD, scratch=scratch)
+    assert pending.bytes_sent == (world - 1) * SHARD * mine.element_size()
+    pending.wait()
+    tolerance = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(output.float(), expected, rtol=tolerance, atol=tolerance)
+    return True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float16"])
+def test_reduce_scatter_averages_this_ranks_shard(world_size, dtype_name):
+    assert all(run_distributed(_reduce_scatter, world_size, dtype_name, world_size == 2))
+
+
+def _fp16_near_max() -> list[float]:
+    # Every rank holds 40000: the average is representable in fp16, the sum of 2 (80000 > 65504) is not.
+    world = dist.get_world_size()
+    output = torch.empty(SHARD, dtype=torch.float16)
+    reduce_scatter(output, torch.full((world * SHARD,), 40000.0, dtype=torch.float16), dist.group.WORLD).wait()
+    return [output.min().item(), output.max().item()]
+
+
+@pytest.mark.timeout(60)
+def test_fp16_gradients_are_averaged_before_summing_so_they_cannot_overflow():
+    for low, high in run_distributed(_fp16_near_max, 2):
+        assert low == high == 40000.0
+
+
+def _all_gather(in_place: bool) -> bool:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = torch.full((world * SHARD,), float("nan"))
+    shard = torch.arange(SHARD, dtype=torch.float32) + 10_000 * rank
+    if in_place:
+        full[rank * SHARD : (rank + 1) * SHARD].copy_(shard)
+        shard = full[rank * SHARD : (rank + 1) * SHARD]
+    pending = all_gather(full, shard, dist.group.WORLD)
+    assert pending.bytes_sent == (world - 1) * SHARD * 4
+    pending.wait()
+    expected = torch.cat([torch.arange(SHARD, dtype=torch.float32) + 10_000 * r for r in range(world)])
+    assert torch.equal(full, expected)
+    return True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_all_gather_puts_every_shard_in_rank_order(world_size, in_place):
+    assert all(run_distributed(_all_gather, world_size, in_place))
+
+
+def test_buffer_pool_reuses_memory_and_grows_to_the_largest_request():
+    pool = BufferPool()
+    first = pool.take(100, torch.float32, torch.device("cpu"))
+    address = first.data_ptr()
+    pool.give(first)
+    again = pool.take(60, torch.float32, torch.device("cpu"))
+    assert again.data_ptr() == address
+    assert again.numel() == 60
+    other = pool.take(100, torch.float32, torch.device("cpu"))  # the first is lent: a second buffer
+    assert other.data_ptr() != address
+    assert pool.lent() == 2
+    assert pool.nbytes() == 800
+    pool.give(again)
+    pool.give(other)
+    bigger = pool.take(300, torch.float32, torch.device("cpu"))  # none fits: one is replaced by a larger one
+    assert bigger.numel() == 300
+    assert pool.nbytes() == 400 + 1200
+    pool.give(bigger)
+    assert pool.take(300, torch.float32, torch.device("cpu")).data_ptr() == bigger.data_ptr()
+    pool.reserve(50, torch.bfloat16, torch.device("cpu"))
+    small = pool.take(10, torch.bfloat16, torch.device("cpu"))  # pooled per dtype, allocated at the reserved size
+    assert small.dtype == torch.bfloat16
+    assert small.numel() == 10
+    assert pool.nbytes() == 400 + 1200 + 100
+    pool.clear()
+    assert pool.nbytes() == 300 * 4 + 50 * 2  # only the lent ones remain
+
+
+def _reducer_buffers(stage: int) -> list[tuple[int, int]]:
+    """(buffer bytes, buffers lent) after each of 3 steps; stage 2 buckets hold an unused parameter."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny(n_layer=2, n_embd=32, vocab_size=64))
+    unused = torch.nn.Parameter(torch.full((7,), 3.0))
+    model.register_parameter("unused", unused)
+    config = ZeroConfig(stage=stage, bucket_numel=5_000)
+    optimizer = ZeroOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), dist.group.WORLD, config)
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
+    seen = []
+    for _ in range(3):
+        model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        seen.append((optimizer.reducer.buffer_bytes(), optimizer.reducer.pool.lent()))
+    # Its slot in a reused staging buffer held another bucket's gradients: it must have been reduced as zeros.
+    assert torch.equal(unused.detach(), torch.full((7,), 3.0)), unused
+    return seen
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_reduction_buffers_are_reused_across_steps_and_all_returned(stage):
+    for seen in run_distributed(_reducer_buffers, 2, stage):
+        sizes = {nbytes for nbytes, _ in seen}
+        assert len(sizes) == 1, seen  # allocated in the first step, reused after
+        assert sizes.pop() > 0, seen
+        assert all(lent == 0 for _, lent in seen), seen
