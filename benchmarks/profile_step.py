@@ -140,6 +140,7 @@ def main() -> None:
     parser.add_argument("--bucket-numel", type=int, default=None)
     parser.add_argument("--max-inflight-buckets", type=int, default=None)
     parser.add_argument("--no-overlap", action="store_true")
+    parser.add_argument("--no-divergence-check", action="store_true", help="stage 3: check_rank_divergence=False")
     parser.add_argument("--idle-wait", type=float, default=120.0, help="max seconds to wait for an idle machine")
     parser.add_argument("--max-other-cores", type=float, default=0.25, help="rerun a run others disturbed more")
     parser.add_argument("--attempts", type=int, default=3, help="runs at most, per measurement, see above")
@@ -147,6 +148,8 @@ def main() -> None:
     ns = parser.parse_args()
     args = BenchArgs(world_size=ns.world_size, steps=ns.steps, warmup=ns.warmup)
     zero: dict[str, Any] = {"overlap_comm": not ns.no_overlap}
+    if ns.no_divergence_check:
+        zero["check_rank_divergence"] = False
     if ns.bucket_numel:
         zero["bucket_numel"] = ns.bucket_numel
     if ns.max_inflight_buckets:

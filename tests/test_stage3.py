@@ -141,6 +141,44 @@ def test_rank_divergence_is_an_error_naming_the_units_not_a_hang():
         assert "HINT" in message
 
 
+class _RareBranch(nn.Module):
+    """``rare`` runs on rank 1 only, and only once ``take_rare`` is set: after the order was recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.rare = nn.Linear(4, 4)
+        self.take_rare = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i == 0 and self.take_rare and dist.get_rank() == 1:
+                x = self.rare(x)
+        return x
+
+
+def _diverge_after_prefetching_started() -> str:
+    model = _RareBranch()
+    shard_module(model, ZeroConfig(stage=3, wrap_module_classes=("Linear",)), dist.group.WORLD, CPU)
+    for step in range(3):
+        model.take_rare = step == 2
+        try:
+            model(torch.randn(2, 4)).sum().backward()
+        except RankDivergenceError as error:
+            return f"step {step}: {error}"
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_rank_divergence_is_caught_when_later_steps_prefetch():
+    messages = run_distributed(_diverge_after_prefetching_started, 2, collective_timeout=20)
+    for message in messages:
+        assert message.startswith("step 2: "), messages
+        assert "rank 1: 'rare'" in message
+        assert "HINT" in message
+
+
 def _gathered_context() -> tuple[list[int], list[int], float, float]:
     torch.manual_seed(0)
     model = GPT(GPTConfig.tiny(n_layer=2))
