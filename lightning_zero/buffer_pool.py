@@ -7,8 +7,8 @@ does above its mmap threshold and as any allocator does under memory pressure), 
 the memory. A pool hands out buffers it already owns, with arbitrary content, so they are paid for once.
 
 The pool keeps as many buffers as were ever lent at the same time (a few: ``max_inflight_buckets`` in flight plus
-the buckets filling), each as large as the largest request for its dtype and device. Buffers are not model state;
-``nbytes()`` reports them.
+the buckets filling), each as large as the largest size reserved or requested for its dtype and device, until
+``clear()``. Buffers are not model state; ``nbytes()`` reports them.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class BufferPool:
         key = (dtype, device)
         free = self._free.setdefault(key, [])
         fits = [i for i, b in enumerate(free) if b.numel() >= numel]
-        buffer = free.pop(fits[0] if fits else -1) if free else None
+        best = min(fits, key=lambda i: free[i].numel()) if fits else -1  # the smallest that fits
+        buffer = free.pop(best) if free else None
         if buffer is None or buffer.numel() < numel:
             if buffer is not None:  # too small for this request: replace it by one that fits every request so far
                 self._owned[key] -= buffer.numel() * buffer.element_size()

@@ -117,8 +117,8 @@ def reduce_scatter(
 
     ``input`` must not change until the collective completes; fp16 input is divided by the world size in place
     first (Note [when to average]). ``scratch``: on gloo, a buffer of ``input``'s size and dtype to receive into,
-    lent by the caller until ``wait()`` returns; without it one is allocated. ``output`` may be a slice of ``input``
-    only on non-gloo backends.
+    lent by the caller until ``wait()`` returns; without it one is allocated. ``output`` may be this rank's own
+    chunk of ``input`` (an in-place reduce-scatter): gloo writes it only once the exchange is complete.
     """
     world = group.size()
     assert input.numel() == output.numel() * world, (input.shape, output.shape, world)

@@ -10,6 +10,13 @@ live between backward and the optimizer step:
 - ``ShardedGradReducer`` (stage 2): a full-size buffer exists only while a bucket is filling or in flight; each
   backward reduce-scatters every bucket and accumulates into a persistent shard, so gradient memory is 1/N.
 
+Note [buffers between steps]
+The receive and staging buffers come from a pool, so a backward allocates a few of them rather than two per bucket.
+Stages 1 and 2 keep the pool between steps: a few buffers of ``bucket_numel`` (as DDP and DeepSpeed keep their
+bucket buffers), sized once for the largest bucket. Stage 3 (``keep_buffers=False``) empties it at the end of every
+backward: its buckets are whole units, the largest often the root with the embeddings, and buffers of that size
+held through the next forward would sit on top of the activations, at the step's memory peak.
+
 Note [bucket flush]
 A bucket is launched when all its parameters' gradients have arrived, but some parameters may get no gradient in a
 given backward (unused branches, frozen paths), so some buckets never complete by counting. The first hook of each
@@ -60,6 +67,7 @@ class GradientReducer:
         config: ZeroConfig,
         ledger: CommLedger,
         on_complete: Callable[[FlatBucket], None] | None = None,
+        keep_buffers: bool = True,
     ) -> None:
         self.buckets = list(buckets)
         self.on_complete = on_complete
@@ -76,9 +84,11 @@ class GradientReducer:
         self._callback_queued = False
         self._in_flight: deque[tuple[FlatBucket, PendingCollective]] = deque()
         self.pool = BufferPool()
-        """Receive buffers (and stage 2's staging buffers), reused across buckets and steps."""
-        for bucket in self.buckets:
-            self.pool.reserve(bucket.padded_numel, self._reduce_dtype(bucket), bucket.device)
+        """Receive buffers (and stage 2's staging buffers), reused across buckets (Note [buffers between steps])."""
+        self.keep_buffers = keep_buffers
+        if keep_buffers:  # buckets are of about one size: every buffer fits every bucket
+            for bucket in self.buckets:
+                self.pool.reserve(bucket.padded_numel, self._reduce_dtype(bucket), bucket.device)
         self._lent: list[list[Tensor]] = [[] for _ in self.buckets]
         """Pooled buffers an in-flight bucket's collective uses; back to the pool when it completes."""
         self._handles: list[RemovableHandle] = []
@@ -179,6 +189,8 @@ class GradientReducer:
         # Nothing stays in flight past the backward that produced it: stage 1's buffers are autograd's
         # accumulation target for the next backward, and stage 2's staging buffers are memory we promised to free.
         self.wait()
+        if not self.keep_buffers:
+            self.pool.clear()  # Note [buffers between steps]
 
     def _reduce_scatter(self, bucket: FlatBucket, output: Tensor, input: Tensor) -> PendingCollective:
         """Issue the bucket's reduce-scatter with a pooled receive buffer, held until the bucket completes."""
@@ -224,8 +236,13 @@ class GradientReducer:
 class FullGradReducer(GradientReducer):
     """Stage 1: persistent full gradient buffers, ``param.grad`` as views; reduced at the last backward or the step.
 
-    Each reduction writes this rank's averaged shard into a separate accumulator and zeroes the full buffer, so
-    several backward passes with sync on (manual optimization) simply add up, exactly like DDP's in-place all-reduce.
+    Note [reduced shard in place]
+    A reduction writes this rank's averaged shard into this rank's own slice of the bucket's gradient buffer (the
+    collective allows that aliasing) and zeroes the rest, so the averaged gradient needs no memory of its own; the
+    step reads it there and ``consume()`` zeroes the slice for the next backward. A second backward with sync on
+    before the step (manual optimization) would accumulate into that slice: a hook that runs before each gradient
+    is accumulated first moves the average out to a separate tensor, and later reductions add into that one, so
+    several such backward passes add up, exactly like DDP's in-place all-reduce.
     """
 
     def __init__(
@@ -235,13 +252,30 @@ class FullGradReducer(GradientReducer):
         config: ZeroConfig,
         ledger: CommLedger,
         on_complete: Callable[[FlatBucket], None] | None = None,
+        keep_buffers: bool = True,
     ) -> None:
         self.grads = [torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device) for b in buckets]
         """(padded_numel,) per bucket; parameters' ``.grad`` are views into it."""
         self._reduced: list[Tensor | None] = [None] * len(buckets)
         """(shard_numel,) per bucket once reduced in this step: the averaged gradient shard."""
-        super().__init__(buckets, group, config, ledger, on_complete)
+        self._in_place = [False] * len(buckets)
+        """Whether ``_reduced`` is this rank's slice of the gradient buffer: Note [reduced shard in place]."""
+        super().__init__(buckets, group, config, ledger, on_complete, keep_buffers)
         self._attach_grad_views()
+        for bucket in self.buckets:
+            for param in bucket.params:
+                self._handles.append(param.register_hook(partial(self._before_accumulate, bucket)))
+
+    def _before_accumulate(self, bucket: FlatBucket, grad: Tensor) -> None:
+        self._move_out(bucket)
+
+    def _move_out(self, bucket: FlatBucket) -> None:
+        """Give a reduced shard held in place its own tensor, before the buffer takes new gradients."""
+        if self._in_place[bucket.index]:  # Note [reduced shard in place]
+            own = bucket.shard_of(self.grads[bucket.index])
+            self._reduced[bucket.index] = own.clone()
+            own.zero_()
+            self._in_place[bucket.index] = False
 
     def _attach_grad_views(self) -> None:
         for bucket, flat in zip(self.buckets, self.grads, strict=True):
@@ -261,8 +295,14 @@ class FullGradReducer(GradientReducer):
             param.grad = view
 
     def _launch(self, bucket: FlatBucket) -> PendingCollective:
+        self._move_out(bucket)  # a second reduction in one step of a bucket that got no gradient in between
         flat = self.grads[bucket.index]
         reduce_dtype = self._reduce_dtype(bucket)
+        if reduce_dtype == flat.dtype and self._reduced[bucket.index] is None:
+            own = bucket.shard_of(flat)  # Note [reduced shard in place]
+            self._reduced[bucket.index] = own
+            self._in_place[bucket.index] = True
+            return self._reduce_scatter(bucket, own, flat)
         send = flat if reduce_dtype == flat.dtype else flat.to(reduce_dtype)
         out = torch.empty(bucket.shard_numel, dtype=reduce_dtype, device=flat.device)
         pending = self._reduce_scatter(bucket, out, send)
@@ -273,7 +313,14 @@ class FullGradReducer(GradientReducer):
         return _accumulate_into(total, out, pending)
 
     def _complete(self, bucket: FlatBucket) -> None:
-        self.grads[bucket.index].zero_()  # its content now lives, averaged, in the reduced shard
+        # Its content now lives, averaged, in the reduced shard: the rest of the buffer starts the next backward.
+        flat = self.grads[bucket.index]
+        if not self._in_place[bucket.index]:
+            flat.zero_()
+            return
+        own = bucket.rank * bucket.shard_numel
+        flat[:own].zero_()
+        flat[own + bucket.shard_numel :].zero_()
 
     def grad_shard(self, bucket: FlatBucket) -> Tensor:
         reduced = self._reduced[bucket.index]
@@ -281,6 +328,10 @@ class FullGradReducer(GradientReducer):
         return reduced
 
     def consume(self) -> None:
+        for bucket, flat in zip(self.buckets, self.grads, strict=True):
+            if self._in_place[bucket.index]:
+                bucket.shard_of(flat).zero_()
+        self._in_place = [False] * len(self.buckets)
         self._reduced = [None] * len(self.buckets)
 
     def zero_grad(self) -> None:
@@ -314,8 +365,9 @@ class ShardedGradReducer(GradientReducer):
         config: ZeroConfig,
         ledger: CommLedger,
         on_complete: Callable[[FlatBucket], None] | None = None,
+        keep_buffers: bool = True,
     ) -> None:
-        super().__init__(buckets, group, config, ledger, on_complete)
+        super().__init__(buckets, group, config, ledger, on_complete, keep_buffers)
         self.shards = [torch.zeros(b.shard_numel, dtype=self._reduce_dtype(b), device=b.device) for b in self.buckets]
         """(shard_numel,) per bucket: this rank's accumulated, averaged gradient."""
         self._shard_is_zero = [True] * len(self.buckets)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_zero import ZeroConfig, ZeroOptimizer
+from lightning_zero import ZeroConfig, ZeroOptimizer, shard_module
 from lightning_zero.buffer_pool import BufferPool
 from lightning_zero.collectives import all_gather, reduce_scatter
 from lightning_zero.models.gpt import GPT, GPTConfig
@@ -135,3 +135,33 @@ def test_reduction_buffers_are_reused_across_steps_and_all_returned(stage):
         assert len(sizes) == 1, seen  # allocated in the first step, reused after
         assert sizes.pop() > 0, seen
         assert all(lent == 0 for _, lent in seen), seen
+
+
+def _stage3_buffers_after_backward() -> tuple[int, int]:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(GPTConfig.tiny(n_layer=2, n_embd=32, vocab_size=64))
+    config = ZeroConfig(stage=3)
+    gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu"))
+    optimizer = ZeroOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), dist.group.WORLD, config, gatherer)
+    tokens = torch.randint(0, 64, (2, 9))
+    peak = 0
+    original_take = gatherer.reducer.pool.take
+
+    def take(*args: object) -> torch.Tensor:
+        nonlocal peak
+        buffer = original_take(*args)  # type: ignore[arg-type]
+        peak = max(peak, gatherer.reducer.buffer_bytes())
+        return buffer
+
+    gatherer.reducer.pool.take = take  # type: ignore[method-assign]
+    model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    optimizer.step()
+    return peak, gatherer.reducer.buffer_bytes()
+
+
+@pytest.mark.timeout(60)
+def test_stage3_frees_its_reduction_buffers_before_the_next_forward():
+    for used, kept in run_distributed(_stage3_buffers_after_backward, 2):
+        assert used > 0
+        assert kept == 0  # Note [buffers between steps]
