@@ -131,3 +131,36 @@ def test_bad_optimizers_are_refused_with_the_fix(case, expected):
     (message,) = run_distributed(_construction_error, 1, case)
     assert message != "no error"
     assert re.search(expected, message), message
+
+
+def _chunked_step() -> tuple[int, int, bool, bool]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    calls = []
+    inner.register_step_pre_hook(lambda opt, args, kwargs: calls.append(len(opt.param_groups[0]["params"])))
+    optimizer = ZeroOptimizer(model, inner, dist.group.WORLD, ZeroConfig(stage=2, bucket_numel=100))
+    masters = list(optimizer.masters)
+    reference = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    reference.load_state_dict(model.state_dict())
+    ddp = DistributedDataParallel(reference)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for _ in range(3):
+        model(x).square().mean().backward()
+        optimizer.step()
+        ddp(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    restored = inner.param_groups[0]["params"] == masters  # the narrowed groups were put back
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    return len(optimizer.buckets), len(calls), restored, same
+
+
+@pytest.mark.timeout(60)
+def test_the_step_runs_bucket_by_bucket_and_matches_ddp():
+    for buckets, calls, restored, same in run_distributed(_chunked_step, 2):
+        assert buckets > 1
+        assert calls == 3 * buckets  # Note [step in chunks]: one inner step per bucket
+        assert restored
+        assert same
