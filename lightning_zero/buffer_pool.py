@@ -6,49 +6,77 @@ receive the all-to-all in (Note [reduce-scatter on gloo]). Allocating them afres
 does above its mmap threshold and as any allocator does under memory pressure), and zeroing them costs a pass over
 the memory. A pool hands out buffers it already owns, with arbitrary content, so they are paid for once.
 
-The pool keeps as many buffers as were ever lent at the same time (a few: ``max_inflight_buckets`` in flight plus
-the buckets filling), each as large as the largest size reserved or requested for its dtype and device, until
-``clear()``. Buffers are not model state; ``nbytes()`` reports them.
+Note [size classes]
+Buckets are of about one size, except a few holding one large parameter (an embedding can be twice a bucket). A
+buffer sized for the largest bucket would make every buffer that large; one buffer per exact size would keep a
+different buffer for each bucket. So sizes announced with ``reserve`` are grouped into classes, each covering sizes
+within 25% of one another, and a request is served by a buffer of the smallest class that fits it. Each class
+then holds as many buffers as were ever lent from it at the same time. Buffers are not model state; ``nbytes()``
+reports them.
 """
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 from torch import Tensor
 
+_CLASS_SPREAD = 1.25
+"""Sizes up to this factor apart share a class (and its buffers): Note [size classes]."""
+
+_Key = tuple[torch.dtype, torch.device]
+
 
 class BufferPool:
-    """Free lists of 1-D buffers per (dtype, device): ``take`` lends a view of ``numel`` elements, ``give`` takes it
-    back."""
+    """Free lists of 1-D buffers per dtype, device and size class: ``take`` lends a view of ``numel`` elements,
+    ``give`` takes it back."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        self._sizes: dict[_Key, list[int]] = {}
+        """Every size reserved or requested, sorted."""
+        self._classes: dict[_Key, list[int]] = {}
+        """Sorted buffer sizes, one per class: Note [size classes]."""
+        self._free: dict[tuple[_Key, int], list[Tensor]] = {}
         self._lent: dict[int, Tensor] = {}
         """data_ptr of a lent view -> the pooled buffer it is a view of."""
-        self._owned: dict[tuple[torch.dtype, torch.device], int] = {}
+        self._owned = 0
         """Bytes of every buffer of the pool, lent or free."""
-        self._size: dict[tuple[torch.dtype, torch.device], int] = {}
-        """Elements of each new buffer: the largest size ever reserved or requested."""
 
     def reserve(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Announce a request size, so that buffers are allocated large enough for it from the start (and are
-        never allocated twice because a larger request came later)."""
+        """Announce a request size, so that it is served from the right class from the first request on."""
         key = (dtype, device)
-        self._size[key] = max(self._size.get(key, 0), numel)
+        sizes = self._sizes.setdefault(key, [])
+        if numel in sizes:
+            return
+        bisect.insort(sizes, numel)
+        classes: list[int] = []
+        start = 0
+        for i, size in enumerate(sizes):
+            if size > sizes[start] * _CLASS_SPREAD:
+                classes.append(sizes[i - 1])
+                start = i
+        classes.append(sizes[-1])
+        self._classes[key] = classes
+        for (other, size), free in self._free.items():  # buffers of a class that no longer exists
+            if other == key and size not in classes:
+                self._owned -= sum(b.numel() * b.element_size() for b in free)
+                free.clear()
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A 1-D tensor of ``numel`` elements, uninitialized (it holds whatever its last user left)."""
         key = (dtype, device)
-        free = self._free.setdefault(key, [])
-        fits = [i for i, b in enumerate(free) if b.numel() >= numel]
-        best = min(fits, key=lambda i: free[i].numel()) if fits else -1  # the smallest that fits
-        buffer = free.pop(best) if free else None
-        if buffer is None or buffer.numel() < numel:
-            if buffer is not None:  # too small for this request: replace it by one that fits every request so far
-                self._owned[key] -= buffer.numel() * buffer.element_size()
+        classes = self._classes.get(key, [])
+        if not classes or classes[-1] < numel:
             self.reserve(numel, dtype, device)
-            buffer = torch.empty(self._size[key], dtype=dtype, device=device)
-            self._owned[key] = self._owned.get(key, 0) + buffer.numel() * buffer.element_size()
+            classes = self._classes[key]
+        size = classes[bisect.bisect_left(classes, numel)]
+        free = self._free.setdefault((key, size), [])
+        if free:
+            buffer = free.pop()
+        else:
+            buffer = torch.empty(size, dtype=dtype, device=device)
+            self._owned += buffer.numel() * buffer.element_size()
         view = buffer[:numel]
         assert view.data_ptr() not in self._lent, "a pooled buffer was lent twice"
         self._lent[view.data_ptr()] = buffer
@@ -57,17 +85,21 @@ class BufferPool:
     def give(self, view: Tensor) -> None:
         """Return a tensor obtained from ``take``; its memory may be handed out again by the next ``take``."""
         buffer = self._lent.pop(view.data_ptr())
-        self._free.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+        key = (buffer.dtype, buffer.device)
+        if buffer.numel() not in self._classes[key]:  # its class was merged into a larger one meanwhile
+            self._owned -= buffer.numel() * buffer.element_size()
+            return
+        self._free.setdefault((key, buffer.numel()), []).append(buffer)
 
     def lent(self) -> int:
         return len(self._lent)
 
     def nbytes(self) -> int:
         """Bytes of every buffer the pool owns, lent or free."""
-        return sum(self._owned.values())
+        return self._owned
 
     def clear(self) -> None:
-        """Drop the free buffers, e.g. after training, so that their memory goes back to the allocator."""
-        for key, free in self._free.items():
-            self._owned[key] -= sum(b.numel() * b.element_size() for b in free)
+        """Drop the free buffers, so that their memory goes back to the allocator (lent ones stay lent)."""
+        for free in self._free.values():
+            self._owned -= sum(b.numel() * b.element_size() for b in free)
             free.clear()

@@ -83,6 +83,12 @@ class ZeroConfig:
     """Stage 3: before each unit's all-gather, ranks exchange the unit's index (a few bytes) and raise an error naming
     both units if they differ, instead of pairing mismatched collectives and hanging."""
 
+    keep_reduce_buffers: bool | None = None
+    """Whether the buffers the gradient reduction collects and receives buckets in (a few buckets' worth: those in
+    flight and filling) stay allocated between steps. True saves allocating them every backward; False frees them
+    at the end of each backward, so they do not sit on top of the next forward's activations. None: True for stages
+    1 and 2 (buckets of ``bucket_numel``), False for stage 3 (buckets as large as a unit)."""
+
     collective_timeout_s: float = 1800.0
     """Seconds any collective may wait for the other ranks before failing. A rank that dies or hangs then fails
     the others after at most this long instead of leaving them blocked forever; lower it for fast failure."""
@@ -107,6 +113,10 @@ class ZeroConfig:
             raise ValueError(
                 f"Invalid ZeroConfig.grad_accumulation: {self.grad_accumulation!r}. Expected 'sharded' or 'local'."
             )
+        if self.keep_reduce_buffers is not None and not isinstance(self.keep_reduce_buffers, bool):
+            raise TypeError(
+                f"Invalid ZeroConfig.keep_reduce_buffers: {self.keep_reduce_buffers!r}. Expected True, False or None."
+            )
         for name in ("overlap_comm", "check_rank_divergence"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Invalid ZeroConfig.{name}: {getattr(self, name)!r}. Expected True or False.")
@@ -123,6 +133,11 @@ class ZeroConfig:
             raise ValueError(
                 f"Invalid ZeroConfig.reduce_dtype: {self.reduce_dtype!r}. Expected None or one of {sorted(_DTYPES)}."
             )
+
+    @property
+    def keeps_reduce_buffers(self) -> bool:
+        """``keep_reduce_buffers`` with None resolved for this stage."""
+        return self.stage < 3 if self.keep_reduce_buffers is None else self.keep_reduce_buffers
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ZeroConfig:

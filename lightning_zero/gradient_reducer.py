@@ -12,10 +12,10 @@ live between backward and the optimizer step:
 
 Note [buffers between steps]
 The receive and staging buffers come from a pool, so a backward allocates a few of them rather than two per bucket.
-Stages 1 and 2 keep the pool between steps: a few buffers of ``bucket_numel`` (as DDP and DeepSpeed keep their
-bucket buffers), sized once for the largest bucket. Stage 3 (``keep_buffers=False``) empties it at the end of every
-backward: its buckets are whole units, the largest often the root with the embeddings, and buffers of that size
-held through the next forward would sit on top of the activations, at the step's memory peak.
+By default (``ZeroConfig.keep_reduce_buffers``) stages 1 and 2 keep the pool between steps: a few buffers of
+``bucket_numel`` (as DDP and DeepSpeed keep their bucket buffers). Stage 3 empties it at the end of every backward:
+its buckets are whole units, the largest often the root with the embeddings, and buffers of that size held through
+the next forward would sit on top of the activations, at the step's memory peak.
 
 Note [bucket flush]
 A bucket is launched when all its parameters' gradients have arrived, but some parameters may get no gradient in a
@@ -67,7 +67,6 @@ class GradientReducer:
         config: ZeroConfig,
         ledger: CommLedger,
         on_complete: Callable[[FlatBucket], None] | None = None,
-        keep_buffers: bool = True,
     ) -> None:
         self.buckets = list(buckets)
         self.on_complete = on_complete
@@ -85,10 +84,8 @@ class GradientReducer:
         self._in_flight: deque[tuple[FlatBucket, PendingCollective]] = deque()
         self.pool = BufferPool()
         """Receive buffers (and stage 2's staging buffers), reused across buckets (Note [buffers between steps])."""
-        self.keep_buffers = keep_buffers
-        if keep_buffers:  # buckets are of about one size: every buffer fits every bucket
-            for bucket in self.buckets:
-                self.pool.reserve(bucket.padded_numel, self._reduce_dtype(bucket), bucket.device)
+        for bucket in self.buckets:
+            self.pool.reserve(bucket.padded_numel, self._reduce_dtype(bucket), bucket.device)
         self._lent: list[list[Tensor]] = [[] for _ in self.buckets]
         """Pooled buffers an in-flight bucket's collective uses; back to the pool when it completes."""
         self._handles: list[RemovableHandle] = []
@@ -189,7 +186,7 @@ class GradientReducer:
         # Nothing stays in flight past the backward that produced it: stage 1's buffers are autograd's
         # accumulation target for the next backward, and stage 2's staging buffers are memory we promised to free.
         self.wait()
-        if not self.keep_buffers:
+        if not self.config.keeps_reduce_buffers:
             self.pool.clear()  # Note [buffers between steps]
 
     def _reduce_scatter(self, bucket: FlatBucket, output: Tensor, input: Tensor) -> PendingCollective:
@@ -252,7 +249,6 @@ class FullGradReducer(GradientReducer):
         config: ZeroConfig,
         ledger: CommLedger,
         on_complete: Callable[[FlatBucket], None] | None = None,
-        keep_buffers: bool = True,
     ) -> None:
         self.grads = [torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device) for b in buckets]
         """(padded_numel,) per bucket; parameters' ``.grad`` are views into it."""
@@ -260,7 +256,7 @@ class FullGradReducer(GradientReducer):
         """(shard_numel,) per bucket once reduced in this step: the averaged gradient shard."""
         self._in_place = [False] * len(buckets)
         """Whether ``_reduced`` is this rank's slice of the gradient buffer: Note [reduced shard in place]."""
-        super().__init__(buckets, group, config, ledger, on_complete, keep_buffers)
+        super().__init__(buckets, group, config, ledger, on_complete)
         self._attach_grad_views()
         for bucket in self.buckets:
             for param in bucket.params:
@@ -365,9 +361,8 @@ class ShardedGradReducer(GradientReducer):
         config: ZeroConfig,
         ledger: CommLedger,
         on_complete: Callable[[FlatBucket], None] | None = None,
-        keep_buffers: bool = True,
     ) -> None:
-        super().__init__(buckets, group, config, ledger, on_complete, keep_buffers)
+        super().__init__(buckets, group, config, ledger, on_complete)
         self.shards = [torch.zeros(b.shard_numel, dtype=self._reduce_dtype(b), device=b.device) for b in self.buckets]
         """(shard_numel,) per bucket: this rank's accumulated, averaged gradient."""
         self._shard_is_zero = [True] * len(self.buckets)

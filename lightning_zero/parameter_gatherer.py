@@ -89,9 +89,7 @@ class ParameterGatherer:
         buckets += units[0].trainable_buckets + [b for b in resident_buckets if b.trainable]
         for i, bucket in enumerate(buckets):
             bucket.index = i
-        self.reducer = ShardedGradReducer(
-            buckets, group, config, self.ledger, on_complete=self._on_bucket_complete, keep_buffers=False
-        )
+        self.reducer = ShardedGradReducer(buckets, group, config, self.ledger, on_complete=self._on_bucket_complete)
         self._handles: list[RemovableHandle] = []
         for unit in units:
             self._handles.append(unit.module.register_forward_pre_hook(partial(self._pre_forward_hook, unit)))

@@ -80,32 +80,35 @@ def test_all_gather_puts_every_shard_in_rank_order(world_size, in_place):
     assert all(run_distributed(_all_gather, world_size, in_place))
 
 
-def test_buffer_pool_reuses_memory_and_grows_to_the_largest_request():
+def test_buffer_pool_reuses_buffers_within_size_classes():
+    cpu = torch.device("cpu")
     pool = BufferPool()
-    first = pool.take(100, torch.float32, torch.device("cpu"))
+    for numel in (100, 110, 300):  # Note [size classes]: 100 and 110 share a class of 110, 300 is one of its own
+        pool.reserve(numel, torch.float32, cpu)
+    first = pool.take(100, torch.float32, cpu)
+    assert first.numel() == 100
+    assert pool.nbytes() == 110 * 4
     address = first.data_ptr()
     pool.give(first)
-    again = pool.take(60, torch.float32, torch.device("cpu"))
-    assert again.data_ptr() == address
-    assert again.numel() == 60
-    other = pool.take(100, torch.float32, torch.device("cpu"))  # the first is lent: a second buffer
+    again = pool.take(105, torch.float32, cpu)
+    assert again.data_ptr() == address  # the same buffer serves every size of its class
+    other = pool.take(100, torch.float32, cpu)  # the first is lent: a second buffer of the class
     assert other.data_ptr() != address
     assert pool.lent() == 2
-    assert pool.nbytes() == 800
-    pool.give(again)
-    pool.give(other)
-    bigger = pool.take(300, torch.float32, torch.device("cpu"))  # none fits: one is replaced by a larger one
-    assert bigger.numel() == 300
-    assert pool.nbytes() == 400 + 1200
-    pool.give(bigger)
-    assert pool.take(300, torch.float32, torch.device("cpu")).data_ptr() == bigger.data_ptr()
-    pool.reserve(50, torch.bfloat16, torch.device("cpu"))
-    small = pool.take(10, torch.bfloat16, torch.device("cpu"))  # pooled per dtype, allocated at the reserved size
+    large = pool.take(250, torch.float32, cpu)
+    assert pool.nbytes() == (2 * 110 + 300) * 4
+    for view in (again, other, large):
+        pool.give(view)
+    assert pool.take(300, torch.float32, cpu).data_ptr() == large.data_ptr()
+    assert pool.take(110, torch.float32, cpu).data_ptr() in (again.data_ptr(), other.data_ptr())
+    assert pool.nbytes() == (2 * 110 + 300) * 4  # nothing new was allocated
+    huge = pool.take(1000, torch.float32, cpu)  # larger than every class: a class of its own
+    assert huge.numel() == 1000
+    small = pool.take(10, torch.bfloat16, cpu)  # pooled per dtype
     assert small.dtype == torch.bfloat16
-    assert small.numel() == 10
-    assert pool.nbytes() == 400 + 1200 + 100
     pool.clear()
-    assert pool.nbytes() == 300 * 4 + 50 * 2  # only the lent ones remain
+    assert pool.nbytes() == (300 + 110 + 1000) * 4 + 10 * 2  # only the lent ones remain
+    assert pool.lent() == 4
 
 
 def _reducer_buffers(stage: int) -> list[tuple[int, int]]:
