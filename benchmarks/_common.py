@@ -13,6 +13,7 @@ Not a benchmark itself; imported by ``step_time.py`` and ``collectives.py`` (whi
 from __future__ import annotations
 
 import ctypes
+import inspect
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -241,6 +242,86 @@ def tensor_bytes(tensors: list[Tensor]) -> int:
 def adam_state(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     """Per-element optimizer state tensors (the 0-dim step counters are bookkeeping)."""
     return [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor) and v.dim() > 0]
+
+
+class TrafficMeter:
+    """Bytes this rank sends through ``torch.distributed``'s Python collectives, per step, for peers that keep no
+    record of their own (FSDP2, DeepSpeed). Each collective is charged what a bandwidth-optimal algorithm sends,
+    the same accounting as our ``CommLedger``: all-gather (N−1)·input, reduce-scatter and all-to-all (N−1)/N·input,
+    all-reduce 2·(N−1)/N·tensor, broadcast (N−1)·tensor from its source. Collectives issued from C++ (DDP's
+    reducer) are invisible to it. ``install()`` must run before the peer is built, since some capture the
+    functions then; a call nested in another counted one (a deprecated alias forwarding to its successor) counts
+    once."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, int] = {}
+        self.last_step: dict[str, int] = {}
+        self._depth = 0
+
+    def install(self) -> None:
+        def gathered(w: int, a: dict[str, Any]) -> int:
+            return _nbytes(_arg(a, 1)) * (w - 1)
+
+        def scattered(w: int, a: dict[str, Any]) -> int:
+            inp = _arg(a, 1)
+            return (sum(map(_nbytes, inp)) if isinstance(inp, (list, tuple)) else _nbytes(inp)) * (w - 1) // w
+
+        def broadcast(w: int, a: dict[str, Any]) -> int:
+            src, group = a.get("src"), a.get("group")
+            if src is None and a.get("group_src") is not None:
+                src = dist.get_global_rank(group or dist.group.WORLD, a["group_src"])
+            return _nbytes(_arg(a, 0)) * (w - 1) if src == dist.get_rank() else 0
+
+        charges: dict[str, Callable[[int, dict[str, Any]], int]] = {
+            "all_gather_into_tensor": gathered,
+            "all_gather_single": gathered,
+            "_all_gather_base": gathered,
+            "all_gather": gathered,
+            "reduce_scatter_tensor": scattered,
+            "reduce_scatter_single": scattered,
+            "_reduce_scatter_base": scattered,
+            "reduce_scatter": scattered,
+            "all_to_all_single": scattered,
+            "all_reduce": lambda w, a: 2 * _nbytes(_arg(a, 0)) * (w - 1) // w,
+            "broadcast": broadcast,
+        }
+        for module in (dist, dist.distributed_c10d):
+            for name, charge in charges.items():
+                original = getattr(module, name, None)
+                if original is not None and not getattr(original, "_metered", False):
+                    setattr(module, name, self._metered(name, original, charge))
+
+    def _metered(
+        self, name: str, original: Callable[..., Any], charge: Callable[[int, dict[str, Any]], int]
+    ) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._depth == 0:
+                arguments = signature.bind(*args, **kwargs).arguments
+                group = arguments.get("group")
+                world = dist.get_world_size(group) if group is not None else dist.get_world_size()
+                self.current[name] = self.current.get(name, 0) + charge(world, arguments)
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        call._metered = True  # type: ignore[attr-defined]
+        return call
+
+    def start_step(self) -> None:
+        self.last_step, self.current = self.current, {}
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _arg(arguments: dict[str, Any], position: int) -> Any:
+    """The ``position``-th bound argument of a collective (its output, input or tensor)."""
+    return list(arguments.values())[position]
 
 
 def ring_all_reduce_bytes(numel: int, world: int, element_size: int = 4) -> int:
