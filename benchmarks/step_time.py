@@ -60,6 +60,12 @@ class BenchArgs:
     """Sequences of ``block_size`` (128) tokens per rank and step."""
     lr: float = 3e-4
     seed: int = 1234
+    keep_reduce_buffers: str = "default"
+    """Our stages' ``ZeroConfig.keep_reduce_buffers``: default (None), true or false."""
+
+    def zero_config(self, stage: int) -> ZeroConfig:
+        keep = {"default": None, "true": True, "false": False}[self.keep_reduce_buffers]
+        return ZeroConfig(stage=stage, keep_reduce_buffers=keep)  # type: ignore[arg-type]  # stage: 1 | 2 | 3
 
 
 @dataclass
@@ -149,7 +155,7 @@ def run_ddp_torch_zero(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
 def _run_ours(stage: int, build: Callable[[], GPT], args: BenchArgs) -> Prepared:
     model = build()
     zopt = ZeroOptimizer(
-        model, torch.optim.AdamW(model.parameters(), lr=args.lr), dist.group.WORLD, ZeroConfig(stage=stage)
+        model, torch.optim.AdamW(model.parameters(), lr=args.lr), dist.group.WORLD, args.zero_config(stage)
     )
     return Prepared(
         make_step(model, zopt),
@@ -173,7 +179,7 @@ def run_zero2(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
 # -- stage 3 and its peers ----------------------------------------------------------------------------------------
 @runner("zero3")
 def run_zero3(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
-    config = ZeroConfig(stage=3)
+    config = args.zero_config(3)
     with torch.device("meta"):  # sharded init: the model is never materialized whole
         model = build()
     gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu"))
@@ -376,6 +382,8 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variant(s) {unknown}; known: {list(RUNNERS)}")
     args = BenchArgs(**{f.name: getattr(ns, f.name) for f in fields(BenchArgs)})
+    if args.keep_reduce_buffers not in ("default", "true", "false"):
+        parser.error(f"--keep-reduce-buffers must be default, true or false, got {args.keep_reduce_buffers!r}")
     with torch.device("meta"):
         psi = GPT(GPTConfig.bench25m()).num_parameters()
     theory = bench.ring_all_reduce_bytes(psi, args.world_size)
