@@ -8,9 +8,10 @@ For a bucket of ``size`` fp32 elements (the full, unsharded bucket) each rank ti
 * ``all_reduce``: in place over the bucket (what DDP does);
 * ``reduce_scatter_single``: the bucket in, this rank's 1/N shard out (torch's native gloo reduce-scatter);
 * ``all_to_all_single+sum``: every rank sends chunk r to rank r, then sums the N received chunks into its shard;
-* ``lightning_zero reduce_scatter``: ``lightning_zero.collectives.reduce_scatter`` end to end (on gloo: the
-  all-to-all form above plus its in-place pre-division and its receive-buffer allocation);
-* ``all_gather_single``: a 1/N shard in, the whole bucket out (ZeRO's parameter gather);
+* ``lightning_zero reduce_scatter``: ``lightning_zero.collectives.reduce_scatter`` end to end, with a reused receive
+  buffer as the gradient reducer's pool lends it (on gloo: the all-to-all form above plus the average of the shard);
+* ``all_gather_single``: a 1/N shard in, the whole bucket out (torch's native gloo all-gather);
+* ``lightning_zero all_gather``: ``lightning_zero.collectives.all_gather`` in place (on gloo: N broadcasts);
 * two alternatives built from N in-place rooted collectives on the bucket's shard views, one per rank: ``reduce``
   (chunk r summed into rank r: a reduce-scatter) and ``broadcast`` (rank r's shard sent to all: an all-gather). For
   N = 2 they put the same bytes on the wire as the bandwidth-optimal reduce-scatter and all-gather.
@@ -36,7 +37,7 @@ import _common as bench
 import torch
 import torch.distributed as dist
 
-from lightning_zero.collectives import reduce_scatter
+from lightning_zero.collectives import all_gather, reduce_scatter
 
 Op = Callable[[int, int], Callable[[], None]]
 """(bucket numel, world size) -> a closure running the collective once on preallocated buffers."""
@@ -63,8 +64,14 @@ def _all_to_all_sum(numel: int, world: int) -> Callable[[], None]:
 
 
 def _lightning_zero_reduce_scatter(numel: int, world: int) -> Callable[[], None]:
-    inp, out = torch.ones(numel), torch.empty(numel // world)
-    return lambda: reduce_scatter(out, inp, dist.group.WORLD).wait()
+    inp, out, scratch = torch.ones(numel), torch.empty(numel // world), torch.empty(numel)
+    return lambda: reduce_scatter(out, inp, dist.group.WORLD, scratch=scratch).wait()
+
+
+def _lightning_zero_all_gather(numel: int, world: int) -> Callable[[], None]:
+    full = torch.ones(numel)
+    shard = full.view(world, -1)[dist.get_rank()]
+    return lambda: all_gather(full, shard, dist.group.WORLD).wait()
 
 
 def _all_gather_single(numel: int, world: int) -> Callable[[], None]:
@@ -102,7 +109,8 @@ OPS: dict[str, tuple[Op, Callable[[int, int], int]]] = {
     "all_to_all_single+sum": (_all_to_all_sum, lambda n, w: n * (w - 1) // w),
     "lightning_zero reduce_scatter": (_lightning_zero_reduce_scatter, lambda n, w: n * (w - 1) // w),
     "all_gather_single": (_all_gather_single, lambda n, w: n * (w - 1) // w),
-    # Alternatives, not used by lightning_zero today: N in-place collectives, one rooted at each rank.
+    "lightning_zero all_gather": (_lightning_zero_all_gather, lambda n, w: n * (w - 1) // w),
+    # N in-place collectives, one rooted at each rank (lightning_zero's all-gather is the broadcast form).
     "alt: reduce × N (a reduce-scatter)": (_reduce_per_rank, lambda n, w: n * (w - 1) // w),
     "alt: broadcast × N (an all-gather)": (_broadcast_per_rank, lambda n, w: n * (w - 1) // w),
 }
