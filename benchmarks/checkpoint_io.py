@@ -35,7 +35,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.consolidate import consolidate_checkpoint
+from lightning_zero.cli.consolidate import consolidate_checkpoint
 from lightning_zero.models.gpt import GPTConfig
 from lightning_zero.models.lightning_gpt import LitGPT, SyntheticTextDataModule
 

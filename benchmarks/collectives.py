@@ -8,10 +8,11 @@ For a bucket of ``size`` fp32 elements (the full, unsharded bucket) each rank ti
 * ``all_reduce``: in place over the bucket (what DDP does);
 * ``reduce_scatter_single``: the bucket in, this rank's 1/N shard out (torch's native gloo reduce-scatter);
 * ``all_to_all_single+sum``: every rank sends chunk r to rank r, then sums the N received chunks into its shard;
-* ``lightning_zero reduce_scatter``: ``lightning_zero.collectives.reduce_scatter`` end to end, with a reused receive
-  buffer as the gradient reducer's pool lends it (on gloo: the all-to-all form above plus the average of the shard);
+* ``lightning_zero reduce_scatter``: ``lightning_zero.comm.collectives.reduce_scatter`` end to end, with a reused
+  receive buffer as the gradient reducer's pool lends it (on gloo: the all-to-all form above plus the average of the
+  shard);
 * ``all_gather_single``: a 1/N shard in, the whole bucket out (torch's native gloo all-gather);
-* ``lightning_zero all_gather``: ``lightning_zero.collectives.all_gather`` in place (on gloo: N broadcasts);
+* ``lightning_zero all_gather``: ``lightning_zero.comm.collectives.all_gather`` in place (on gloo: N broadcasts);
 * two alternatives built from N in-place rooted collectives on the bucket's shard views, one per rank: ``reduce``
   (chunk r summed into rank r: a reduce-scatter) and ``broadcast`` (rank r's shard sent to all: an all-gather). For
   N = 2 they put the same bytes on the wire as the bandwidth-optimal reduce-scatter and all-gather.
@@ -37,7 +38,7 @@ import _common as bench
 import torch
 import torch.distributed as dist
 
-from lightning_zero.collectives import all_gather, reduce_scatter
+from lightning_zero.comm.collectives import all_gather, reduce_scatter
 
 Op = Callable[[int, int], Callable[[], None]]
 """(bucket numel, world size) -> a closure running the collective once on preallocated buffers."""

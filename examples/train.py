@@ -38,10 +38,10 @@ from omegaconf import DictConfig
 from typing_extensions import override
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.data import ByteCorpusDataModule, decode, encode
-from lightning_zero.hydra_launch import HydraJob
-from lightning_zero.hydra_schema import register_configs
+from lightning_zero.hydra.launch import HydraJob
+from lightning_zero.hydra.schema import register_configs
 from lightning_zero.models import LitGPT
+from lightning_zero.models.data import ByteCorpusDataModule, decode, encode
 
 REPO = Path(__file__).resolve().parent.parent
 

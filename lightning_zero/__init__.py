@@ -2,26 +2,40 @@
 
 Importing the package registers the strategies ``"zero1"``, ``"zero2"`` and ``"zero3"`` (and ``"zero1_spawn"``,
 ``"zero2_spawn"``, ``"zero3_spawn"``) with Lightning, so ``Trainer(strategy="zero3")`` works.
+
+The package, bottom to top (each subpackage's docstring says what it owns and which others it may import; nothing
+imports upwards):
+
+- ``config``: ``ZeroConfig``, every option, validated once.
+- ``comm``: collectives, the communication ledger, the buffer pool, the fault monitor.
+- ``sharding``: stages 1 and 2 and the shared optimizer: flat buckets, gradient reducers, ``ZeroOptimizer``.
+- ``stage3``: parameters sharded too: unit policy, units, the gatherer, sharded initialization.
+- ``checkpoint``: sharded checkpoint IO.
+- ``lightning``: ``ZeroStrategy``, ``ZeroPrecision``, the memory count and report.
+- ``hydra``: structured configs and multirun launch; ``cli``: ``python -m lightning_zero`` commands.
+- ``models``: the example models and data (plain PyTorch / Lightning code).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero.checkpoint import CheckpointError, load_full_state_dict
-from lightning_zero.collectives import CommLedger
+from lightning_zero.checkpoint.sharded_checkpoint import CheckpointError, load_full_state_dict
+from lightning_zero.cli.consolidate import consolidate_checkpoint
+from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig
-from lightning_zero.consolidate import consolidate_checkpoint
-from lightning_zero.loss_scaler import DynamicLossScaler
-from lightning_zero.memory import ModelStateBytes, expected_model_state_bytes, model_state_bytes
-from lightning_zero.parameter_gatherer import ParameterGatherer, RankDivergenceError
-from lightning_zero.precision import ZeroPrecision
-from lightning_zero.sharded_init import shard_module
-from lightning_zero.sharded_optimizer import ZeroOptimizer
-from lightning_zero.strategy import ZeroStrategy
+from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes, model_state_bytes
+from lightning_zero.lightning.precision import ZeroPrecision
+from lightning_zero.lightning.report import MemoryReport
+from lightning_zero.lightning.strategy import ZeroStrategy
+from lightning_zero.sharding.loss_scaler import DynamicLossScaler
+from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
+from lightning_zero.stage3.parameter_gatherer import ParameterGatherer, RankDivergenceError
+from lightning_zero.stage3.sharded_init import shard_module
 
 __all__ = [
     "CheckpointError",
     "CommLedger",
     "DynamicLossScaler",
+    "MemoryReport",
     "ModelStateBytes",
     "ParameterGatherer",
     "RankDivergenceError",

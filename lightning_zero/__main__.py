@@ -12,8 +12,8 @@ import sys
 # Each command lives in its own module, imported only when used so that one command's dependencies never slow or
 # break another.
 _COMMANDS = {
-    "consolidate": "lightning_zero.consolidate",
-    "estimate": "lightning_zero.estimate",
+    "consolidate": "lightning_zero.cli.consolidate",
+    "estimate": "lightning_zero.cli.estimate",
 }
 
 

@@ -21,7 +21,7 @@ from lightning_zero import ZeroConfig, ZeroOptimizer
 from lightning_zero.models.gpt import GPT, GPTConfig
 from lightning_zero.models.mlp import MLP
 from lightning_zero.models.param_groups import param_groups_with_weight_decay
-from lightning_zero.sharded_init import shard_module
+from lightning_zero.stage3.sharded_init import shard_module
 
 Batch = tuple[Tensor, Tensor]
 

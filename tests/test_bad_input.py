@@ -18,11 +18,11 @@ from lightning.pytorch.plugins.precision import DoublePrecision
 from torch import nn
 
 from lightning_zero import RankDivergenceError, ZeroConfig, ZeroOptimizer, ZeroStrategy
-from lightning_zero.checkpoint_files import DCP_METADATA_FILE, LIGHTNING_STATE_FILE, CheckpointError
-from lightning_zero.precision import to_zero_precision
-from lightning_zero.sharded_init import _default_init
-from lightning_zero.sharded_optimizer import _trainable_named_groups
-from lightning_zero.wrap_policy import find_unit_roots
+from lightning_zero.checkpoint.files import DCP_METADATA_FILE, LIGHTNING_STATE_FILE, CheckpointError
+from lightning_zero.lightning.precision import to_zero_precision
+from lightning_zero.sharding.param_groups import trainable_named_groups
+from lightning_zero.stage3.sharded_init import _default_init
+from lightning_zero.stage3.wrap_policy import find_unit_roots
 from tests.harness import run_distributed
 from tests.test_checkpoint_files import Payload, _load, _mlp, _save
 from tests.test_stage3 import _diverge
@@ -44,7 +44,7 @@ def _frozen_model_optimizer() -> Action:
     model = _mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model.requires_grad_(False)
-    return lambda: _trainable_named_groups(model, optimizer)
+    return lambda: trainable_named_groups(model, optimizer)
 
 
 def _shared_across_groups() -> Action:
@@ -53,18 +53,18 @@ def _shared_across_groups() -> Action:
     optimizer = torch.optim.SGD([{"params": [weight]}, {"params": rest}], lr=0.1)
     # torch refuses this in the optimizer's constructor; groups edited afterwards reach ZeRO, which refuses too.
     optimizer.param_groups[1]["params"].append(weight)
-    return lambda: _trainable_named_groups(model, optimizer)
+    return lambda: trainable_named_groups(model, optimizer)
 
 
 def _foreign_tensor() -> Action:
     model = _mlp()
     optimizer = torch.optim.SGD([*model.parameters(), nn.Parameter(torch.zeros(7))], lr=0.1)
-    return lambda: _trainable_named_groups(model, optimizer)
+    return lambda: trainable_named_groups(model, optimizer)
 
 
 def _not_elementwise() -> Action:
     model = _mlp()
-    return lambda: _trainable_named_groups(model, torch.optim.LBFGS(model.parameters()))
+    return lambda: trainable_named_groups(model, torch.optim.LBFGS(model.parameters()))
 
 
 class _NoReset(nn.Module):

@@ -18,25 +18,25 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from lightning_zero.checkpoint import (
-    load_checkpoint,
-    load_full_state_dict,
-    owned_parameter_slices,
-    save_sharded_checkpoint,
-    sharded_model_state,
-)
-from lightning_zero.checkpoint_files import (
+from lightning_zero.checkpoint.files import (
     DCP_METADATA_FILE,
     LIGHTNING_STATE_FILE,
     CheckpointError,
     commit,
     remove,
 )
-from lightning_zero.checkpoint_format import SafeLoadPlanner
-from lightning_zero.consolidate import consolidate_checkpoint
-from lightning_zero.flat_bucket import build_buckets
+from lightning_zero.checkpoint.format import SafeLoadPlanner
+from lightning_zero.checkpoint.sharded_checkpoint import (
+    load_checkpoint,
+    load_full_state_dict,
+    owned_parameter_slices,
+    save_sharded_checkpoint,
+    sharded_model_state,
+)
+from lightning_zero.cli.consolidate import consolidate_checkpoint
 from lightning_zero.models.mlp import MLP
-from lightning_zero.sharded_optimizer import Segment
+from lightning_zero.sharding.flat_bucket import build_buckets
+from lightning_zero.sharding.param_groups import Segment
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

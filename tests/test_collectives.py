@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero import ZeroConfig, ZeroOptimizer, shard_module
-from lightning_zero.buffer_pool import BufferPool
-from lightning_zero.collectives import all_gather, reduce_scatter
+from lightning_zero.comm.buffer_pool import BufferPool
+from lightning_zero.comm.collectives import all_gather, reduce_scatter
 from lightning_zero.models.gpt import GPT, GPTConfig
 from tests.harness import run_distributed
 

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from lightning_zero.__main__ import main as cli
-from lightning_zero.estimate import (
+from lightning_zero.cli.estimate import (
     Precisions,
     build_meta_gpt,
     load_model_config,

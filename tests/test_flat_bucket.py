@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.flat_bucket import build_buckets
+from lightning_zero.sharding.flat_bucket import build_buckets
 
 
 def _named(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

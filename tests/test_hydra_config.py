@@ -18,9 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 
 import lightning_zero  # noqa: F401  (registers the strategies)
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.data import ByteCorpusDataModule
-from lightning_zero.hydra_schema import GPTConfigSchema, ZeroStrategySchema, register_configs
+from lightning_zero.hydra.schema import GPTConfigSchema, ZeroStrategySchema, register_configs
 from lightning_zero.models import GPTConfig, LitGPT, SyntheticTextDataModule
+from lightning_zero.models.data import ByteCorpusDataModule
 from tests.test_example import stage3_unavailable_reason
 
 ROOT = Path(__file__).resolve().parent.parent

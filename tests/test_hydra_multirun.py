@@ -1,6 +1,6 @@
 """``examples/train.py -m ...``: a Hydra sweep whose every job launches its own two processes in its own directory.
 
-See Note [Hydra multirun and Lightning's relaunch] in ``lightning_zero/hydra_launch.py``.
+See Note [Hydra multirun and Lightning's relaunch] in ``lightning_zero/hydra/launch.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.distributed as dist
 import yaml
 from lightning.fabric.plugins.environments import LightningEnvironment
 
-from lightning_zero.hydra_launch import HydraJob, JobLauncher, job_overrides
+from lightning_zero.hydra.launch import HydraJob, JobLauncher, job_overrides
 from tests.test_example import FAST, losses, read_report, run_example
 
 SWEEP_HYDRA = ["hydra.job.chdir=False", "hydra.mode=MULTIRUN", "hydra.sweep.dir=/s", "hydra/launcher=basic"]

@@ -1,5 +1,5 @@
 """A rank that raises, is killed, or stops answering ends the whole job: every other rank exits on its own, non-zero,
-within a bound, with an error that names the rank at fault (``lightning_zero/fault_monitor.py``).
+within a bound, with an error that names the rank at fault (``lightning_zero/comm/fault_monitor.py``).
 
 Each test runs ``tests/jobs/fault_job.py`` as real processes, one per rank, started the way torchrun starts them
 (rank 0 hosts the c10d store), and times each survivor from the moment the fault is injected to its exit.

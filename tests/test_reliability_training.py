@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.sharded_unit import UnitState
+from lightning_zero.stage3.sharded_unit import UnitState
 from tests.harness import DistributedTestError, run_distributed
 from tests.memory_probe import return_freed_memory_to_the_kernel, rss_bytes
 from tests.test_checkpoint_trainer import TinyGPT, assert_same, fit, weights, zero

@@ -9,9 +9,9 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.memory import ModelStateBytes
+from lightning_zero.lightning.memory import ModelStateBytes
+from lightning_zero.lightning.report import FitReport, MemoryReport, RankReport, format_report, memory_by_stage
 from lightning_zero.models import GPTConfig, LitGPT, SyntheticTextDataModule
-from lightning_zero.report import FitReport, MemoryReport, RankReport, format_report, memory_by_stage
 from tests.harness import run_distributed
 
 TINY = GPTConfig.tiny()

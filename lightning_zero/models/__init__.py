@@ -1,5 +1,14 @@
-"""Small reference models trained by the tests, examples and benchmarks."""
+"""The example models and data: trained by the examples, the tests and the benchmarks.
 
+- ``gpt``: a small GPT (``GPTConfig``), ``lightning_gpt``: ``LitGPT`` and synthetic token data around it.
+- ``mlp``: a plain MLP; ``param_groups``: weight-decay param groups; ``data``: the byte-level corpus data module.
+
+They are ordinary PyTorch / Lightning code that knows nothing of ZeRO.
+
+May import: nothing of lightning_zero but this package
+"""
+
+from lightning_zero.models.data import ByteCorpusDataModule
 from lightning_zero.models.gpt import GPT, Block, CausalSelfAttention, FeedForward, GPTConfig
 from lightning_zero.models.lightning_gpt import LitGPT, SyntheticTextDataModule, SyntheticTokenDataset
 from lightning_zero.models.mlp import MLP
@@ -9,6 +18,7 @@ __all__ = [
     "GPT",
     "MLP",
     "Block",
+    "ByteCorpusDataModule",
     "CausalSelfAttention",
     "FeedForward",
     "GPTConfig",

@@ -50,7 +50,7 @@ class FaultyMLP(pl.LightningModule):
         if self.fault == "kill-backward":
             self.model.net[0].weight.register_hook(self._kill_in_backward)
         if self.fault in ("kill-reduce-scatter", "kill-all-gather"):
-            # On gloo the reduce-scatter is an all-to-all and the all-gather N broadcasts (lightning_zero.collectives).
+            # On gloo the reduce-scatter is an all-to-all and the all-gather N broadcasts (comm/collectives.py).
             name = "all_to_all_single" if self.fault == "kill-reduce-scatter" else "broadcast"
             _die_inside(name, self)
 

@@ -39,8 +39,8 @@ from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_zero.loss_scaler import DynamicLossScaler
-from lightning_zero.sharded_optimizer import ZeroOptimizer
+from lightning_zero.sharding.loss_scaler import DynamicLossScaler
+from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
 ZeroPrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 SUPPORTED: tuple[ZeroPrecisionName, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
@@ -158,7 +158,7 @@ class ZeroPrecision(Precision):
             rank_zero_warn(
                 f"`{name}.configure_gradient_clipping` ran {calls} times and never clipped through Lightning. Under "
                 "ZeroStrategy the parameters' `.grad` do not hold the reduced gradients (Note [reduced gradients "
-                "live in the optimizer] in lightning_zero/precision.py), so clipping them directly, e.g. "
+                "live in the optimizer] in lightning_zero/lightning/precision.py), so clipping them directly, e.g. "
                 "`torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`, clipped nothing. HINT: call "
                 "`self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm=...)` in the hook."
             )

@@ -1,6 +1,6 @@
 """Sharded checkpoints of a ZeRO model: each rank saves and loads only what it owns; any layout loads any other.
 
-Everything hinges on one question, answered in one place (``checkpoint_slices.owned_parameter_slices``): which
+Everything hinges on one question, answered in one place (``slices.owned_parameter_slices``): which
 elements of which parameter does this rank own, and where do their values, fp32 master and optimizer state live? A
 rank's shard of a bucket is contiguous, so the answer is at most one range ``[start, stop)`` of each flattened
 parameter.
@@ -9,14 +9,14 @@ Save (``save_sharded_checkpoint``, every rank): Lightning hands over its checkpo
 is ``sharded_model_state()`` and whose ``optimizer_states`` are ``sharded_optimizer_state()``: this rank's ranges as
 ``FlatChunk``s (written once, by their owner) and replicated tensors (frozen parameters, buffers, 0-d optimizer state
 such as Adam's ``step``; DCP writes each once). Rank 0 adds ``lightning_state.pt``: the rest of Lightning's state and
-the table of contents, merged from every rank (``checkpoint_format``: the layout; ``checkpoint_files``: safe
+the table of contents, merged from every rank (``format``: the layout; ``files``: safe
 reading and the atomic commit).
 
 Load (``load_checkpoint``, every rank): for every range this rank owns *now*, ask for the same range of the saved
 flattened tensor; DCP reads the overlapping pieces of whichever chunks were saved, so the world size, the stage and
 the bucket sizes may all differ from the saving run. Masters are filled first (the exact fp32 values), parameter
 shards follow from them, and ``gather_parameters()`` rebuilds full parameters. A single ``.ckpt`` file (a DDP run's
-full checkpoint) goes through the same plan with in-memory sources instead of DCP (``checkpoint_full``).
+full checkpoint) goes through the same plan with in-memory sources instead of DCP (``full``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from lightning_zero.checkpoint_files import (
+from lightning_zero.checkpoint.files import (
     LIGHTNING_STATE_FILE,
     CheckpointError,
     commit,
@@ -43,7 +43,7 @@ from lightning_zero.checkpoint_files import (
     remove_stale_siblings,
     write_synced,
 )
-from lightning_zero.checkpoint_format import (
+from lightning_zero.checkpoint.format import (
     TOC_KEY,
     FlatChunk,
     SavePlanner,
@@ -53,10 +53,9 @@ from lightning_zero.checkpoint_format import (
     checked_toc,
     merge_tocs,
 )
-from lightning_zero.checkpoint_full import full_checkpoint_sources, state_dict_sources
-from lightning_zero.checkpoint_slices import LoadPlan, owned_parameter_slices
-from lightning_zero.parameter_gatherer import ParameterGatherer
-from lightning_zero.sharded_optimizer import ZeroOptimizer
+from lightning_zero.checkpoint.full import full_checkpoint_sources, state_dict_sources
+from lightning_zero.checkpoint.slices import LoadPlan, owned_parameter_slices
+from lightning_zero.sharding.sharded_optimizer import ShardedParameters, ZeroOptimizer
 
 __all__ = [
     "CheckpointError",
@@ -71,7 +70,7 @@ __all__ = [
 
 # -- save ------------------------------------------------------------------------------------------------------------
 def sharded_model_state(
-    module: nn.Module, zero_optimizers: Sequence[ZeroOptimizer], gatherer: ParameterGatherer | None = None
+    module: nn.Module, zero_optimizers: Sequence[ZeroOptimizer], gatherer: ShardedParameters | None = None
 ) -> dict[str, FlatChunk | Tensor]:
     """``module.state_dict()`` as this rank saves it: owned ranges of sharded parameters, replicated tensors whole.
 
@@ -177,7 +176,7 @@ def load_checkpoint(
     *,
     load_optimizer: bool,
     strict: bool = True,
-    gatherer: ParameterGatherer | None = None,
+    gatherer: ShardedParameters | None = None,
 ) -> dict[str, Any]:
     """Load a sharded checkpoint directory (any world size, stage or bucket size) or a full ``.ckpt`` file.
 
@@ -215,7 +214,7 @@ def load_checkpoint(
     return state
 
 
-def _refresh(gatherer: ParameterGatherer | None) -> None:
+def _refresh(gatherer: ShardedParameters | None) -> None:
     if gatherer is not None:
         gatherer.refresh_gathered()  # a stage-3 unit gathered right now must not keep the weights from before
 

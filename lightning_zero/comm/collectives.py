@@ -1,8 +1,8 @@
-"""Stateless collectives over flat buffers, and the ledger that counts what they move.
+"""Stateless collectives over flat buffers.
 
 Every function takes the process group explicitly, launches asynchronously and returns a ``PendingCollective``:
 the work handle, the buffers that must stay alive until it completes, any local post-processing, and the bytes this
-rank sends. Callers record those bytes in a ``CommLedger``.
+rank sends. Callers record those bytes in a ``CommLedger`` (``ledger.py``).
 
 Note [reduce-scatter on gloo]
 Measured on the 2-core CPU machine, 2 ranks, one thread each (``benchmarks/collectives.py``): averaging a 4M-element
@@ -28,7 +28,7 @@ With N a power of two both orders give bit-identical results.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -68,33 +68,6 @@ class PendingCollective:
             self.finish()
             self.finish = None
         self.buffers = ()
-
-
-@dataclass
-class CommLedger:
-    """Bytes and calls per collective. ``current`` accumulates until ``end_step()`` moves it to ``last_step``,
-    which therefore always holds exactly one optimizer step's communication; ``total`` keeps everything."""
-
-    current: dict[Collective, int] = field(default_factory=dict)
-    last_step: dict[Collective, int] = field(default_factory=dict)
-    total: dict[Collective, int] = field(default_factory=dict)
-    calls: dict[Collective, int] = field(default_factory=dict)
-    steps: int = 0
-
-    def record(self, pending: PendingCollective) -> PendingCollective:
-        self.current[pending.kind] = self.current.get(pending.kind, 0) + pending.bytes_sent
-        self.calls[pending.kind] = self.calls.get(pending.kind, 0) + 1
-        return pending
-
-    def end_step(self) -> None:
-        self.last_step = dict(self.current)
-        for kind, nbytes in self.current.items():
-            self.total[kind] = self.total.get(kind, 0) + nbytes
-        self.current.clear()
-        self.steps += 1
-
-    def last_step_bytes(self) -> dict[str, int]:
-        return {kind.value: nbytes for kind, nbytes in self.last_step.items()}
 
 
 def _nbytes(tensor: Tensor) -> int:

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, WriteItem, WriteItemType
 
-from lightning_zero.checkpoint_files import DCP_METADATA_FILE, LIGHTNING_STATE_FILE, CheckpointError
+from lightning_zero.checkpoint.files import DCP_METADATA_FILE, LIGHTNING_STATE_FILE, CheckpointError
 
 FORMAT_VERSION = 1
 TOC_KEY = "lightning_zero"

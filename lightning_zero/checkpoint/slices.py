@@ -20,10 +20,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from lightning_zero.checkpoint_files import CheckpointError, SafeReader
-from lightning_zero.checkpoint_format import FlatChunk, SafeLoadPlanner, Toc, info_dtype
-from lightning_zero.parameter_gatherer import ParameterGatherer
-from lightning_zero.sharded_optimizer import ZeroOptimizer
+from lightning_zero.checkpoint.files import CheckpointError, SafeReader
+from lightning_zero.checkpoint.format import FlatChunk, SafeLoadPlanner, Toc, info_dtype
+from lightning_zero.sharding.sharded_optimizer import ShardedParameters, ZeroOptimizer
 
 Read = tuple[Tensor, int | None]
 """A destination and where it starts in the flattened saved tensor (None: the whole, unflattened tensor)."""
@@ -51,7 +50,7 @@ class OwnedSlice(NamedTuple):
 
 
 def owned_parameter_slices(
-    zero_optimizers: Sequence[ZeroOptimizer], gatherer: ParameterGatherer | None = None
+    zero_optimizers: Sequence[ZeroOptimizer], gatherer: ShardedParameters | None = None
 ) -> list[OwnedSlice]:
     """One ``OwnedSlice`` per sharded parameter (possibly empty): the only place that knows the sharded layout.
 
@@ -62,7 +61,7 @@ def owned_parameter_slices(
     gatherer = gatherer or next((z.gatherer for z in zero_optimizers if z.gatherer is not None), None)
     held = [b for z in zero_optimizers for b in z.buckets]
     if gatherer is not None:
-        held = [b for unit in gatherer.units for b in unit.buckets] + gatherer.resident_buckets
+        held = gatherer.all_buckets()
     buckets = {id(b): b for b in held}
     owners: dict[int, list[tuple[int, int, int, Tensor]]] = {}  # bucket -> (optimizer, start, stop, master)
     for i, zero in enumerate(zero_optimizers):

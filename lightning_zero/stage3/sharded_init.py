@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zero.collectives import ProcessGroup
+from lightning_zero.comm.collectives import ProcessGroup
 from lightning_zero.config import ZeroConfig
-from lightning_zero.flat_bucket import FlatBucket
-from lightning_zero.parameter_gatherer import ParameterGatherer
-from lightning_zero.sharded_unit import ShardedUnit
-from lightning_zero.wrap_policy import assign_parameters, find_unit_roots
+from lightning_zero.sharding.flat_bucket import FlatBucket
+from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
+from lightning_zero.stage3.sharded_unit import ShardedUnit
+from lightning_zero.stage3.wrap_policy import assign_parameters, find_unit_roots
 
 ParamInitFn = Callable[[nn.Module], None]
 

@@ -3,7 +3,7 @@
 Construction takes a model and an optimizer built over its parameters, exactly as the user wrote it, and:
 
 1. finds the flat buckets holding the trainable parameters: for stages 1 and 2 it flattens them itself, one bucket
-   per param group and dtype; for stage 3 the model was already sharded unit by unit (``sharded_init``);
+   per param group and dtype; for stage 3 the model was already sharded unit by unit (``stage3.sharded_init``);
 2. cuts this rank's shard of each bucket into *segments*, contiguous runs of elements of one param group, and gives
    each an fp32 master (the parameter shard itself when the parameters are fp32: no second copy);
 3. re-targets the user's optimizer *in place*: each param group's ``params`` become its segments' masters and its
@@ -21,75 +21,60 @@ After the step every rank waits for the all-gather of the updated parameters, wi
 stages 1 and 2 therefore call the user's ``optimizer.step()`` once per bucket, each time with the param groups
 narrowed to that bucket's masters, and issue the bucket's all-gather before stepping the next one; the step
 returns once every gather is done, so nothing outside the step ever sees stale parameters. Element-wise optimizers
-(everything sharding supports, see ``_NOT_ELEMENTWISE``) compute the same update whether their parameters come in
-one call or several: each parameter still takes exactly one step with its own state. Optimizer step hooks run once
-per bucket.
+(everything sharding supports, see ``param_groups.NOT_ELEMENTWISE``) compute the same update whether their
+parameters come in one call or several: each parameter still takes exactly one step with its own state. Optimizer
+step hooks run once per bucket.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.collectives import CommLedger, ProcessGroup, all_gather, all_reduce_sum
+from lightning_zero.comm.collectives import ProcessGroup, all_gather, all_reduce_sum
+from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig
-from lightning_zero.flat_bucket import FlatBucket, build_buckets
-from lightning_zero.gradient_reducer import FullGradReducer, GradientReducer, ShardedGradReducer
-from lightning_zero.loss_scaler import DynamicLossScaler
-from lightning_zero.parameter_gatherer import ParameterGatherer
+from lightning_zero.sharding.flat_bucket import FlatBucket, build_buckets
+from lightning_zero.sharding.full_grad_reducer import FullGradReducer
+from lightning_zero.sharding.gradient_reducer import GradientReducer
+from lightning_zero.sharding.loss_scaler import DynamicLossScaler
+from lightning_zero.sharding.param_groups import (
+    ParamGroupView,
+    Segment,
+    master_for,
+    segments_of,
+    trainable_named_groups,
+)
+from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
 
 # Stages compose by choosing where gradients live; everything else is shared. (Stage 3 adds parameter gathering on
 # top of stage 2's reducer, built with the sharded model.)
 _REDUCERS: dict[int, type[GradientReducer]] = {1: FullGradReducer, 2: ShardedGradReducer}
 
-# Optimizers whose update of an element depends on other elements of the same tensor (factored moments, line
-# searches, sparse rows) cannot run on a flat shard.
-_NOT_ELEMENTWISE: tuple[str, ...] = ("LBFGS", "SparseAdam", "Adafactor")
 
+class ShardedParameters(Protocol):
+    """A model whose parameters are sharded as well (stage 3's ``ParameterGatherer``), as the optimizer sees it:
+    it owns the gradient reducer and the ledger of the step, and is told when the shards have changed."""
 
-class Segment(NamedTuple):
-    """A run of one param group's elements in this rank's shard of a bucket: ``shard[start:stop]``."""
+    @property
+    def ledger(self) -> CommLedger: ...
 
-    bucket: FlatBucket
-    start: int
-    stop: int
-    group: int
+    @property
+    def reducer(self) -> GradientReducer: ...
 
+    def all_buckets(self) -> list[FlatBucket]:
+        """Every bucket of the sharded model, frozen and resident ones included."""
+        ...
 
-class ParamGroupView(MutableMapping[str, Any]):
-    """A param group as users and Lightning see it: ``params`` are the model's parameters (so ``toggle_optimizer``
-    and friends act on the model); every other key *is* the wrapped optimizer's group entry, so a learning rate set
-    here, by a scheduler, or by the wrapped optimizer is one and the same value."""
-
-    def __init__(self, group: dict[str, Any], params: list[nn.Parameter]) -> None:
-        self._group = group
-        self._params = params
-
-    def __getitem__(self, key: str) -> Any:
-        return self._params if key == "params" else self._group[key]
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        if key == "params":
-            raise TypeError("The parameters of a sharded param group cannot be replaced after ZeroOptimizer wraps it.")
-        self._group[key] = value
-
-    def __delitem__(self, key: str) -> None:
-        del self._group[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._group)
-
-    def __len__(self) -> int:
-        return len(self._group)
-
-    def __repr__(self) -> str:
-        return repr({k: (f"<{len(self._params)} parameters>" if k == "params" else v) for k, v in self._group.items()})
+    def refresh_gathered(self) -> None:
+        """Re-gather whatever is gathered right now, so that it reflects the shards."""
+        ...
 
 
 class ZeroOptimizer(Optimizer):
@@ -106,7 +91,7 @@ class ZeroOptimizer(Optimizer):
         optimizer: Optimizer,
         process_group: ProcessGroup,
         config: ZeroConfig,
-        gatherer: ParameterGatherer | None = None,
+        gatherer: ShardedParameters | None = None,
         *,
         fp32_masters: bool = True,
         loss_scaler: DynamicLossScaler | None = None,
@@ -127,7 +112,7 @@ class ZeroOptimizer(Optimizer):
         # Which parameters are reduced, sharded and stepped is decided here, once: see _check_requires_grad().
         self._requires_grad = [(p, p.requires_grad) for view in self._views for p in view["params"]]
 
-        named_groups = _trainable_named_groups(module, optimizer)
+        named_groups = trainable_named_groups(module, optimizer)
         group_of = {id(p): g for g, named in enumerate(named_groups) for _, p in named}
         self.reducer: GradientReducer
         if gatherer is None:
@@ -145,8 +130,8 @@ class ZeroOptimizer(Optimizer):
             mine = [b for b in gatherer.reducer.buckets if any(id(p) in group_of for p in b.params)]
             self.buckets = mine
             self.resident_buckets = [b for b in mine if b.resident]
-        self.segments = [seg for b in self.buckets for seg in _segments(b, group_of)]
-        self.masters = [_master(seg, fp32_masters) for seg in self.segments]
+        self.segments = [seg for b in self.buckets for seg in segments_of(b, group_of)]
+        self.masters = [master_for(seg, fp32_masters) for seg in self.segments]
         """This rank's fp32 master weights, one per segment (a view of the parameter shard when fp32)."""
         for g, group in enumerate(optimizer.param_groups):
             group["params"] = [m for seg, m in zip(self.segments, self.masters, strict=True) if seg.group == g]
@@ -369,67 +354,3 @@ class ZeroOptimizer(Optimizer):
             "ZeroOptimizer does not support add_param_group after sharding. HINT: create every param group in "
             "`configure_optimizers` (or before wrapping the optimizer)."
         )
-
-
-def _segments(bucket: FlatBucket, group_of: dict[int, int]) -> list[Segment]:
-    """Split this rank's shard of ``bucket`` into runs of consecutive elements that belong to one param group.
-
-    Padding and parameters of other optimizers are skipped: they get no master and no optimizer state.
-    """
-    lo, hi = bucket.rank * bucket.shard_numel, (bucket.rank + 1) * bucket.shard_numel
-    runs: list[Segment] = []
-    for slot, param in bucket.slots_and_params():
-        start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-        group = group_of.get(id(param))
-        if start >= stop or group is None:
-            continue
-        if runs and runs[-1].group == group and runs[-1].stop == start - lo:
-            runs[-1] = runs[-1]._replace(stop=stop - lo)
-        else:
-            runs.append(Segment(bucket, start - lo, stop - lo, group))
-    return runs
-
-
-def _master(segment: Segment, fp32: bool) -> Tensor:
-    shard = segment.bucket.param_shard[segment.start : segment.stop]
-    if shard.dtype == torch.float32 or not fp32:
-        return shard  # the parameters are the master weights
-    return shard.detach().to(torch.float32)
-
-
-def _trainable_named_groups(module: nn.Module, optimizer: Optimizer) -> list[list[tuple[str, nn.Parameter]]]:
-    """Each param group's trainable parameters with their names; rejects what cannot be sharded, saying why."""
-    kind = type(optimizer).__name__
-    if kind in _NOT_ELEMENTWISE:
-        raise TypeError(
-            f"{kind} cannot be sharded by ZeRO: its update of one element depends on other elements of the same "
-            "parameter tensor, which lives on other ranks. HINT: use an element-wise optimizer such as AdamW or SGD."
-        )
-    names = {id(p): name for name, p in module.named_parameters()}
-    seen: dict[int, int] = {}
-    groups: list[list[tuple[str, nn.Parameter]]] = []
-    for g, group in enumerate(optimizer.param_groups):
-        named: list[tuple[str, nn.Parameter]] = []
-        for p in group["params"]:
-            name = names.get(id(p))
-            if name is None:
-                raise ValueError(
-                    f"Param group {g} of {kind} holds a tensor of shape {tuple(p.shape)} that is not a parameter of "
-                    f"the {type(module).__name__} being sharded. HINT: build the optimizer from "
-                    "`model.parameters()` (or named subsets of them)."
-                )
-            if id(p) in seen:
-                raise ValueError(
-                    f"Parameter {name!r} appears in param group {seen[id(p)]} and again in param group {g} of "
-                    f"{kind}. HINT: put each parameter in exactly one param group."
-                )
-            seen[id(p)] = g
-            if p.requires_grad:
-                named.append((name, p))
-        groups.append(named)
-    if not any(groups):
-        raise ValueError(
-            f"{kind} has no trainable parameters to shard (every param group is empty or frozen). HINT: pass the "
-            "model's trainable parameters to the optimizer, e.g. `AdamW(model.parameters())`."
-        )
-    return groups

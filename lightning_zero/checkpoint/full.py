@@ -1,6 +1,6 @@
 """Full (unsharded) state as a source for ZeRO's load plan: a DDP run's ``.ckpt`` file, or pretrained weights.
 
-Both become what a sharded checkpoint provides: a table of contents (``checkpoint_format``) and, per storage key, a
+Both become what a sharded checkpoint provides: a table of contents (``checkpoint.format``) and, per storage key, a
 source tensor: here the full tensor itself, flattened without a copy (memory-mapped when it comes from a file, so a
 rank pages in only the ranges it copies out, one parameter at a time). A torch optimizer's state is keyed by position
 in its param groups; positions become parameter names through ``ZeroOptimizer.param_groups``, which list the model's
@@ -15,9 +15,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_zero.checkpoint_files import CheckpointError
-from lightning_zero.checkpoint_format import Toc, empty_toc, model_key, optimizer_key, tensor_info
-from lightning_zero.sharded_optimizer import ZeroOptimizer
+from lightning_zero.checkpoint.files import CheckpointError
+from lightning_zero.checkpoint.format import Toc, empty_toc, model_key, optimizer_key, tensor_info
+from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
 
 def state_dict_sources(state_dict: Mapping[str, Any], prefix: str, origin: Path) -> tuple[dict[str, Tensor], Toc]:
@@ -50,7 +50,7 @@ def full_checkpoint_sources(
     if not isinstance(state_dict, Mapping):
         raise CheckpointError(
             f"{origin} has no 'state_dict' mapping, so it is not a Lightning checkpoint. HINT: for plain weights, "
-            "use lightning_zero.checkpoint.load_full_state_dict()."
+            "use lightning_zero.load_full_state_dict()."
         )
     sources, toc = state_dict_sources(state_dict, "", origin)
     optimizer_states = checkpoint.get("optimizer_states")

@@ -39,11 +39,12 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from lightning_zero.collectives import CommLedger, PendingCollective, ProcessGroup, all_gather
+from lightning_zero.comm.collectives import PendingCollective, ProcessGroup, all_gather
+from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig
-from lightning_zero.flat_bucket import FlatBucket
-from lightning_zero.gradient_reducer import ShardedGradReducer
-from lightning_zero.sharded_unit import ShardedUnit, UnitState
+from lightning_zero.sharding.flat_bucket import FlatBucket
+from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
+from lightning_zero.stage3.sharded_unit import ShardedUnit, UnitState
 
 
 class RankDivergenceError(RuntimeError):
@@ -100,6 +101,10 @@ class ParameterGatherer:
     @property
     def trainable_buckets(self) -> list[FlatBucket]:
         return self.reducer.buckets
+
+    def all_buckets(self) -> list[FlatBucket]:
+        """Every bucket of the sharded model: each unit's (frozen ones included), then the resident ones."""
+        return [b for unit in self.units for b in unit.buckets] + self.resident_buckets
 
     # -- forward --------------------------------------------------------------------------------------------------
     def _pre_forward_hook(self, unit: ShardedUnit, module: nn.Module, args: Any) -> None:
@@ -172,7 +177,7 @@ class ParameterGatherer:
         if unit.state is not UnitState.SHARDED:
             return
         if self.config.check_rank_divergence and self.group.size() > 1:
-            # Note [divergence check]
+            # See Note [divergence check].
             mine = torch.tensor([unit.index], dtype=torch.int64, device=self.device)
             everyone = torch.empty(self.group.size(), dtype=torch.int64, device=mine.device)
             self._checks[unit.index] = (all_gather(everyone, mine, self.group), everyone)

@@ -6,8 +6,9 @@ import enum
 
 from torch import Tensor, nn
 
-from lightning_zero.collectives import CommLedger, PendingCollective, ProcessGroup, all_gather
-from lightning_zero.flat_bucket import FlatBucket
+from lightning_zero.comm.collectives import PendingCollective, ProcessGroup, all_gather
+from lightning_zero.comm.ledger import CommLedger
+from lightning_zero.sharding.flat_bucket import FlatBucket
 
 
 class UnitState(enum.Enum):

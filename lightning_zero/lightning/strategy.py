@@ -8,17 +8,18 @@ The lifecycle, in Lightning's hook order:
 - ``optimizer_step``: the gradient reduction is finished right after the closure (forward + backward), so that
   ``on_before_optimizer_step`` hooks and gradient clipping see the reduced gradients (as the ``ZeroOptimizer``'s
   master gradients, not as parameters' ``.grad``: Note [reduced gradients live in the optimizer] in
-  ``precision.py``); then the sharded step and the parameter all-gather run.
+  ``lightning/precision.py``); then the sharded step and the parameter all-gather run.
 - ``block_backward_sync``: Lightning enters it for the non-final micro-batches of gradient accumulation.
 
 Stage 3 adds: ``model_sharded_context`` builds ``configure_model`` on the meta device; ``setup`` shards the model
-unit by unit (``sharded_init``); each ``*_step`` runs with the root unit gathered, as a forward of the root module.
+unit by unit (``stage3/sharded_init.py``); each ``*_step`` runs with the root unit gathered, as a forward of the root
+module.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -37,7 +38,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only  # type: ignore[attr-defined]
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -46,20 +46,21 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.comm.fault_monitor import FaultMonitor
 from lightning_zero.config import ZeroConfig
-from lightning_zero.fault_monitor import FaultMonitor
-from lightning_zero.memory import ModelStateBytes, model_state_bytes
-from lightning_zero.parameter_gatherer import ParameterGatherer
-from lightning_zero.precision import ZeroPrecision, to_zero_precision
-from lightning_zero.sharded_init import ParamInitFn, shard_module
-from lightning_zero.sharded_optimizer import ZeroOptimizer
+from lightning_zero.lightning.memory import ModelStateBytes, model_state_bytes
+from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.lightning.strategy_checkpoint import ShardedCheckpointing, as_zero_optimizer, iter_zero_optimizers
+from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
+from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
+from lightning_zero.stage3.sharded_init import ParamInitFn, shard_module
 
 log = logging.getLogger(__name__)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
-class ZeroStrategy(ParallelStrategy):
+class ZeroStrategy(ShardedCheckpointing):
     """Shard optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) across data-parallel ranks.
 
     Args:
@@ -164,12 +165,6 @@ class ZeroStrategy(ParallelStrategy):
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
-    @property
-    def process_group(self) -> dist.ProcessGroup:
-        group = dist.group.WORLD
-        assert group is not None, "the process group is created in setup_environment()"
-        return group
-
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -193,7 +188,7 @@ class ZeroStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        # Names the rank that failed, died or hangs in the errors of the others (see fault_monitor.py).
+        # Names the rank that failed, died or hangs in the errors of the others (see ``comm/fault_monitor.py``).
         if self._fault_monitor is None:
             self._fault_monitor = FaultMonitor.from_default_group()
             if self._fault_monitor is not None:
@@ -310,7 +305,7 @@ class ZeroStrategy(ParallelStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        zero_optimizer = _as_zero_optimizer(optimizer)
+        zero_optimizer = as_zero_optimizer(optimizer)
 
         def closure_then_reduce() -> Any:
             result = closure()
@@ -323,7 +318,7 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         with ExitStack() as stack:
-            for optimizer in _iter_zero_optimizers(self.optimizers):
+            for optimizer in iter_zero_optimizers(self.optimizers):
                 stack.enter_context(optimizer.no_sync())
             yield
 
@@ -331,85 +326,16 @@ class ZeroStrategy(ParallelStrategy):
     def model_state_bytes(self) -> ModelStateBytes:
         """This rank's bytes of parameters, gradients, master weights and optimizer state."""
         assert self.lightning_module is not None
-        return model_state_bytes(self.lightning_module, _iter_zero_optimizers(self.optimizers), self._gatherer)
+        return model_state_bytes(self.lightning_module, iter_zero_optimizers(self.optimizers), self._gatherer)
 
     def communication_per_step(self) -> dict[str, int]:
         """Bytes this rank sent in the last optimizer step of each optimizer, per collective."""
         total: dict[str, int] = {}
-        ledgers = {id(o.ledger): o.ledger for o in _iter_zero_optimizers(self.optimizers)}  # stage 3 shares one
+        ledgers = {id(o.ledger): o.ledger for o in iter_zero_optimizers(self.optimizers)}  # stage 3 shares one
         for ledger in ledgers.values():
             for kind, nbytes in ledger.last_step_bytes().items():
                 total[kind] = total.get(kind, 0) + nbytes
         return total
-
-    # -- checkpointing --- (a sharded directory per checkpoint; lightning_zero/checkpoint.py does the work) -------
-    # The imports are local so that checkpointing stays one self-contained block of this file.
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # checkpoints load straight into the optimizer shards, which setup() creates
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        from lightning_zero.checkpoint import sharded_model_state
-
-        assert self.lightning_module is not None
-        return sharded_model_state(self.lightning_module, list(_iter_zero_optimizers(self.optimizers)), self._gatherer)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        from lightning_zero.checkpoint import sharded_optimizer_state
-
-        zero_optimizers = list(_iter_zero_optimizers(self.optimizers))
-        return sharded_optimizer_state(zero_optimizers, zero_optimizers.index(_as_zero_optimizer(optimizer)))
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Every rank writes what it owns into the directory ``filepath``; call it on every rank."""
-        from lightning_zero.checkpoint import save_sharded_checkpoint
-
-        if storage_options is not None:
-            raise TypeError(
-                f"ZeroStrategy.save_checkpoint(storage_options={storage_options!r}) is not supported: sharded "
-                "checkpoints are written by every rank, not through a CheckpointIO plugin. HINT: drop storage_options."
-            )
-        saved_with = {"world_size": self.world_size, "stage": self.config.stage}
-        save_sharded_checkpoint(checkpoint, self.broadcast(filepath), self.process_group, saved_with)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded directory (any world size or stage) or a full ``.ckpt`` file into this rank's shards.
-
-        Always as ``weights_only=True`` would (see Note [safe loading] in ``checkpoint_files.py``).
-        """
-        from lightning_zero.checkpoint import load_checkpoint
-
-        module = self.lightning_module
-        assert module is not None
-        return load_checkpoint(
-            self.broadcast(checkpoint_path),
-            module,
-            list(_iter_zero_optimizers(self.optimizers)),
-            self.process_group,
-            load_optimizer=module.trainer.state.fn == TrainerFn.FITTING,
-            strict=module.strict_loading,
-            gatherer=self._gatherer,
-        )
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # load_checkpoint() already wrote the weights into this rank's shards
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # likewise for the optimizer state
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        from lightning_zero.checkpoint_files import remove
-
-        if self.is_global_zero:
-            remove(filepath)
 
     # -- collectives Lightning asks of a strategy (as DDPStrategy) ------------------------------------------------
     @override
@@ -447,7 +373,7 @@ class ZeroStrategy(ParallelStrategy):
             self._fault_monitor = None
         # Stage 3 keeps its hooks: the model stays sharded and usable (a later fit/test, or inference).
         if self._gatherer is None:
-            for optimizer in _iter_zero_optimizers(self.optimizers):
+            for optimizer in iter_zero_optimizers(self.optimizers):
                 optimizer.reducer.remove_hooks()
         super().teardown()
 
@@ -471,18 +397,3 @@ class ZeroStrategy(ParallelStrategy):
                 stage=stage,
                 start_method="spawn",
             )
-
-
-def _as_zero_optimizer(optimizer: Any) -> ZeroOptimizer:
-    # LightningOptimizer wraps the strategy's optimizer in manual optimization.
-    optimizer = getattr(optimizer, "_optimizer", optimizer)
-    if not isinstance(optimizer, ZeroOptimizer):
-        raise TypeError(
-            f"ZeroStrategy expected a ZeroOptimizer but got {type(optimizer).__name__}. HINT: do not replace "
-            "`trainer.optimizers` after setup; return your optimizers from `configure_optimizers`."
-        )
-    return optimizer
-
-
-def _iter_zero_optimizers(optimizers: list[Optimizer]) -> Iterator[ZeroOptimizer]:
-    return (_as_zero_optimizer(o) for o in optimizers)

@@ -28,9 +28,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_zero.collectives import Collective
-from lightning_zero.memory import ModelStateBytes, expected_model_state_bytes
-from lightning_zero.strategy import ZeroStrategy
+from lightning_zero.comm.collectives import Collective
+from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes
+from lightning_zero.lightning.strategy import ZeroStrategy
 
 COLLECTIVES: tuple[str, ...] = tuple(c.value for c in Collective)
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}

@@ -11,8 +11,8 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
-from lightning_zero.parameter_gatherer import ParameterGatherer
-from lightning_zero.sharded_optimizer import ZeroOptimizer
+from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
+from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 
 
 class ModelStateBytes(NamedTuple):
@@ -51,7 +51,7 @@ def model_state_bytes(
     optimizers = list(optimizers)
     buckets = [b for opt in optimizers for b in opt.buckets]
     if gatherer is not None:
-        buckets += [b for u in gatherer.units for b in u.buckets] + gatherer.resident_buckets
+        buckets += gatherer.all_buckets()
     # A stage-3 parameter owns its shard; outside a forward the parameter itself is a one-element placeholder.
     sharded = {id(p) for b in buckets if not b.resident for p in b.params}
     held: list[Tensor] = [p for p in module.parameters() if id(p) not in sharded]

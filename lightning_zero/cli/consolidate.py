@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from lightning_zero.checkpoint_files import (
+from lightning_zero.checkpoint.files import (
     LIGHTNING_STATE_FILE,
     CheckpointError,
     SafeReader,
@@ -32,7 +32,7 @@ from lightning_zero.checkpoint_files import (
     read_metadata,
     write_synced,
 )
-from lightning_zero.checkpoint_format import (
+from lightning_zero.checkpoint.format import (
     TOC_KEY,
     FlatChunk,
     SafeLoadPlanner,

@@ -22,10 +22,10 @@ from typing import Literal, NamedTuple
 import torch
 from torch import nn
 
-from lightning_zero.flat_bucket import build_buckets
-from lightning_zero.memory import ModelStateBytes, expected_model_state_bytes
+from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes
 from lightning_zero.models.gpt import GPT, Block, GPTConfig
 from lightning_zero.models.param_groups import param_groups_with_weight_decay
+from lightning_zero.sharding.flat_bucket import build_buckets
 
 Precision = Literal["bf16", "fp16", "fp32"]
 PARAM_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -33,7 +33,7 @@ STAGES = (0, 1, 2, 3)
 STAGE_LABELS = {0: "DDP", 1: "1", 2: "2", 3: "3"}
 FORMULAS = {0: "(2+2+K)Ψ", 1: "(2+2)Ψ + KΨ/N", 2: "2Ψ + (2+K)Ψ/N", 3: "(2+2+K)Ψ/N"}
 COLLECTIVES = {0: "all-reduce 2Ψ(N-1)/N", 1: "RS + AG 2Ψ(N-1)/N", 2: "RS + AG 2Ψ(N-1)/N", 3: "AG×2 + RS 3Ψ(N-1)/N"}
-DEFAULT_CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+DEFAULT_CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 class Precisions(NamedTuple):
@@ -162,7 +162,7 @@ def load_model_config(name: str, conf_dir: Path = DEFAULT_CONF_DIR) -> GPTConfig
     """``GPTConfig`` of ``conf/model/<name>.yaml``, composed by Hydra exactly as the example composes it."""
     from hydra import compose, initialize_config_dir
 
-    from lightning_zero.hydra_schema import register_configs
+    from lightning_zero.hydra.schema import register_configs
 
     available = sorted(p.stem for p in (conf_dir / "model").glob("*.yaml"))
     if name not in available:
@@ -280,7 +280,7 @@ def main(argv: list[str]) -> int:
         )
     print(format_estimates(estimates, exact=args.model is not None))
     if args.plot is not None:
-        from lightning_zero.report import plot_memory_by_stage
+        from lightning_zero.lightning.report import plot_memory_by_stage
 
         bars = {("DDP" if e.stage == 0 else f"ZeRO-{e.stage}"): e.state for e in estimates}
         plot_memory_by_stage(bars, args.plot, f"{title} on {n:,} ranks, {args.precision}, K = {k}")

@@ -1,0 +1,10 @@
+"""Sharded checkpoint IO: each rank writes and reads only what it owns; any layout loads any other.
+
+- ``sharded_checkpoint``: the entry points (save, load at any world size or stage, pretrained weights in).
+- ``slices``: which flat range of each parameter (and its optimizer state) this rank owns; the load plan.
+- ``format``: the on-disk layout over ``torch.distributed.checkpoint`` (flat chunks, the table of contents).
+- ``files``: safe reading (no code runs on load), integrity checks and the atomic commit.
+- ``full``: DDP / full checkpoints and plain state dicts as input.
+
+May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3
+"""

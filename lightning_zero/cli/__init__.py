@@ -1,0 +1,8 @@
+"""The command-line tools behind ``python -m lightning_zero``: they run without a training job.
+
+- ``consolidate``: a sharded checkpoint directory to one plain checkpoint file.
+- ``estimate``: model-state memory and communication per rank for each stage, by formula or from a model config.
+
+May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,
+lightning_zero.checkpoint, lightning_zero.lightning, lightning_zero.hydra, lightning_zero.models
+"""

@@ -1,0 +1,11 @@
+"""The Lightning glue: ZeRO as a ``Strategy``, its precision plugin, and what it reports.
+
+- ``strategy``: ``ZeroStrategy`` (process group, launchers, optimizer wrapping, accumulation, the stage-3 root unit).
+- ``strategy_checkpoint``: the strategy's checkpoint hooks, routed to ``lightning_zero.checkpoint``.
+- ``precision``: ``ZeroPrecision``, ZeRO's mixed precision (low-precision parameters, fp32 masters).
+- ``memory``: per-rank model-state bytes, counted and as the ZeRO paper's formula.
+- ``report``: ``MemoryReport``, the per-rank memory and communication table at the end of a run.
+
+May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,
+lightning_zero.checkpoint
+"""

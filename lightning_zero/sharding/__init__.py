@@ -1,0 +1,14 @@
+"""Stages 1 and 2, and the optimizer every stage shares: flat buckets, gradient reduction, the sharded step.
+
+- ``flat_bucket``: ``FlatBucket``, parameters flattened into one padded buffer split into N equal shards.
+- ``gradient_reducer``: the reduction protocol (hooks, ordered launch, end-of-backward flush); the stage-1
+  (``full_grad_reducer``) and stage-2 (``sharded_grad_reducer``) storages plug into it.
+- ``param_groups``: the user's param groups over this rank's shard (segments, masters, views, the checks).
+- ``sharded_optimizer``: ``ZeroOptimizer``, the user's optimizer stepping only this rank's shard.
+- ``loss_scaler``: the cross-rank dynamic loss scaler of fp16 training.
+
+Stage 3 builds on this package (its units are flat buckets reduced by the stage-2 reducer) but this package knows
+nothing of stage 3: ``ZeroOptimizer`` takes any object with the ``ShardedParameters`` protocol.
+
+May import: lightning_zero.config, lightning_zero.comm
+"""

@@ -1,0 +1,246 @@
+"""Gradient reduction: from each rank's local gradients to this rank's averaged gradient shard.
+
+Two storages, one protocol. Both reducers register a post-accumulate-grad hook on every parameter, count arrivals per
+bucket, and reduce-scatter buckets strictly in bucket order (Note [bucket order]); they differ in where gradients
+live between backward and the optimizer step:
+
+- ``FullGradReducer`` (stage 1, ``full_grad_reducer.py``): each bucket has a persistent full-size gradient buffer
+  and every parameter's ``.grad`` is a view into it, so autograd accumulates in place (no copies). Buckets are
+  reduce-scattered once per optimizer step: from the hooks during the last backward before the step
+  (``overlap_comm``), or at the step.
+- ``ShardedGradReducer`` (stage 2, ``sharded_grad_reducer.py``): a full-size buffer exists only while a bucket is
+  filling or in flight; each backward reduce-scatters every bucket and accumulates into a persistent shard, so
+  gradient memory is 1/N.
+
+Note [buffers between steps]
+The receive and staging buffers come from a pool, so a backward allocates a few of them rather than two per bucket.
+By default (``ZeroConfig.keep_reduce_buffers``) stages 1 and 2 keep the pool between steps: a few buffers of
+``bucket_numel`` (as DDP and DeepSpeed keep their bucket buffers). Stage 3 empties it at the end of every backward:
+its buckets are whole units, the largest often the root with the embeddings, and buffers of that size held through
+the next forward would sit on top of the activations, at the step's memory peak.
+
+Note [bucket flush]
+A bucket is launched when all its parameters' gradients have arrived, but some parameters may get no gradient in a
+given backward (unused branches, frozen paths), so some buckets never complete by counting. The first hook of each
+backward queues a callback on the autograd engine that runs when the whole backward is done; it launches every
+bucket not yet launched, in order, and waits for all of them. Every rank therefore issues every bucket exactly once
+per reduction, in the same order, whatever the data did to its own backward, and no reduction is still reading a
+buffer when the next backward starts writing gradients into it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
+
+from lightning_zero.comm.buffer_pool import BufferPool
+from lightning_zero.comm.collectives import PendingCollective, ProcessGroup, reduce_scatter
+from lightning_zero.comm.ledger import CommLedger
+from lightning_zero.config import ZeroConfig, dtype_from_name
+from lightning_zero.sharding.flat_bucket import FlatBucket, ParamSlot
+
+
+class BucketState(enum.Enum):
+    """Where a bucket's gradients are in the current reduction round."""
+
+    FILLING = "filling"
+    """Gradients of the current backward are arriving. Stage 1: the full buffer is persistent (1x bucket).
+    Stage 2: a full staging buffer exists from the first arrival (1x bucket, transient)."""
+    IN_FLIGHT = "in_flight"
+    """The reduce-scatter is issued; its buffers are held until it completes."""
+    REDUCED = "reduced"
+    """This rank's averaged shard is final until the next backward adds to it."""
+
+
+class GradientReducer:
+    """The shared protocol: hooks, ordered launch, end-of-backward flush. Subclasses own the storage."""
+
+    def __init__(
+        self,
+        buckets: Sequence[FlatBucket],
+        group: ProcessGroup,
+        config: ZeroConfig,
+        ledger: CommLedger,
+        on_complete: Callable[[FlatBucket], None] | None = None,
+    ) -> None:
+        self.buckets = list(buckets)
+        self.on_complete = on_complete
+        """Called when every gradient of a bucket has arrived in a backward (stage 3 frees the unit then)."""
+        self.group = group
+        self.world_size = group.size()
+        self.config = config
+        self.ledger = ledger
+        self.require_sync = True
+        """False inside ``no_sync()``: backward only accumulates locally (gradient accumulation)."""
+        self.state = [BucketState.FILLING] * len(self.buckets)
+        self._arrived = [0] * len(self.buckets)
+        self._next_launch = 0
+        self._callback_queued = False
+        self._in_flight: deque[tuple[FlatBucket, PendingCollective]] = deque()
+        self.pool = BufferPool()
+        """Receive buffers (and stage 2's staging buffers), reused across buckets (Note [buffers between steps])."""
+        for bucket in self.buckets:
+            self.pool.reserve(bucket.padded_numel, self._reduce_dtype(bucket), bucket.device)
+        self._lent: list[list[Tensor]] = [[] for _ in self.buckets]
+        """Pooled buffers an in-flight bucket's collective uses; back to the pool when it completes."""
+        self._handles: list[RemovableHandle] = []
+        for bucket in self.buckets:
+            for slot, param in bucket.slots_and_params():
+                hook = partial(self._on_grad_accumulated, bucket, slot)
+                self._handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    # -- subclass storage API ------------------------------------------------------------------------------------
+    def _store(self, bucket: FlatBucket, slot: ParamSlot, param: nn.Parameter) -> None:
+        raise NotImplementedError
+
+    def _communicates_now(self) -> bool:
+        """Whether the backward running now launches reductions from its hooks."""
+        raise NotImplementedError
+
+    def _launch(self, bucket: FlatBucket) -> PendingCollective:
+        raise NotImplementedError
+
+    def _complete(self, bucket: FlatBucket) -> None:
+        """Runs once the bucket's collective has finished (release staging, accumulate)."""
+
+    def grad_shard(self, bucket: FlatBucket) -> Tensor:
+        """This rank's averaged gradient shard of ``bucket`` (valid once ``finish()`` returned)."""
+        raise NotImplementedError
+
+    def consume(self) -> None:
+        """The optimizer step has used the reduced shards: the next reduction starts from zero."""
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def state_bytes(self) -> int:
+        """Bytes of gradient storage this rank holds between steps."""
+        raise NotImplementedError
+
+    def buffer_bytes(self) -> int:
+        """Bytes of reusable communication buffers (not model state: a few buckets' worth, whatever the model)."""
+        return self.pool.nbytes()
+
+    # -- protocol ------------------------------------------------------------------------------------------------
+    def _reduce_dtype(self, bucket: FlatBucket) -> torch.dtype:
+        name = self.config.reduce_dtype
+        return bucket.dtype if name is None else dtype_from_name(name)
+
+    def _on_grad_accumulated(self, bucket: FlatBucket, slot: ParamSlot, param: nn.Parameter) -> None:
+        if self.state[bucket.index] is not BucketState.FILLING:
+            self._begin_filling(bucket)
+        self._store(bucket, slot, param)
+        if not self._communicates_now():
+            return
+        if not self._callback_queued:
+            # See Note [bucket flush].
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+            self._callback_queued = True
+        self._arrived[bucket.index] += 1
+        if self._arrived[bucket.index] == len(bucket.params):
+            if self.on_complete is not None:
+                self.on_complete(bucket)
+            self._launch_complete_in_order()
+
+    def _begin_filling(self, bucket: FlatBucket) -> None:
+        if self.state[bucket.index] is BucketState.IN_FLIGHT:
+            # A backward touches a bucket whose previous reduction is still in flight: finish that one first.
+            self.wait()
+        self.state[bucket.index] = BucketState.FILLING
+
+    def _launch_complete_in_order(self) -> None:
+        """Launch buckets whose gradients have all arrived, never skipping an earlier incomplete one."""
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if self._arrived[bucket.index] < len(bucket.params):
+                return
+            self._launch_one(bucket)
+            self._next_launch += 1
+
+    def _launch_one(self, bucket: FlatBucket) -> None:
+        if self.state[bucket.index] is not BucketState.FILLING:
+            self._begin_filling(bucket)
+        while len(self._in_flight) >= self.config.max_inflight_buckets:
+            self._wait_oldest()
+        pending = self.ledger.record(self._launch(bucket))
+        self.state[bucket.index] = BucketState.IN_FLIGHT
+        self._in_flight.append((bucket, pending))
+        if not self.config.overlap_comm:
+            self.wait()
+
+    def _launch_remaining(self) -> None:
+        for bucket in self.buckets[self._next_launch :]:
+            self._launch_one(bucket)
+        self._next_launch = 0
+        self._arrived = [0] * len(self.buckets)
+
+    def _on_backward_end(self) -> None:
+        self._callback_queued = False
+        self._launch_remaining()
+        # Nothing stays in flight past the backward that produced it: stage 1's buffers are autograd's
+        # accumulation target for the next backward, and stage 2's staging buffers are memory we promised to free.
+        self.wait()
+        if not self.config.keeps_reduce_buffers:
+            self.pool.clear()  # Note [buffers between steps]
+
+    def _reduce_scatter(self, bucket: FlatBucket, output: Tensor, input: Tensor) -> PendingCollective:
+        """Issue the bucket's reduce-scatter with a pooled receive buffer, held until the bucket completes."""
+        scratch = self.pool.take(input.numel(), input.dtype, input.device)
+        self._lent[bucket.index].append(scratch)
+        return reduce_scatter(output, input, self.group, scratch=scratch)
+
+    def _wait_oldest(self) -> None:
+        bucket, pending = self._in_flight.popleft()
+        pending.wait()
+        self._complete(bucket)
+        for buffer in self._lent[bucket.index]:
+            self.pool.give(buffer)
+        self._lent[bucket.index].clear()
+        self.state[bucket.index] = BucketState.REDUCED
+
+    def wait(self) -> None:
+        while self._in_flight:
+            self._wait_oldest()
+
+    def finish(self) -> None:
+        """Make every bucket's gradient shard final: launch what the hooks did not, then wait for all of it."""
+        if any(state is BucketState.FILLING for state in self.state):
+            self._launch_remaining()
+        self.wait()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without communication, for every backward inside the context."""
+        previous = self.require_sync
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def accumulate_into(total: Tensor, out: Tensor, pending: PendingCollective) -> PendingCollective:
+    """Once ``pending`` has written ``out``, add it into ``total`` (gradient accumulation across reductions)."""
+    first = pending.finish
+
+    def finish() -> None:
+        if first is not None:
+            first()
+        total.add_(out)
+
+    pending.finish = finish
+    return pending

@@ -1,0 +1,12 @@
+"""Stage 3: parameters sharded too, gathered per unit around its forward and backward.
+
+- ``wrap_policy``: which modules become gather units, and which unit owns each (possibly tied) parameter.
+- ``sharded_unit``: ``ShardedUnit``, one unit's buckets and their ``SHARDED / GATHERING / GATHERED`` lifecycle.
+- ``parameter_gatherer``: ``ParameterGatherer``, the module and autograd hooks that gather, free and prefetch units.
+- ``sharded_init``: meta-device models materialized, initialized and sharded one unit at a time.
+
+Stage 3 = stage 2 + parameter gathering: the units' buckets are reduced by ``sharding``'s stage-2 reducer and
+stepped by the same ``ZeroOptimizer``.
+
+May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding
+"""

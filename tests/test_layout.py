@@ -1,0 +1,160 @@
+"""The package layout: public names and Hydra targets resolve, no subpackage imports upwards, the README's
+architecture table lists exactly the files that exist, and every named note that is referenced exists."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra.utils import get_object
+
+import lightning_zero
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "lightning_zero"
+SUBPACKAGES = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+
+
+def test_every_public_name_imports():
+    assert lightning_zero.__all__, "lightning_zero.__all__ is empty"
+    for name in lightning_zero.__all__:
+        assert getattr(lightning_zero, name) is not None, name
+    namespace: dict[str, object] = {}
+    exec("from lightning_zero import *", namespace)
+    assert set(lightning_zero.__all__) <= namespace.keys()
+
+
+def _targets(node: object) -> list[str]:
+    if isinstance(node, dict):
+        found = [node["_target_"]] if "_target_" in node else []
+        return found + [t for value in node.values() for t in _targets(value)]
+    if isinstance(node, list):
+        return [t for value in node for t in _targets(value)]
+    return []
+
+
+def test_every_hydra_target_resolves():
+    targets = {
+        (path.relative_to(ROOT), target)
+        for path in sorted((ROOT / "conf").rglob("*.yaml"))
+        for target in _targets(yaml.safe_load(path.read_text()))
+    }
+    assert len(targets) >= 6, targets  # strategies, data, trainer, the report callback, the SLURM launcher
+    for path, target in targets:
+        assert callable(get_object(target)), f"{path}: _target_ {target!r} does not resolve to a callable"
+
+
+def _allowed_imports(subpackage: str) -> set[str]:
+    """The subpackages named on the ``May import:`` line of the subpackage's docstring (always itself)."""
+    doc = ast.get_docstring(ast.parse((PACKAGE / subpackage / "__init__.py").read_text())) or ""
+    match = re.search(r"^May import: (.+?)(?:\n\n|\Z)", doc, flags=re.MULTILINE | re.DOTALL)
+    assert match, f"lightning_zero/{subpackage}/__init__.py does not say what it may import ('May import: ...')"
+    named = re.findall(r"lightning_zero\.(\w+)", match.group(1))
+    return {subpackage, *named}
+
+
+def _imported_parts(path: Path) -> set[str]:
+    """The subpackage of every ``lightning_zero`` import in ``path`` (``comm`` for ``lightning_zero.comm.x``)."""
+    parts = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        modules = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules = [node.module]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        for module in modules:
+            if module == "lightning_zero" or module.startswith("lightning_zero."):
+                parts.add(module.split(".")[1] if "." in module else "")
+    return parts
+
+
+@pytest.mark.parametrize("subpackage", SUBPACKAGES)
+def test_no_subpackage_imports_upwards(subpackage):
+    allowed = _allowed_imports(subpackage)
+    for path in sorted((PACKAGE / subpackage).rglob("*.py")):
+        bad = _imported_parts(path) - allowed
+        assert not bad, f"{path.relative_to(ROOT)} imports lightning_zero.{sorted(bad)}; allowed: {sorted(allowed)}"
+
+
+def test_config_imports_nothing_of_the_package():
+    assert _imported_parts(PACKAGE / "config.py") == set()
+
+
+def test_the_layers_have_no_cycle():
+    # Declared permissions alone must form a hierarchy, so no future import can close a loop between subpackages.
+    graph = {sub: _allowed_imports(sub) - {sub} - {"config"} for sub in SUBPACKAGES}
+    order: list[str] = []
+    while graph:
+        ready = sorted(sub for sub, needs in graph.items() if needs <= set(order))
+        assert ready, f"the subpackages' 'May import' lines form a cycle among {sorted(graph)}"
+        order += ready
+        for sub in ready:
+            del graph[sub]
+
+
+def _readme_paths() -> set[str]:
+    text = (ROOT / "README.md").read_text()
+    table = text.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+    paths: set[str] = set()
+    for row in table.splitlines():
+        if not row.startswith("| `lightning_zero/"):
+            continue
+        cell = row.split("|")[1]
+        names = re.findall(r"`([^`]+)`", cell)
+        first = names[0]
+        paths.add(first)
+        folder = first.rsplit("/", 1)[0]
+        paths.update(f"{folder}/{name}" for name in names[1:])  # "`models/mlp.py`, `param_groups.py`"
+    return paths
+
+
+def test_readme_architecture_table_lists_exactly_what_exists():
+    existing = {f"lightning_zero/{sub}/" for sub in SUBPACKAGES}
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(ROOT).as_posix()
+        if path.name == "__init__.py" and path.parent != PACKAGE:
+            continue  # a subpackage's row stands for its __init__
+        existing.add(relative)
+    listed = _readme_paths()
+    assert not existing - listed, f"missing from the README's architecture table: {sorted(existing - listed)}"
+    assert not listed - existing, f"listed in the README's architecture table but absent: {sorted(listed - existing)}"
+
+
+def test_every_referenced_note_exists():
+    sources = [
+        *PACKAGE.rglob("*.py"),
+        ROOT / "README.md",
+        *(ROOT / "benchmarks").glob("*.py"),
+        ROOT / "benchmarks/README.md",
+    ]
+    sources += list((ROOT / "tests").glob("*.py"))
+    defined: dict[str, list[str]] = {}
+    referenced: dict[str, str] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for line in path.read_text().splitlines():
+            # A note is defined by a line holding only its name, in a docstring or as a comment heading.
+            match = re.fullmatch(r"\s*(?:# )?Note \[([^\]]+)\]\s*", line)
+            if match:
+                defined.setdefault(match.group(1), []).append(path.relative_to(ROOT).as_posix())
+    for path in sources:
+        if path == Path(__file__):
+            continue
+        for raw in re.findall(r"Note \[([^\]]{1,120})\]", path.read_text()):
+            # A name may wrap onto the next line of a comment or of an implicitly concatenated string.
+            name = " ".join(re.sub(r'"\s*\n\s*"|\n\s*#?', " ", raw).split())
+            referenced.setdefault(name, path.relative_to(ROOT).as_posix())
+    assert len(defined) >= 15, sorted(defined)
+    twice = {name: where for name, where in defined.items() if len(where) > 1}
+    assert not twice, f"notes defined more than once: {twice}"
+    dangling = {name: where for name, where in referenced.items() if name not in defined}
+    assert not dangling, f"references to notes that do not exist: {dangling}"
+
+
+def test_python_m_commands_resolve():
+    main = importlib.import_module("lightning_zero.__main__")
+    for command, module in main._COMMANDS.items():
+        assert callable(importlib.import_module(module).main), command
