@@ -22,6 +22,7 @@ from lightning_zero.models.gpt import GPT, GPTConfig
 from lightning_zero.models.mlp import MLP
 from lightning_zero.models.param_groups import param_groups_with_weight_decay
 from lightning_zero.stage3.sharded_init import shard_module
+from tests.boundary_models import BUILDERS as BOUNDARY_MODELS
 
 Batch = tuple[Tensor, Tensor]
 
@@ -57,6 +58,8 @@ class CheckpointedBlock(nn.Module):
 
 def build_model(name: str) -> nn.Module:
     torch.manual_seed(1234)
+    if name in BOUNDARY_MODELS:
+        return BOUNDARY_MODELS[name]()
     if name == "mlp":
         return MLP(in_features=12, hidden=(32, 24), out_features=5)
     if name == "transformer":

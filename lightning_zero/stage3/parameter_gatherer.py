@@ -1,9 +1,10 @@
 """``ParameterGatherer``: when each stage-3 unit is gathered and freed, through module and autograd hooks.
 
-Per step, for each unit:  pre-forward: gather (+ prefetch the next unit)  ->  forward  ->  post-forward: free, and
-hook the outputs  ->  pre-backward (first output gradient): gather (+ prefetch the previous unit)  ->  backward  ->
-its gradients all arrived (the reducer says so): free.  Communication: two all-gathers and one reduce-scatter of
-every parameter, 3Ψ(N-1)/N per rank.
+Per step, for each unit:  pre-forward: gather (+ prefetch the next unit), hook the inputs  ->  forward  ->
+post-forward: free, and hook the outputs  ->  pre-backward (first output gradient): gather (+ prefetch the previous
+unit)  ->  backward  ->  post-backward (the inputs' gradients exist): free (Note [post-backward] in
+``autograd_hooks.py``).  Communication: two all-gathers and one reduce-scatter of every parameter, 3Ψ(N-1)/N per
+rank.
 
 Note [forward order]
 Prefetching needs to know which unit runs next. Until the first backward ends, the order of first pre-forward calls
@@ -36,7 +37,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.comm.collectives import PendingCollective, ProcessGroup, all_gather
@@ -44,6 +44,7 @@ from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
+from lightning_zero.stage3.autograd_hooks import hook_inputs, tensors_in
 from lightning_zero.stage3.sharded_unit import ShardedUnit, UnitState
 
 
@@ -78,6 +79,10 @@ class ParameterGatherer:
         self.ledger = CommLedger()
         self._unit_of_bucket = {id(b): u for u in units for b in u.buckets}
         self._remaining = {u.index: 0 for u in units}  # trainable buckets still waiting for gradients
+        self._reached_in_backward: set[int] = set()
+        """Units whose outputs of this step's forward have a pre-backward hook: the ones backward will gather."""
+        self._inputs_hooked = {u.index: False for u in units}
+        """Whether the unit's last forward hooked an input that requires grad (Note [post-backward])."""
         self._depth = {u.index: 0 for u in units}  # nested forward calls of the same unit
         self._forward_order: list[int] = []  # Note [forward order]
         self._finish_order: list[int] = []
@@ -93,10 +98,11 @@ class ParameterGatherer:
         self.reducer = ShardedGradReducer(buckets, group, config, self.ledger, on_complete=self._on_bucket_complete)
         self._handles: list[RemovableHandle] = []
         for unit in units:
-            self._handles.append(unit.module.register_forward_pre_hook(partial(self._pre_forward_hook, unit)))
+            pre_hook = partial(self._pre_forward_hook, unit)
+            self._handles.append(unit.module.register_forward_pre_hook(pre_hook, with_kwargs=True))
             # always_call: a forward that raises must still free its unit, or a retried step would see stale weights.
-            hook = partial(self._post_forward_hook, unit)
-            self._handles.append(unit.module.register_forward_hook(hook, always_call=True))
+            post_hook = partial(self._post_forward_hook, unit)
+            self._handles.append(unit.module.register_forward_hook(post_hook, always_call=True))
 
     @property
     def trainable_buckets(self) -> list[FlatBucket]:
@@ -107,8 +113,16 @@ class ParameterGatherer:
         return [b for unit in self.units for b in unit.buckets] + self.resident_buckets
 
     # -- forward --------------------------------------------------------------------------------------------------
-    def _pre_forward_hook(self, unit: ShardedUnit, module: nn.Module, args: Any) -> None:
+    def _pre_forward_hook(
+        self, unit: ShardedUnit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self.pre_forward(unit)
+        if not torch.is_grad_enabled():
+            return None
+        args, kwargs, hooked = hook_inputs(args, kwargs, partial(self._post_backward, unit))
+        if not _in_backward():  # a recomputation's inputs say nothing about the step's own forward
+            self._inputs_hooked[unit.index] = hooked
+        return args, kwargs
 
     def _post_forward_hook(self, unit: ShardedUnit, module: nn.Module, args: Any, output: Any) -> None:
         self.post_forward(unit, output)
@@ -136,9 +150,10 @@ class ParameterGatherer:
         if not self._order_frozen and unit.index not in self._finish_order:
             self._finish_order.insert(0, unit.index)  # reversed: the backward order
         if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+            tensors = [t for t in tensors_in(output) if t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, partial(self._pre_backward, unit), mode="any")
+                self._reached_in_backward.add(unit.index)
         self._release(unit)
         if unit.index == 0:
             # The whole forward is over: a unit prefetched for it but never called (a branch not taken, a step
@@ -151,24 +166,31 @@ class ParameterGatherer:
             Variable._execution_engine.queue_callback(self._on_backward_end)
             self._backward_callback_queued = True
             self._remaining = {u.index: len(u.trainable_buckets) for u in self.units}
-        if unit.state is UnitState.SHARDED and self._remaining[unit.index] == 0 and unit.trainable_buckets:
-            return  # a later use of a unit whose gradients are already complete (it was called several times)
+        # Autograd is about to run this use of the unit: its parameters are needed, even if its own gradients are
+        # complete (a unit called several times still computes input gradients for every call).
         self._gather(unit)
         self._wait(unit)
         for bucket in unit.trainable_buckets:
             self.reducer.accumulate_into_staging(bucket)
-        self._prefetch(unit, self._finish_order)
+        self._prefetch(unit, self._finish_order, only=self._reached_in_backward)
+
+    def _post_backward(self, unit: ShardedUnit) -> None:
+        if self._depth[unit.index] == 0:  # Note [post-backward]
+            self._release(unit)
 
     def _on_bucket_complete(self, bucket: FlatBucket) -> None:
         unit = self._unit_of_bucket.get(id(bucket))
         if unit is None:  # a resident bucket
             return
         self._remaining[unit.index] -= 1
-        if self._remaining[unit.index] == 0 and self._depth[unit.index] == 0:
-            unit.release()  # its gradients are all in the reducer's staging buffers
+        # A unit whose inputs need no gradient is done once its own gradients are (Note [post-backward]); any other
+        # unit waits for its post-backward, since computing its input gradient still reads its parameters.
+        if self._remaining[unit.index] == 0 and self._depth[unit.index] == 0 and not self._inputs_hooked[unit.index]:
+            self._release(unit)
 
     def _on_backward_end(self) -> None:
         self._backward_callback_queued = False
+        self._reached_in_backward.clear()
         self._order_frozen = True
         self.release_all()
 
@@ -210,15 +232,18 @@ class ParameterGatherer:
                 "agree across ranks (e.g. decide with `strategy.reduce_boolean_decision`) or run both branches."
             )
 
-    def _prefetch(self, unit: ShardedUnit, order: list[int]) -> None:
-        """Issue the gather of the unit after ``unit`` in ``order`` if the live-elements limit allows."""
+    def _prefetch(self, unit: ShardedUnit, order: list[int], only: set[int] | None = None) -> None:
+        """Issue the gather of the unit after ``unit`` in ``order`` if the live-elements limit allows; in backward,
+        the next unit autograd will reach (``only``): a frozen unit it never reaches is not gathered at all."""
         limit = self.config.prefetch_limit_numel
         if limit == 0 or unit.index not in order:
             return
-        position = order.index(unit.index) + 1
-        if position >= len(order):
+        following = order[order.index(unit.index) + 1 :]
+        if only is not None:
+            following = [i for i in following if i in only]
+        if not following:
             return
-        target = self.units[order[position]]
+        target = self.units[following[0]]
         if target.state is not UnitState.SHARDED:
             return
         live = sum(u.numel for u in self.units if u.state is not UnitState.SHARDED)

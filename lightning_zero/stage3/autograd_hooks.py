@@ -1,0 +1,90 @@
+"""The autograd side of a stage-3 unit: finding the tensors a module takes and returns, and knowing when its
+backward has finished.
+
+Note [post-backward]
+A unit may be freed only when autograd is done with its parameters, and that is not when its trainable parameters'
+gradients have arrived: computing the gradient of the unit's *input* reads its parameters too, frozen ones included
+(a frozen ``LayerNorm`` before a trainable ``Linear``, the frozen base layer of a LoRA adapter). The unit's inputs
+that require grad are therefore passed through ``PostBackward``, an identity whose backward runs once autograd has
+produced the gradients of those inputs, i.e. once the unit's whole backward is over; that is where the unit is freed
+(as FSDP2 does). A unit none of whose inputs requires grad computes no input gradient: it is done when its trainable
+gradients have arrived, or, if it has none, it is never needed in backward at all (autograd does not reach it).
+Reducing a unit's gradients is separate from freeing it: buckets are reduced as their gradients arrive, whatever
+happens to the parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def tensors_in(value: Any) -> Iterator[Tensor]:
+    """Every tensor inside ``value``: nested tuples, lists, dicts, dataclasses (Hugging Face's ``ModelOutput`` is
+    a dict), and named tuples. A unit returning any such structure must still get its pre-backward gather."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from tensors_in(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from tensors_in(getattr(value, field.name))
+
+
+def _replace_tensors(value: Any, replace: Callable[[Tensor], Tensor]) -> Any:
+    """``value`` with every tensor that requires grad replaced, rebuilding the containers it sits in."""
+    if isinstance(value, Tensor):
+        return replace(value) if value.requires_grad else value
+    if isinstance(value, dict):
+        rebuilt = {key: _replace_tensors(item, replace) for key, item in value.items()}
+        if type(value) is dict:
+            return rebuilt
+        copy = value.copy()  # OrderedDict, ModelOutput: keep the type and its attributes
+        copy.update(rebuilt)
+        return copy
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_replace_tensors(item, replace) for item in value))
+    if isinstance(value, list | tuple):
+        return type(value)(_replace_tensors(item, replace) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = [f.name for f in dataclasses.fields(value) if f.init]
+        return dataclasses.replace(value, **{name: _replace_tensors(getattr(value, name), replace) for name in fields})
+    return value
+
+
+class PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward calls ``callback`` once their gradients exist.
+
+    See Note [post-backward]."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *inputs: Tensor) -> tuple[Tensor, ...]:
+        ctx.callback = callback
+        # Views, not the inputs themselves: an autograd Function that returns an input unchanged would be taken for
+        # an in-place operation on it.
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
+
+
+def hook_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], callback: Callable[[], None]) -> tuple[Any, Any, bool]:
+    """(args, kwargs, hooked): the inputs with every tensor that requires grad routed through one ``PostBackward``,
+    so that ``callback`` runs when the module's backward is over. ``hooked`` is False when no input requires grad."""
+    tensors = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+    if not tensors:
+        return args, kwargs, False
+    unique = list({id(t): t for t in tensors}.values())
+    routed = dict(zip((id(t) for t in unique), PostBackward.apply(callback, *unique), strict=True))
+    new_args, new_kwargs = _replace_tensors((args, kwargs), lambda t: routed[id(t)])
+    return new_args, new_kwargs, True

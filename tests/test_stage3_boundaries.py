@@ -1,0 +1,103 @@
+"""Stage 3 on module boundaries: a unit is freed when its module's backward is over, input gradients included, so
+frozen layers, adapters on a frozen base, frozen-only units and blocks returning any structure train as under DDP."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_zero import ZeroConfig, ZeroOptimizer, shard_module
+from lightning_zero.stage3.sharded_unit import UnitState
+from tests.boundary_models import BUILDERS
+from tests.harness import run_distributed
+from tests.parity import assert_runs_match, batch, build_model, ddp_and_zero, loss_fn
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("model", sorted(BUILDERS))
+def test_boundary_models_match_ddp(model, stage):
+    for reference, sharded in run_distributed(ddp_and_zero, 2, model, "adamw", 5, 1, ZeroConfig(stage=stage)):
+        assert all(torch.isfinite(torch.tensor(sharded.losses))), sharded.losses
+        assert_runs_match(reference, sharded)
+
+
+@pytest.mark.timeout(120)
+def test_stage3_frozen_base_matches_ddp_with_local_accumulation():
+    config = ZeroConfig(stage=3, grad_accumulation="local")
+    for reference, sharded in run_distributed(ddp_and_zero, 2, "lora", "adamw", 3, 3, config):
+        assert_runs_match(reference, sharded)
+
+
+def _max_units_gathered_in_backward(accumulation: str) -> tuple[int, int, int]:
+    """(max units other than the root gathered at once during backward, prefetch depth, units) over a step."""
+    model = build_model("lora")
+    config = ZeroConfig(stage=3, grad_accumulation=accumulation)  # type: ignore[arg-type]
+    gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu"))
+    optimizer = ZeroOptimizer(model, torch.optim.AdamW(model.parameters()), dist.group.WORLD, config, gatherer)
+    seen: list[int] = []
+
+    def count(grad: torch.Tensor) -> None:
+        seen.append(sum(u.state is not UnitState.SHARDED for u in gatherer.units[1:]))
+
+    for step in range(2):
+        for micro in range(2):
+            context = optimizer.no_sync() if micro == 0 else torch.enable_grad()
+            with context:
+                x, y = batch("lora", dist.get_rank(), step, micro)
+                hidden = model.embed(x)
+                hidden.requires_grad_(True)  # count at the input end too
+                for block in model.blocks:
+                    hidden = block(hidden)
+                    hidden.register_hook(count)
+                loss = torch.nn.functional.cross_entropy(model.head(hidden).flatten(0, 1), y.flatten())
+                loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return max(seen), 1, len(gatherer.units) - 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("accumulation", ["sharded", "local"])
+def test_frozen_base_keeps_only_the_unit_in_use_and_the_prefetched_one_gathered(accumulation):
+    for most, prefetched, units in run_distributed(_max_units_gathered_in_backward, 2, accumulation):
+        assert units >= 3
+        assert most <= 1 + prefetched, f"{most} of {units} units gathered at once in backward"
+
+
+def _units_gathered_in_backward(name: str) -> list[str]:
+    model = build_model(name)
+    config = ZeroConfig(stage=3)
+    gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu"))
+    optimizer = ZeroOptimizer(model, torch.optim.AdamW(model.parameters()), dist.group.WORLD, config, gatherer)
+    gathers: list[str] = []
+    for unit in gatherer.units:
+        original = unit.gather
+
+        def gather(*args: object, _unit=unit, _original=original) -> None:
+            if _unit.state is UnitState.SHARDED and torch._C._current_graph_task_id() != -1:
+                gathers.append(_unit.name)
+            _original(*args)
+
+        unit.gather = gather  # type: ignore[method-assign]
+    x, y = batch(name, dist.get_rank(), 0, 0)
+    loss_fn(name, model, (x, y)).backward()
+    optimizer.step()
+    return gathers
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        # Prompt tuning: only the input embedding trains, so backward crosses every frozen block (and the frozen
+        # head, in the root unit) to reach it: each is gathered once in backward, for its input gradient.
+        ("prompt_tuning", ["<root>", "blocks.0", "blocks.1", "blocks.2"]),
+        # Only the head trains: autograd never reaches the frozen blocks, which are not gathered in backward.
+        ("head_only", ["<root>"]),
+    ],
+)
+def test_frozen_units_are_gathered_in_backward_only_when_autograd_reaches_them(model, expected):
+    for gathers in run_distributed(_units_gathered_in_backward, 2, model):
+        assert sorted(gathers) == expected, gathers
