@@ -1,0 +1,498 @@
+"""Small models built from code we did not write (Hugging Face ``transformers``, ``peft``, stock ``torch.nn``) and the
+patterns they bring with them: frozen parameters, unused parameters, data-dependent routing, BatchNorm buffers, an
+fp32 buffer next to low-precision weights, non-tensor outputs and ``torch.compile``.
+
+Every builder returns a :class:`Fixture`: a seeded (same weights on every call and every rank) ``nn.Module``, a
+``batch(rank, step)`` function giving each rank its own fixed data, and a ``loss(model, batch)`` function. All models
+are tiny (a few thousand parameters) so a 6-step Trainer fit at world size 2 takes seconds on CPU.
+
+:class:`ProbeModule` runs any of them under Lightning, and :func:`fit_probe` fits one with a given strategy and
+precision and returns the per-step losses and the final full weights (gathered under stage 3). It is meant to run
+inside a rank started by ``tests.harness.run_distributed(..., init_process_group=False)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+Batch = Any
+Optimizer = Literal["adamw", "sgd", "plain_sgd"]
+SEED = 1234
+
+
+@dataclass(frozen=True)
+class Fixture:
+    model: nn.Module
+    batch: Callable[[int, int], Batch]  # (rank, step) -> the batch that rank trains on at that step
+    loss: Callable[[nn.Module, Batch], Tensor]
+    unused_parameters: bool = False  # some trainable parameters get no gradient on some rank in some step
+    mixed_precision: bool = False  # worth probing in "bf16-mixed" as well as "32-true"
+
+
+def _generator(rank: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(10_000 * (rank + 1) + step)
+
+
+# -- Hugging Face ---------------------------------------------------------------------------------------------------
+
+HF_VOCAB = 96
+HF_SEQ = 16
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=HF_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(SEED)
+    return LlamaForCausalLM(config)
+
+
+def _token_batch(rank: int, step: int) -> dict[str, Tensor]:
+    tokens = torch.randint(0, HF_VOCAB, (4, HF_SEQ), generator=_generator(rank, step))
+    return {"input_ids": tokens, "labels": tokens.clone()}  # HF shifts the labels itself
+
+
+def _hf_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    loss: Tensor = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+    return loss
+
+
+def hf_causal_lm() -> Fixture:
+    """``LlamaForCausalLM`` from a config: 2 layers, hidden 32, vocab 96, eager attention; loss from ``labels=``."""
+    return Fixture(_llama(), _token_batch, _hf_loss, mixed_precision=True)
+
+
+def hf_lora() -> Fixture:
+    """The Llama above under ``peft`` LoRA (r=4 on q/v projections): frozen base, trainable adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    base = _llama()
+    torch.manual_seed(SEED + 1)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    return Fixture(get_peft_model(base, config), _token_batch, _hf_loss, mixed_precision=True)
+
+
+def hf_prompt_tuning() -> Fixture:
+    """``peft`` prompt tuning (4 virtual tokens, random init): only the virtual-token embedding is trainable.
+
+    ``PeftModelForCausalLM`` is a plain ``nn.Module``: it prepends the virtual tokens and pads ``labels`` itself.
+    """
+    from peft import PromptTuningConfig, TaskType, get_peft_model
+
+    base = _llama()
+    torch.manual_seed(SEED + 2)
+    config = PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+    return Fixture(get_peft_model(base, config), _token_batch, _hf_loss, mixed_precision=True)
+
+
+# -- patterns in plain torch ----------------------------------------------------------------------------------------
+
+
+def _regression_batch(rank: int, step: int) -> tuple[Tensor, Tensor]:
+    g = _generator(rank, step)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def _mse_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+class NormThenLinear(nn.Module):
+    """A frozen ("pretrained") ``LayerNorm`` followed by a trainable ``Linear`` in the same module, residual."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.linear = nn.Linear(width, width)
+        with torch.no_grad():  # not the default ones/zeros, so that a wrong copy of it would show
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.uniform_(-0.1, 0.1)
+        self.norm.requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = x + torch.relu(self.linear(self.norm(x)))
+        return out
+
+
+class FrozenNormStack(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(NormThenLinear(width) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        out: Tensor = self.head(h)
+        return out
+
+
+def frozen_norm_before_linear() -> Fixture:
+    """Three blocks of frozen ``LayerNorm`` -> trainable ``Linear``, between a trainable input and head."""
+    torch.manual_seed(SEED)
+    return Fixture(FrozenNormStack(), _regression_batch, _mse_loss)
+
+
+class Expert(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.down(torch.relu(self.up(x)))
+        return out
+
+
+class TopOneMoE(nn.Module):
+    """4 experts, top-1 routing by a learned linear router on the raw input; the expert output is scaled by its
+    router probability so that the router is trained. Experts that no token of a batch picks are not called."""
+
+    def __init__(self, features: int = 16, width: int = 16, hidden: int = 32, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(features, experts)
+        self.inp = nn.Linear(features, width)
+        self.experts = nn.ModuleList(Expert(width, hidden) for _ in range(experts))
+        self.head = nn.Linear(width, 4)
+        with torch.no_grad():
+            # Feature 0 (the rank's "domain", +-4) picks experts {0, 1} or {2, 3}; feature 1 picks within the pair.
+            self.router.weight.mul_(0.05)
+            self.router.weight[:, 0] = torch.tensor([1.0, 1.0, -1.0, -1.0])
+            self.router.weight[:, 1] = torch.tensor([1.0, -1.0, 1.0, -1.0])
+            self.router.bias.zero_()
+        self.last_routing: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        probs = torch.softmax(self.router(x), dim=-1)
+        choice = probs.argmax(dim=-1)
+        self.last_routing = choice.detach()
+        h = self.inp(x)
+        mixed = torch.zeros_like(h)
+        for index, expert in enumerate(self.experts):
+            rows = (choice == index).nonzero(as_tuple=True)[0]
+            if rows.numel() == 0:
+                continue
+            mixed = mixed.index_add(0, rows, probs[rows, index, None] * expert(h[rows]))
+        out: Tensor = self.head(h + mixed)
+        return out
+
+
+def _moe_batch(rank: int, step: int) -> tuple[Tensor, Tensor]:
+    g = _generator(rank, step)
+    x = torch.randn(4, 16, generator=g)
+    x[:, 0] = 4.0 if rank % 2 == 0 else -4.0  # rank 0 routes to experts 0/1, rank 1 to experts 2/3
+    x[:, 1] *= 3.0
+    return x, torch.randn(4, 4, generator=g)
+
+
+def moe() -> Fixture:
+    """Top-1 mixture of 4 experts. Rank 0's data goes to experts 0/1 and rank 1's to experts 2/3, and with 4 rows
+    per batch a rank sometimes uses only one of its pair: every step some expert has no gradient on some rank, and
+    in some steps an expert has none on any rank (``moe_routing`` lists them)."""
+    torch.manual_seed(SEED)
+    return Fixture(TopOneMoE(), _moe_batch, _mse_loss, unused_parameters=True)
+
+
+def moe_routing(rank: int, steps: int) -> list[list[int]]:
+    """The experts each step's batch of ``rank`` is routed to by the initial router (for test assertions)."""
+    model = moe().model
+    with torch.no_grad():
+        out = []
+        for step in range(steps):
+            model(_moe_batch(rank, step)[0])
+            assert isinstance(model, TopOneMoE)
+            assert model.last_routing is not None
+            out.append(sorted(set(model.last_routing.tolist())))
+    return out
+
+
+class SpareHeadModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 4)
+        self.spare_head = nn.Linear(32, 4)  # trainable, never called in forward
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.head(self.body(x))
+        return out
+
+
+def unused_head() -> Fixture:
+    """An MLP with a second head that forward never uses: its parameters never get a gradient."""
+    torch.manual_seed(SEED)
+    return Fixture(SpareHeadModel(), _regression_batch, _mse_loss, unused_parameters=True)
+
+
+def batchnorm_mlp() -> Fixture:
+    """Linear -> BatchNorm1d -> ReLU, twice, then a head: running statistics are buffers updated every forward."""
+    torch.manual_seed(SEED)
+    model = nn.Sequential(
+        nn.Linear(16, 32),
+        nn.BatchNorm1d(32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.BatchNorm1d(32),
+        nn.ReLU(),
+        nn.Linear(32, 4),
+    )
+    return Fixture(model, _regression_batch, _mse_loss)
+
+
+ENC_VOCAB = 64
+ENC_SEQ = 16
+
+
+class EncoderWithPositionalEncoding(nn.Module):
+    """Embedding + sinusoidal positional encoding (an fp32 buffer) -> LayerNorm -> ``nn.TransformerEncoder``."""
+
+    def __init__(self, width: int = 32, max_len: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(ENC_VOCAB, width)
+        position = torch.arange(max_len, dtype=torch.float32)[:, None]
+        freq = torch.exp(torch.arange(0, width, 2, dtype=torch.float32) * (-math.log(10_000.0) / width))
+        pe = torch.zeros(max_len, width, dtype=torch.float32)
+        pe[:, 0::2] = torch.sin(position * freq)
+        pe[:, 1::2] = torch.cos(position * freq)
+        self.register_buffer("pe", pe)
+        self.norm = nn.LayerNorm(width)
+        layer = nn.TransformerEncoderLayer(width, 2, dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(width, ENC_VOCAB)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.norm(self.embed(tokens) + self.pe[: tokens.size(1)])
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.size(1))
+        out: Tensor = self.head(self.encoder(h, mask=mask, is_causal=True))
+        return out
+
+
+def _encoder_batch(rank: int, step: int) -> tuple[Tensor, Tensor]:
+    tokens = torch.randint(0, ENC_VOCAB, (4, ENC_SEQ + 1), generator=_generator(rank, step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _next_token_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+
+
+def transformer_encoder_with_pe() -> Fixture:
+    """A stock ``nn.TransformerEncoder`` LM whose fp32 positional-encoding buffer is added before a LayerNorm."""
+    torch.manual_seed(SEED)
+    return Fixture(EncoderWithPositionalEncoding(), _encoder_batch, _next_token_loss, mixed_precision=True)
+
+
+@dataclass
+class BlockOutput:
+    """A plain dataclass (not a registered pytree node, not a ``ModelOutput``) holding the block's hidden state."""
+
+    hidden: Tensor
+
+
+class DataclassBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: Tensor) -> BlockOutput:
+        return BlockOutput(hidden=x + self.down(torch.relu(self.up(self.norm(x)))))
+
+
+class DataclassModel(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(DataclassBlock(width) for _ in range(2))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h).hidden
+        out: Tensor = self.head(h)
+        return out
+
+
+def dataclass_output() -> Fixture:
+    """Two blocks whose forward returns a ``@dataclass`` with the hidden tensor inside."""
+    torch.manual_seed(SEED)
+    return Fixture(DataclassModel(), _regression_batch, _mse_loss)
+
+
+class CompiledMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+        self.body.compile()  # in place (``nn.Module.compile``): parameter names stay those of the eager model
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.body(x)
+        return out
+
+
+def compiled_mlp() -> Fixture:
+    """An MLP whose body runs under ``torch.compile`` (default backend, inductor; the first call compiles)."""
+    torch.manual_seed(SEED)
+    return Fixture(CompiledMLP(), _regression_batch, _mse_loss)
+
+
+BUILDERS: dict[str, Callable[[], Fixture]] = {
+    f.__name__: f
+    for f in (
+        hf_causal_lm,
+        hf_lora,
+        hf_prompt_tuning,
+        frozen_norm_before_linear,
+        moe,
+        unused_head,
+        batchnorm_mlp,
+        transformer_encoder_with_pe,
+        dataclass_output,
+        compiled_mlp,
+    )
+}
+
+
+# -- Lightning ------------------------------------------------------------------------------------------------------
+
+
+class _Batches(torch.utils.data.Dataset):
+    """``steps`` fixed batches for one rank: item ``i`` is ``batch(rank, i)`` (used with ``batch_size=None``)."""
+
+    def __init__(self, batch: Callable[[int, int], Batch], rank: int, steps: int) -> None:
+        self.batch, self.rank, self.steps = batch, rank, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, index: int) -> Batch:
+        return self.batch(self.rank, index)
+
+
+class ProbeModule(pl.LightningModule):
+    """Trains ``BUILDERS[builder_name]()`` under any strategy and precision.
+
+    ``build_in="init"`` builds the model in ``__init__`` (the same initial weights under every strategy);
+    ``"configure_model"`` builds it in ``configure_model`` (on the meta device under stage 3, then initialized by
+    each module's ``reset_parameters()``, so custom initializations in a builder are not reproduced). The data
+    loader gives each rank its own fixed batches (use ``Trainer(use_distributed_sampler=False)``). The loss is
+    computed in whatever precision the strategy's forward context gives and recorded as a float.
+    """
+
+    def __init__(
+        self,
+        builder_name: str,
+        optimizer: Optimizer = "adamw",
+        build_in: Literal["init", "configure_model"] = "init",
+        steps: int = 6,
+    ) -> None:
+        super().__init__()
+        if builder_name not in BUILDERS:
+            raise ValueError(f"Unknown builder {builder_name!r}. Expected one of {sorted(BUILDERS)}.")
+        self.builder_name = builder_name
+        self.optimizer_name = optimizer
+        self.steps = steps
+        self.model: nn.Module | None = None
+        self._batch: Callable[[int, int], Batch] | None = None
+        self._loss: Callable[[nn.Module, Batch], Tensor] | None = None
+        self.losses: list[float] = []
+        if build_in == "init":
+            self._build()
+
+    def _build(self) -> None:
+        fixture = BUILDERS[self.builder_name]()
+        self.model = fixture.model
+        self._batch, self._loss = fixture.batch, fixture.loss
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self._build()
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        assert self.model is not None
+        assert self._loss is not None
+        loss = self._loss(self.model, batch)
+        self.losses.append(float(loss.detach().float()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        assert self.model is not None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        if self.optimizer_name == "plain_sgd":  # stateless: a zero gradient and no gradient give the same step
+            return torch.optim.SGD(params, lr=0.05)
+        raise ValueError(self.optimizer_name)
+
+    def train_dataloader(self) -> DataLoader:
+        assert self._batch is not None
+        return DataLoader(_Batches(self._batch, self.global_rank, self.steps), batch_size=None)
+
+
+def probe_trainer(strategy: Any, precision: str = "32-true", steps: int = 6, devices: int = 2) -> pl.Trainer:
+    """2 CPU processes, ``steps`` optimizer steps, each rank on its own data, nothing written to disk."""
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        precision=precision,  # type: ignore[arg-type]
+        max_steps=steps,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+
+
+def full_state(trainer: pl.Trainer, model: nn.Module) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(parameters, buffers) in full and fp32, on every rank: stage 3 gathers the parameters for the copy."""
+    gathered = getattr(trainer.strategy, "gathered_parameters", None)
+    with gathered() if gathered is not None else nullcontext():
+        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    buffers = {n: b.detach().float().clone() for n, b in model.named_buffers()}
+    return params, buffers
+
+
+def fit_probe(
+    builder_name: str,
+    strategy: Any,
+    precision: str = "32-true",
+    steps: int = 6,
+    optimizer: Optimizer = "adamw",
+    build_in: Literal["init", "configure_model"] = "init",
+) -> dict[str, Any]:
+    """Fit one fixture; returns this rank's ``losses``, final ``weights`` and ``buffers`` and its ``rank``."""
+    module = ProbeModule(builder_name, optimizer=optimizer, build_in=build_in, steps=steps)
+    trainer = probe_trainer(strategy, precision, steps)
+    trainer.fit(module)
+    assert module.model is not None
+    weights, buffers = full_state(trainer, module.model)
+    return {"rank": trainer.global_rank, "losses": module.losses, "weights": weights, "buffers": buffers}
