@@ -79,9 +79,12 @@ class ZeroConfig:
     stage 2), saving their gathers at the cost of their full size on every rank. Norm weights and biases are the
     usual candidates; in a flat unit they add no collective of their own, so the default keeps everything sharded."""
 
-    check_rank_divergence: bool = True
-    """Stage 3: before each unit's all-gather, ranks exchange the unit's index (a few bytes) and raise an error naming
-    both units if they differ, instead of pairing mismatched collectives and hanging."""
+    check_rank_divergence: bool | None = None
+    """Stage 3, after the first step: before each unit's all-gather, ranks exchange the unit's index (a few bytes)
+    and raise an error naming both units if they differ, instead of pairing mismatched collectives and hanging.
+    Reading the answer is a host synchronization per unit, which stalls a GPU pipeline: None checks on CPU devices
+    only. In the first step every gather is checked whatever this says: that is where units whose use depends on the
+    data are found and merged into their enclosing unit (Note [data-dependent units])."""
 
     keep_reduce_buffers: bool | None = None
     """Whether the buffers the gradient reduction collects and receives buckets in (a few buckets' worth: those in
@@ -117,9 +120,13 @@ class ZeroConfig:
             raise TypeError(
                 f"Invalid ZeroConfig.keep_reduce_buffers: {self.keep_reduce_buffers!r}. Expected True, False or None."
             )
-        for name in ("overlap_comm", "check_rank_divergence"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"Invalid ZeroConfig.{name}: {getattr(self, name)!r}. Expected True or False.")
+        if not isinstance(self.overlap_comm, bool):
+            raise TypeError(f"Invalid ZeroConfig.overlap_comm: {self.overlap_comm!r}. Expected True or False.")
+        if self.check_rank_divergence is not None and not isinstance(self.check_rank_divergence, bool):
+            raise TypeError(
+                f"Invalid ZeroConfig.check_rank_divergence: {self.check_rank_divergence!r}. Expected True, False or "
+                "None (on CPU devices only)."
+            )
         classes: object = self.wrap_module_classes  # typed loosely: YAML and callers may pass anything
         if classes is not None:
             names = list(classes) if isinstance(classes, (tuple, list)) else None
@@ -138,6 +145,12 @@ class ZeroConfig:
     def keeps_reduce_buffers(self) -> bool:
         """``keep_reduce_buffers`` with None resolved for this stage."""
         return self.stage < 3 if self.keep_reduce_buffers is None else self.keep_reduce_buffers
+
+    def checks_rank_divergence_on(self, device: torch.device) -> bool:
+        """``check_rank_divergence`` with None resolved for ``device``."""
+        if self.check_rank_divergence is None:
+            return device.type == "cpu"
+        return self.check_rank_divergence
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ZeroConfig:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 VOCAB, WIDTH, DEPTH = 64, 32, 3
@@ -106,10 +107,68 @@ class BlockLM(nn.Module):
         return logits
 
 
+class Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.down(self.up(x).relu())
+        return out
+
+
+class MoEBlock(nn.Module):
+    """Top-1 mixture of experts routed by the token ids (so a rank's data decides which experts run). Experts no
+    token picks are not called; by the default unit policy each expert is a unit inside the block's unit."""
+
+    def __init__(self, experts: int = 4) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.experts = nn.ModuleList(Expert() for _ in range(experts))
+
+    def forward(self, x: Tensor, route: Tensor) -> Tensor:
+        h = self.norm(x)
+        mixed = torch.zeros_like(h)
+        for index, expert in enumerate(self.experts):
+            picked = route == index
+            if picked.any():
+                mixed = mixed.index_put((picked,), expert(h[picked]))
+        return x + mixed
+
+
+class MoELM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(MoEBlock() for _ in range(2))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        route = tokens * 4 // VOCAB  # tokens [0, 16) -> expert 0, [16, 32) -> expert 1, ...
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, route)
+        logits: Tensor = self.head(x)
+        return logits
+
+
+def moe_batch(rank: int, step: int, micro: int) -> tuple[Tensor, Tensor]:
+    """Rank 0's tokens lie in [0, 32) (experts 0 and 1), rank 1's in [32, 64) (experts 2 and 3); on odd steps each
+    rank draws from one quarter only, so its other expert, and every expert of the other rank, goes unused."""
+    g = torch.Generator().manual_seed(10_000 * rank + 100 * step + micro)
+    span = 32 if step % 2 == 0 else 16
+    tokens = 32 * (rank % 2) + torch.randint(0, span, (4, 17), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+BATCHES = {"moe": moe_batch}
+
 BUILDERS = {
     "frozen_norm": lambda: BlockLM(FrozenNormBlock),
     "lora": lambda: BlockLM(LoraBlock, train_head=False, train_embedding=False),
     "prompt_tuning": lambda: BlockLM(FrozenBlock, train_head=False),
     "head_only": lambda: BlockLM(FrozenBlock, train_embedding=False),
     "dataclass_output": lambda: BlockLM(DataclassBlock),
+    "moe": MoELM,
 }

@@ -22,6 +22,7 @@ from lightning_zero.models.gpt import GPT, GPTConfig
 from lightning_zero.models.mlp import MLP
 from lightning_zero.models.param_groups import param_groups_with_weight_decay
 from lightning_zero.stage3.sharded_init import shard_module
+from tests.boundary_models import BATCHES as BOUNDARY_BATCHES
 from tests.boundary_models import BUILDERS as BOUNDARY_MODELS
 
 Batch = tuple[Tensor, Tensor]
@@ -81,6 +82,8 @@ def build_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     if name == "adamw":
         groups = param_groups_with_weight_decay(model, 0.1)
         return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
+    if name == "plain_sgd":  # no momentum, no decay: a parameter with a zero gradient does not move
+        return torch.optim.SGD(model.parameters(), lr=0.05)
     if name == "sgd":
         # Two param groups with different hyper-parameters: the no-decay group also gets its own learning rate.
         groups = param_groups_with_weight_decay(model, 1e-2, no_decay_overrides={"lr": 0.02})
@@ -89,6 +92,8 @@ def build_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
 
 
 def batch(model_name: str, rank: int, step: int, micro: int) -> Batch:
+    if model_name in BOUNDARY_BATCHES:
+        return BOUNDARY_BATCHES[model_name](rank, step, micro)
     g = torch.Generator().manual_seed(10_000 * rank + 100 * step + micro)
     if model_name == "mlp":
         return torch.randn(6, 12, generator=g), torch.randn(6, 5, generator=g)

@@ -84,6 +84,9 @@ class GradientReducer:
         self._arrived = [0] * len(self.buckets)
         self._next_launch = 0
         self._callback_queued = False
+        self.completed_by_caller: set[int] = set()
+        """Buckets whose completion the caller declares (``complete()``) instead of counting gradient arrivals:
+        stage 3's data-dependent units, which some ranks use and others not (Note [data-dependent units])."""
         self._in_flight: deque[tuple[FlatBucket, PendingCollective]] = deque()
         self.pool = BufferPool()
         """Receive buffers (and stage 2's staging buffers), reused across buckets (Note [buffers between steps])."""
@@ -141,15 +144,29 @@ class GradientReducer:
         self._store(bucket, slot, param)
         if not self._communicates_now():
             return
-        if not self._callback_queued:
-            # See Note [bucket flush].
-            Variable._execution_engine.queue_callback(self._on_backward_end)
-            self._callback_queued = True
+        self._queue_flush()
+        if bucket.index in self.completed_by_caller:
+            return
         self._arrived[bucket.index] += 1
         if self._arrived[bucket.index] == len(bucket.params):
             if self.on_complete is not None:
                 self.on_complete(bucket)
             self._launch_complete_in_order()
+
+    def _queue_flush(self) -> None:
+        if not self._callback_queued:
+            # See Note [bucket flush].
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+            self._callback_queued = True
+
+    def complete(self, buckets: Sequence[FlatBucket]) -> None:
+        """Declare ``buckets`` (of ``completed_by_caller``) complete for this backward: launch them in order."""
+        if not self._communicates_now():
+            return
+        self._queue_flush()
+        for bucket in buckets:
+            self._arrived[bucket.index] = len(bucket.params)
+        self._launch_complete_in_order()
 
     def _begin_filling(self, bucket: FlatBucket) -> None:
         if self.state[bucket.index] is BucketState.IN_FLIGHT:

@@ -10,16 +10,9 @@ Note [forward order]
 Prefetching needs to know which unit runs next. Until the first backward ends, the order of first pre-forward calls
 is recorded (forward prefetches along it) and so is the order of first post-forward calls: backward runs roughly in
 reverse of the latter (the root unit finishes its forward last and starts backward first), so backward prefetches
-along that reversed order. Every rank records the same order when every rank runs the same modules, which
-``check_rank_divergence`` verifies at each gather (Note [divergence check]).
-
-Note [divergence check]
-Before a unit's all-gather, ranks exchange the unit's index. A gather the module needs right now waits for that
-exchange before issuing the gather itself, so ranks that went different ways get an error naming both units before
-any mismatched collective is issued. A prefetch does not wait: the exchange is issued with the gather and checked
-when the unit is used or freed. Waiting there would turn every prefetch into a barrier with the slowest rank and
-cost the overlap prefetching exists for (~55 ms of a 2 s step on the benchmark GPT). Prefetches follow the order
-recorded in the first step, whose gathers are all checked before they are issued.
+along that reversed order, skipping units autograd will not reach. Every rank records the same order once units
+whose use depends on the data are merged (Note [data-dependent units] in ``divergence.py``); nothing is prefetched
+before the order is known.
 
 Note [recomputation]
 Activation checkpointing re-runs a unit's forward inside backward. The unit is already gathered by its pre-backward
@@ -31,25 +24,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+import torch.distributed as dist
+from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from lightning_zero.comm.collectives import PendingCollective, ProcessGroup, all_gather
+from lightning_zero.comm.collectives import ProcessGroup, all_gather
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
 from lightning_zero.stage3.autograd_hooks import hook_inputs, tensors_in
+from lightning_zero.stage3.divergence import NOTHING, RankDivergenceError, UnitExchange
 from lightning_zero.stage3.sharded_unit import ShardedUnit, UnitState
 
-
-class RankDivergenceError(RuntimeError):
-    """Ranks ran different modules: their next collectives would not match."""
+__all__ = ["ParameterGatherer", "RankDivergenceError"]
 
 
 def _in_backward() -> bool:
@@ -74,6 +68,8 @@ class ParameterGatherer:
         self.units = units
         self.resident_buckets = resident_buckets
         self.group = group
+        self.gather_group = group
+        """The group unit gathers run on; its own once data-dependent units exist (Note [data-dependent units])."""
         self.config = config
         self.device = device
         self.ledger = CommLedger()
@@ -88,8 +84,13 @@ class ParameterGatherer:
         self._finish_order: list[int] = []
         self._order_frozen = False
         self._backward_callback_queued = False
-        self._checks: dict[int, tuple[PendingCollective, Tensor]] = {}
-        """Unit index -> its index exchange, not yet verified (Note [divergence check])."""
+        self.exchange = UnitExchange(units, group, device)
+        """The index exchanges that keep ranks' gathers paired (Note [divergence check])."""
+        self._rounds = group.size() > 1
+        """Whether first-step gathers are rounds (Note [data-dependent units]); a world of one needs none."""
+        self._checks_later = group.size() > 1 and config.checks_rank_divergence_on(device)
+        self._children: dict[int, list[ShardedUnit]] = {u.index: [] for u in units}
+        """Units merged into each unit, gathered and freed with it (Note [data-dependent units])."""
         # Gradient buckets in launch order: roughly the order backward completes them (Note [bucket order]).
         buckets = [b for u in reversed(units[1:]) for b in u.trainable_buckets]
         buckets += units[0].trainable_buckets + [b for b in resident_buckets if b.trainable]
@@ -103,6 +104,19 @@ class ParameterGatherer:
             # always_call: a forward that raises must still free its unit, or a retried step would see stale weights.
             post_hook = partial(self._post_forward_hook, unit)
             self._handles.append(unit.module.register_forward_hook(post_hook, always_call=True))
+        self._hook_root_modules()
+
+    def _hook_root_modules(self) -> None:
+        """Modules holding the root unit's sharded parameters gather it when called outside a step (sampling in a
+        Lightning hook, generation after fit): within a step the root is gathered already, and the calls nest."""
+        root = self.units[0]
+        owned = {id(p) for b in root.buckets for p in b.params}
+        for module in self.root.modules():
+            if module is self.root or not any(id(p) in owned for p in module.parameters(recurse=False)):
+                continue
+            self._handles.append(module.register_forward_pre_hook(lambda *_: self.pre_forward(root)))
+            post = partial(self._post_forward_hook, root)
+            self._handles.append(module.register_forward_hook(post, always_call=True))
 
     @property
     def trainable_buckets(self) -> list[FlatBucket]:
@@ -127,11 +141,23 @@ class ParameterGatherer:
     def _post_forward_hook(self, unit: ShardedUnit, module: nn.Module, args: Any, output: Any) -> None:
         self.post_forward(unit, output)
 
+    def _owner(self, unit: ShardedUnit) -> ShardedUnit:
+        """The unit that gathers ``unit``: itself, or the unit it was merged into (Note [data-dependent units])."""
+        return self.units[self.exchange.merged_into.get(unit.index, unit.index)]
+
     def pre_forward(self, unit: ShardedUnit) -> None:
+        owner = self._owner(unit)
+        if owner is not unit:  # gathered with its owner, whose forward encloses this one
+            if owner.state is UnitState.SHARDED:  # called on its own after all: gather the owner for the call
+                self._gather(owner)
+            self._wait(owner)
+            return
         if _in_backward():  # Note [recomputation]
             self._gather(unit)
             self._wait(unit)
             return
+        if unit.index == 0 and self._depth[0] == 0 and self._checks_later and self._order_frozen:
+            self.exchange.verify_all()  # last step's prefetch checks, long complete (Note [divergence check])
         self._depth[unit.index] += 1
         if self._depth[unit.index] > 1:
             return
@@ -142,7 +168,7 @@ class ParameterGatherer:
         self._prefetch(unit, self._forward_order)
 
     def post_forward(self, unit: ShardedUnit, output: Any) -> None:
-        if _in_backward():  # Note [recomputation]
+        if _in_backward() or self._owner(unit) is not unit:  # Note [recomputation]; a merged unit
             return
         self._depth[unit.index] -= 1
         if self._depth[unit.index] > 0:
@@ -154,6 +180,8 @@ class ParameterGatherer:
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, partial(self._pre_backward, unit), mode="any")
                 self._reached_in_backward.add(unit.index)
+        if unit.index == 0:
+            self._end_of_pass()
         self._release(unit)
         if unit.index == 0:
             # The whole forward is over: a unit prefetched for it but never called (a branch not taken, a step
@@ -162,6 +190,7 @@ class ParameterGatherer:
 
     # -- backward -------------------------------------------------------------------------------------------------
     def _pre_backward(self, unit: ShardedUnit, grad: Any) -> None:
+        unit = self._owner(unit)
         if not self._backward_callback_queued:
             Variable._execution_engine.queue_callback(self._on_backward_end)
             self._backward_callback_queued = True
@@ -170,19 +199,27 @@ class ParameterGatherer:
         # complete (a unit called several times still computes input gradients for every call).
         self._gather(unit)
         self._wait(unit)
-        for bucket in unit.trainable_buckets:
-            self.reducer.accumulate_into_staging(bucket)
+        for member in (unit, *self._children[unit.index]):
+            for bucket in member.trainable_buckets:
+                self.reducer.accumulate_into_staging(bucket)
         self._prefetch(unit, self._finish_order, only=self._reached_in_backward)
 
     def _post_backward(self, unit: ShardedUnit) -> None:
+        if self._owner(unit) is not unit:
+            return
+        # The units merged into this one are done too, used or not: their gradients go out now.
+        self.reducer.complete([b for child in self._children[unit.index] for b in child.trainable_buckets])
         if self._depth[unit.index] == 0:  # Note [post-backward]
             self._release(unit)
 
     def _on_bucket_complete(self, bucket: FlatBucket) -> None:
-        unit = self._unit_of_bucket.get(id(bucket))
-        if unit is None:  # a resident bucket
+        member = self._unit_of_bucket.get(id(bucket))
+        if member is None:  # a resident bucket
             return
-        self._remaining[unit.index] -= 1
+        self._remaining[member.index] -= 1
+        unit = self._owner(member)
+        if any(self._remaining[m.index] for m in self._children[unit.index]):
+            return
         # A unit whose inputs need no gradient is done once its own gradients are (Note [post-backward]); any other
         # unit waits for its post-backward, since computing its input gradient still reads its parameters.
         if self._remaining[unit.index] == 0 and self._depth[unit.index] == 0 and not self._inputs_hooked[unit.index]:
@@ -191,52 +228,81 @@ class ParameterGatherer:
     def _on_backward_end(self) -> None:
         self._backward_callback_queued = False
         self._reached_in_backward.clear()
+        self._end_of_pass()
         self._order_frozen = True
         self.release_all()
 
     # -- gathering --------------------------------------------------------------------------------------------------
     def _gather(self, unit: ShardedUnit, prefetch: bool = False) -> None:
+        """Issue the all-gather of ``unit`` and of the units merged into it."""
         if unit.state is not UnitState.SHARDED:
             return
-        if self.config.check_rank_divergence and self.group.size() > 1:
-            # See Note [divergence check].
-            mine = torch.tensor([unit.index], dtype=torch.int64, device=self.device)
-            everyone = torch.empty(self.group.size(), dtype=torch.int64, device=mine.device)
-            self._checks[unit.index] = (all_gather(everyone, mine, self.group), everyone)
+        if self._rounds and not self._order_frozen:
+            assert not prefetch, "nothing is prefetched before the order is recorded"
+            self._round(unit.index)
+            return
+        if self._checks_later:
+            self.exchange.issue_check(unit)
             if not prefetch:
-                self._check_same_unit(unit)
-        unit.gather(self.group, self.ledger)
+                self.exchange.verify(unit)  # Note [divergence check]
+        for member in (unit, *self._children[unit.index]):
+            member.gather(self.gather_group, self.ledger)
+
+    def _round(self, wanted: int) -> list[int]:
+        """One round (Note [data-dependent units]): every unit any rank asks for is gathered by every rank."""
+        asked = self.exchange.round(wanted)
+        for index in asked:
+            owner = self._owner(self.units[index])
+            for member in (owner, *self._children[owner.index]):
+                if member.state is UnitState.SHARDED:
+                    member.gather(self.gather_group, self.ledger)
+                else:  # gathered here already: take part again, writing the same values
+                    member.wait()
+                    for bucket in member.buckets:
+                        assert bucket.data is not None
+                        self.ledger.record(all_gather(bucket.data, bucket.param_shard, self.gather_group)).wait()
+        return asked
+
+    def _end_of_pass(self) -> None:
+        """The end of a forward (the root's) or of a backward in the first step: answer rounds until no rank asks
+        for anything, then merge the units whose use differed between ranks (Note [data-dependent units])."""
+        if not self._rounds or self._order_frozen:
+            return
+        while self._round(NOTHING):
+            pass
+        merged = self.exchange.merge_divergent()
+        for index in merged:
+            owner = self.units[self.exchange.merged_into[index]]
+            self._children[owner.index].append(self.units[index])
+            self.reducer.completed_by_caller.update(b.index for b in self.units[index].trainable_buckets)
+        if merged and self.gather_group is self.group:
+            # From now on gradient reductions may be issued at points that differ between ranks: gathers get a
+            # communicator of their own so that the two never pair with each other (Note [data-dependent units]).
+            ranks = dist.get_process_group_ranks(self.group)
+            timeout = timedelta(seconds=self.config.collective_timeout_s)
+            self.gather_group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+            self.exchange.group = self.gather_group
+        if merged:
+            self._forward_order = [i for i in self._forward_order if i not in self.exchange.merged_into]
+            self._finish_order = [i for i in self._finish_order if i not in self.exchange.merged_into]
 
     def _wait(self, unit: ShardedUnit) -> None:
-        self._check_same_unit(unit)
-        unit.wait()
+        if self._checks_later:
+            self.exchange.verify(unit)
+        for member in (unit, *self._children[unit.index]):
+            member.wait()
 
     def _release(self, unit: ShardedUnit) -> None:
-        self._check_same_unit(unit)
-        unit.release()
-
-    def _check_same_unit(self, unit: ShardedUnit) -> None:
-        """Raise ``RankDivergenceError`` if the index exchange issued with the unit's gather shows another unit."""
-        check = self._checks.pop(unit.index, None)
-        if check is None:
-            return
-        pending, everyone = check
-        pending.wait()
-        indices = everyone.tolist()
-        if len(set(indices)) > 1:
-            names = ", ".join(f"rank {r}: {self.units[i].name!r}" for r, i in enumerate(indices))
-            raise RankDivergenceError(
-                f"ZeRO stage 3: ranks are about to gather different units ({names}). Ranks ran different modules "
-                f"(rank {self.group.rank()} is at unit {unit.name!r}), so their collectives no longer match. "
-                "HINT: every rank must call the same modules in the same order; make data-dependent branches "
-                "agree across ranks (e.g. decide with `strategy.reduce_boolean_decision`) or run both branches."
-            )
+        if self._checks_later:
+            self.exchange.verify(unit)
+        for member in (unit, *self._children[unit.index]):
+            member.release()
 
     def _prefetch(self, unit: ShardedUnit, order: list[int], only: set[int] | None = None) -> None:
         """Issue the gather of the unit after ``unit`` in ``order`` if the live-elements limit allows; in backward,
         the next unit autograd will reach (``only``): a frozen unit it never reaches is not gathered at all."""
         limit = self.config.prefetch_limit_numel
-        if limit == 0 or unit.index not in order:
+        if limit == 0 or unit.index not in order or (self._rounds and not self._order_frozen):
             return
         following = order[order.index(unit.index) + 1 :]
         if only is not None:
@@ -259,7 +325,8 @@ class ParameterGatherer:
         shard of the result); otherwise they are discarded. The sharded state is restored in every case.
         """
         wanted = {id(p) for p in (module or self.root).parameters()}
-        units = [u for u in self.units if any(id(p) in wanted for b in u.buckets for p in b.params)]
+        members = [u for u in self.units if any(id(p) in wanted for b in u.buckets for p in b.params)]
+        units = list({self._owner(u).index: self._owner(u) for u in members}.values())
         newly = [u for u in units if u.state is UnitState.SHARDED]
         try:
             for unit in newly:
@@ -269,7 +336,7 @@ class ParameterGatherer:
             yield
             if writeback:
                 with torch.no_grad():
-                    for bucket in (b for u in units for b in u.buckets):
+                    for bucket in (b for u in units for m in (u, *self._children[u.index]) for b in m.buckets):
                         assert bucket.data is not None
                         bucket.param_shard.copy_(bucket.shard_of(bucket.data))
         finally:
@@ -279,14 +346,14 @@ class ParameterGatherer:
     def release_all(self) -> None:
         """Free every unit that is not inside its forward."""
         for unit in self.units:
-            if self._depth[unit.index] == 0:
+            if self._owner(unit) is unit and self._depth[unit.index] == 0:
                 self._release(unit)
 
     def refresh_gathered(self) -> None:
         """After the shards changed (optimizer step): free idle units, re-gather those inside their forward (a
         manual-optimization ``training_step`` that steps and then keeps using the model)."""
         for unit in self.units:
-            if unit.state is UnitState.SHARDED:
+            if unit.state is UnitState.SHARDED or self._owner(unit) is not unit:
                 continue
             self._release(unit)
             if self._depth[unit.index] > 0:

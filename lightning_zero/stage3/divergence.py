@@ -1,0 +1,139 @@
+"""Keeping every rank's stage-3 gathers paired when ranks run different modules.
+
+Note [divergence check]
+Before a unit's all-gather, ranks exchange the unit's index. During the first step the exchange is awaited before
+the gather is issued and its answer decides what is gathered (Note [data-dependent units]). Afterwards the exchange
+is issued with the gather and compared when the unit is used or freed: a gather the module needs right now waits for
+it before issuing the gather itself, so ranks that went different ways get an error naming both units before any
+mismatched collective is issued; a prefetch does not wait (waiting would turn every prefetch into a barrier with the
+slowest rank, ~55 ms of a 2 s step on the benchmark GPT). Reading the answer is a host synchronization, which on a
+GPU stops the CPU from running ahead: after the first step the check is therefore on by default for CPU devices
+only (``ZeroConfig.check_rank_divergence``), where it costs a few microseconds per unit.
+
+Note [data-dependent units]
+A mixture-of-experts layer routes each rank's tokens to different experts, so one rank calls an expert (a unit, by
+the default policy: one of several same-class modules in a ``ModuleList``) that another skips. During the first step
+every gather is a *round*: ranks exchange the unit each wants and all of them gather every unit asked for, in index
+order, so their collectives stay paired even though they asked for different units; a rank that has its unit already
+(gathered in an earlier round) asks for nothing until it needs a collective, and at the end of the forward and of
+the backward every rank keeps answering rounds until all are done. A unit asked for by some ranks but not by others
+in the same round is *data-dependent*: at the end of the first forward it and its siblings (the units in the same
+container, e.g. every expert of that layer) are merged into the nearest enclosing unit, which gathers them with its
+own parameters from then on. Every rank then gathers the same units in the same order whatever the routing, and a
+merged unit's own hooks do nothing. Gradients are unaffected: an expert a rank did not use contributes zeros to the
+reduction, as under DDP with ``find_unused_parameters=True``. Two things keep the collectives paired in backward,
+where a rank's gradient reductions are issued as its gradients arrive, which now depends on its data: a merged
+unit's buckets are reduced when its enclosing unit's backward is over (not when its gradients have all arrived,
+which on a rank that skipped it is never), and from the first merge on, gathers run on a communicator of their own,
+so that a gather on one rank cannot pair with a reduction on another.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_zero.comm.collectives import PendingCollective, ProcessGroup, all_gather
+from lightning_zero.stage3.sharded_unit import ShardedUnit
+
+NOTHING = -1
+"""What a rank asks for in a round when it needs no unit (it has reached the end of a forward or backward)."""
+
+
+class RankDivergenceError(RuntimeError):
+    """Ranks ran different modules: their next collectives would not match."""
+
+
+def _parent_and_container(name: str, names: dict[str, int]) -> tuple[int, str]:
+    """The nearest enclosing unit of the unit called ``name`` (0, the root, if none) and the module containing it."""
+    parts = name.split(".")
+    container = ".".join(parts[:-1])
+    for depth in range(len(parts) - 1, 0, -1):
+        candidate = ".".join(parts[:depth])
+        if candidate in names:
+            return names[candidate], container
+    return 0, container
+
+
+class UnitExchange:
+    """The index exchanges of one sharded model: first-step rounds, later checks, and the merges they lead to."""
+
+    def __init__(self, units: list[ShardedUnit], group: ProcessGroup, device: torch.device) -> None:
+        self.units = units
+        self.group = group
+        self.device = device
+        names = {u.name: u.index for u in units[1:]}
+        self._parent: dict[int, int] = {}
+        self._container: dict[int, str] = {}
+        for unit in units[1:]:
+            self._parent[unit.index], self._container[unit.index] = _parent_and_container(unit.name, names)
+        self.merged_into: dict[int, int] = {}
+        """Merged unit -> the unit that gathers it (Note [data-dependent units])."""
+        self.divergent: set[int] = set()
+        """Units asked for by some ranks but not others in a round, not merged yet."""
+        self._checks: dict[int, tuple[PendingCollective, torch.Tensor]] = {}
+
+    # -- first step: rounds -----------------------------------------------------------------------------------------
+    def round(self, wanted: int) -> list[int]:
+        """Every rank's wanted unit index (``NOTHING`` for none), in rank order; blocks until all have answered."""
+        mine = torch.tensor([wanted], dtype=torch.int64, device=self.device)
+        everyone = torch.empty(self.group.size(), dtype=torch.int64, device=self.device)
+        all_gather(everyone, mine, self.group).wait()  # control traffic, not the model's: not in the ledger
+        answers: list[int] = everyone.tolist()
+        asked = {i for i in answers if i != NOTHING}
+        if len(set(answers)) > 1:
+            self.divergent |= asked
+        return sorted(asked)
+
+    def merge_divergent(self) -> list[int]:
+        """Merge each data-dependent unit and its siblings into their enclosing unit; returns the units merged."""
+        merged: list[int] = []
+        for index in sorted(self.divergent):
+            if index == 0 or index in self.merged_into:
+                continue
+            parent, container = self._parent[index], self._container[index]
+            for sibling in self.units[1:]:
+                if sibling.index in self.merged_into or sibling.index == parent:
+                    continue
+                if self._parent.get(sibling.index) == parent and self._container.get(sibling.index) == container:
+                    self.merged_into[sibling.index] = self._owner_index(parent)
+                    merged.append(sibling.index)
+        # A unit that others were merged into may itself be merged later: point everything at the final owner.
+        self.merged_into = {child: self._owner_index(owner) for child, owner in self.merged_into.items()}
+        self.divergent.clear()
+        return merged
+
+    def _owner_index(self, index: int) -> int:
+        while index in self.merged_into:
+            index = self.merged_into[index]
+        return index
+
+    # -- later steps: checks ----------------------------------------------------------------------------------------
+    def issue_check(self, unit: ShardedUnit) -> None:
+        """Issue the exchange of ``unit``'s index, to be compared by ``verify`` (Note [divergence check])."""
+        mine = torch.tensor([unit.index], dtype=torch.int64, device=self.device)
+        everyone = torch.empty(self.group.size(), dtype=torch.int64, device=self.device)
+        self._checks[unit.index] = (all_gather(everyone, mine, self.group), everyone)
+
+    def verify_all(self) -> None:
+        for index in list(self._checks):
+            self.verify(self.units[index])
+
+    def verify(self, unit: ShardedUnit) -> None:
+        """Raise ``RankDivergenceError`` if the exchange issued with ``unit``'s gather shows another unit."""
+        check = self._checks.pop(unit.index, None)
+        if check is None:
+            return
+        pending, everyone = check
+        pending.wait()
+        indices = everyone.tolist()
+        if len(set(indices)) > 1:
+            names = ", ".join(f"rank {r}: {self.units[i].name!r}" for r, i in enumerate(indices))
+            raise RankDivergenceError(
+                f"ZeRO stage 3: ranks are about to gather different units ({names}). Ranks ran different modules "
+                f"(rank {self.group.rank()} is at unit {self.units[unit.index].name!r}) after the first step, so "
+                "their collectives no longer match. Units whose use depends on the data are found in the first step "
+                "and gathered with their enclosing unit from then on; this one was used the same way on every rank "
+                "then. HINT: make data-dependent branches agree across ranks (e.g. decide with "
+                "`strategy.reduce_boolean_decision`), or wrap the module that chooses the branch as one unit with "
+                "`ZeroConfig.wrap_module_classes`."
+            )
