@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 VOCAB, WIDTH, DEPTH = 64, 32, 3
@@ -172,3 +173,27 @@ BUILDERS = {
     "dataclass_output": lambda: BlockLM(DataclassBlock),
     "moe": MoELM,
 }
+
+
+class Checkpointed(nn.Module):
+    """Runs a block under activation checkpointing; reentrant: backward through it is a nested backward."""
+
+    def __init__(self, block: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.block = block
+        self.reentrant = reentrant
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return out
+
+
+def checkpointed_lm(reentrant: bool) -> BlockLM:
+    """Blocks under checkpointing and a frozen head: the first gradient of a backward arrives inside a block."""
+    model = BlockLM(FrozenNormBlock, train_head=False)
+    model.blocks = nn.ModuleList(Checkpointed(block, reentrant) for block in model.blocks)
+    return model
+
+
+BUILDERS["reentrant"] = lambda: checkpointed_lm(reentrant=True)
+BUILDERS["non_reentrant"] = lambda: checkpointed_lm(reentrant=False)

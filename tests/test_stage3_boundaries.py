@@ -149,3 +149,24 @@ def test_experts_used_differently_across_ranks_are_merged_into_their_block():
         assert merged == experts
         assert per_step[0] == per_step[1], per_step  # steady state: the same gathers every step, whatever the data
     assert results[0] == results[1]
+
+
+def _bytes_per_step(model_name: str, stage: int) -> dict[str, int]:
+    model = build_model(model_name)
+    config = ZeroConfig(stage=stage)
+    gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu")) if stage == 3 else None
+    optimizer = ZeroOptimizer(model, torch.optim.AdamW(model.parameters()), dist.group.WORLD, config, gatherer)
+    for step in range(2):
+        loss_fn(model_name, model, batch(model_name, dist.get_rank(), step, 0)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return optimizer.ledger.last_step_bytes()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_reentrant_checkpointing_reduces_each_bucket_once(stage):
+    reentrant = run_distributed(_bytes_per_step, 2, "reentrant", stage)
+    plain = run_distributed(_bytes_per_step, 2, "non_reentrant", stage)
+    assert reentrant == plain
+    assert all(sent["reduce_scatter"] > 0 for sent in reentrant)

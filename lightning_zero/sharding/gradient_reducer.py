@@ -25,7 +25,11 @@ given backward (unused branches, frozen paths), so some buckets never complete b
 backward queues a callback on the autograd engine that runs when the whole backward is done; it launches every
 bucket not yet launched, in order, and waits for all of them. Every rank therefore issues every bucket exactly once
 per reduction, in the same order, whatever the data did to its own backward, and no reduction is still reading a
-buffer when the next backward starts writing gradients into it.
+buffer when the next backward starts writing gradients into it. Reentrant activation checkpointing runs a nested
+backward inside the step's own; a flush queued there would run when the nested one ends, launching every bucket
+before most gradients exist (and again later: twice the bytes). The callback therefore does nothing when an autograd
+node is still executing around it (``torch._C._current_autograd_node()``: the nested backward's caller), and the next
+gradient of the enclosing backward queues it again.
 """
 
 from __future__ import annotations
@@ -144,7 +148,7 @@ class GradientReducer:
         self._store(bucket, slot, param)
         if not self._communicates_now():
             return
-        self._queue_flush()
+        self.queue_flush()
         if bucket.index in self.completed_by_caller:
             return
         self._arrived[bucket.index] += 1
@@ -153,7 +157,10 @@ class GradientReducer:
                 self.on_complete(bucket)
             self._launch_complete_in_order()
 
-    def _queue_flush(self) -> None:
+    def queue_flush(self) -> None:
+        """Have the backward running now flush every bucket when it ends (Note [bucket flush]). The reducer's own
+        hooks call this at the first gradient; calling it from a hook that runs earlier in the same backward (stage
+        3's first pre-backward) makes sure the flush belongs to the outermost backward."""
         if not self._callback_queued:
             # See Note [bucket flush].
             Variable._execution_engine.queue_callback(self._on_backward_end)
@@ -163,7 +170,7 @@ class GradientReducer:
         """Declare ``buckets`` (of ``completed_by_caller``) complete for this backward: launch them in order."""
         if not self._communicates_now():
             return
-        self._queue_flush()
+        self.queue_flush()
         for bucket in buckets:
             self._arrived[bucket.index] = len(bucket.params)
         self._launch_complete_in_order()
@@ -202,6 +209,8 @@ class GradientReducer:
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
+        if torch._C._current_autograd_node() is not None:
+            return  # a nested backward ended inside an enclosing one (Note [bucket flush])
         self._launch_remaining()
         # Nothing stays in flight past the backward that produced it: stage 1's buffers are autograd's
         # accumulation target for the next backward, and stage 2's staging buffers are memory we promised to free.

@@ -194,6 +194,7 @@ class ParameterGatherer:
         if not self._backward_callback_queued:
             Variable._execution_engine.queue_callback(self._on_backward_end)
             self._backward_callback_queued = True
+            self.reducer.queue_flush()  # after ours: rounds end before the last reductions (Note [bucket flush])
             self._remaining = {u.index: len(u.trainable_buckets) for u in self.units}
         # Autograd is about to run this use of the unit: its parameters are needed, even if its own gradients are
         # complete (a unit called several times still computes input gradients for every call).
