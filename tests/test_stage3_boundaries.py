@@ -170,3 +170,55 @@ def test_reentrant_checkpointing_reduces_each_bucket_once(stage):
     plain = run_distributed(_bytes_per_step, 2, "non_reentrant", stage)
     assert reentrant == plain
     assert all(sent["reduce_scatter"] > 0 for sent in reentrant)
+
+
+class _CalledInReverse(torch.nn.Module):
+    """Layers called in the reverse of their registration order: backward completes the first-registered first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in reversed(self.layers):
+            x = layer(x).tanh()
+        return x
+
+
+def _launch_events(stage: int) -> list[list[str]]:
+    """Per step, the order of gradient arrivals ("grad") and bucket launches ("launch") during backward."""
+    torch.manual_seed(0)
+    model = _CalledInReverse()
+    events: list[str] = []
+    for p in model.parameters():  # registered first: runs before the reducer's hook on the same gradient
+        p.register_post_accumulate_grad_hook(lambda _: events.append("grad"))
+    config = ZeroConfig(stage=stage, bucket_numel=16 * 16 + 16)  # one layer per bucket
+    optimizer = ZeroOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), dist.group.WORLD, config)
+    launch = optimizer.reducer._launch
+
+    def recording_launch(bucket):
+        events.append("launch")
+        return launch(bucket)
+
+    optimizer.reducer._launch = recording_launch
+    steps = []
+    for step in range(3):
+        events.clear()
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank() * 10 + step))
+        model(x).square().mean().backward()
+        steps.append(list(events))
+        optimizer.step()
+        optimizer.zero_grad()
+    return steps
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_buckets_follow_the_observed_backward_order_after_the_first_step(stage):
+    for steps in run_distributed(_launch_events, 2, stage):
+        first, later = steps[0], steps[2]
+        assert first.count("launch") == later.count("launch") == 4
+        # Step 1: launches wait for the first-numbered bucket, whose gradients come last.
+        assert first.index("launch") > len(first) - first[::-1].index("grad") - 1, first
+        # Later: each bucket goes out as soon as it is complete, before the backward is over.
+        assert later.index("launch") < len(later) - later[::-1].index("grad") - 1, later

@@ -11,8 +11,12 @@ ranks' shards, and every rank owns the same number of elements.
 Note [bucket order]
 Buckets are filled walking the parameters in *reverse* registration order, because backward produces gradients
 roughly in reverse of forward, and buckets are numbered in the order they close. Gradient buckets are launched
-strictly in that order on every rank (a collective issued out of order on one rank would pair with a different
-bucket on another and hang or corrupt both), so this numbering is also what makes early buckets ready early.
+strictly in one order on every rank (a collective issued out of order on one rank would pair with a different
+bucket on another and hang or corrupt both), so this numbering is also what makes early buckets ready early. A model
+whose backward runs in another order (an encoder-decoder, a module called in a different order than registered)
+would hold every bucket until an early-numbered one completes; as DDP rebuilds its buckets, the reducer therefore
+records the order in which buckets complete in the first backward that reduces, and from then on launches them in
+rank 0's recorded order (``GradientReducer.launch_order``).
 """
 
 from __future__ import annotations

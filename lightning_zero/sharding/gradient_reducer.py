@@ -88,6 +88,11 @@ class GradientReducer:
         self._arrived = [0] * len(self.buckets)
         self._next_launch = 0
         self._callback_queued = False
+        self.launch_order = list(self.buckets)
+        """The order buckets are reduced in: registration order at first, then the observed one (Note [bucket
+        order])."""
+        self._observed: list[int] | None = []
+        """Bucket indices in the order their gradients completed in the first backward; None once applied."""
         self.completed_by_caller: set[int] = set()
         """Buckets whose completion the caller declares (``complete()``) instead of counting gradient arrivals:
         stage 3's data-dependent units, which some ranks use and others not (Note [data-dependent units])."""
@@ -153,6 +158,7 @@ class GradientReducer:
             return
         self._arrived[bucket.index] += 1
         if self._arrived[bucket.index] == len(bucket.params):
+            self._observe(bucket)
             if self.on_complete is not None:
                 self.on_complete(bucket)
             self._launch_complete_in_order()
@@ -173,7 +179,28 @@ class GradientReducer:
         self.queue_flush()
         for bucket in buckets:
             self._arrived[bucket.index] = len(bucket.params)
+            self._observe(bucket)
         self._launch_complete_in_order()
+
+    def _observe(self, bucket: FlatBucket) -> None:
+        if self._observed is not None and bucket.index not in self._observed:
+            self._observed.append(bucket.index)
+
+    def _adopt_observed_order(self) -> None:
+        """After the first reducing backward, launch buckets in the order rank 0 saw them complete (Note [bucket
+        order]); every rank takes rank 0's, so the reductions still pair up."""
+        if self._observed is None or not self.buckets:
+            return
+        observed = torch.full((len(self.buckets),), -1, dtype=torch.int64, device=self.buckets[0].device)
+        observed[: len(self._observed)] = torch.tensor(self._observed, dtype=torch.int64)
+        if self.world_size > 1:
+            torch.distributed.broadcast(
+                observed, src=torch.distributed.get_global_rank(self.group, 0), group=self.group
+            )
+        first = [i for i in observed.tolist() if i >= 0]
+        by_index = {b.index: b for b in self.buckets}
+        self.launch_order = [by_index[i] for i in first] + [b for b in self.launch_order if b.index not in first]
+        self._observed = None
 
     def _begin_filling(self, bucket: FlatBucket) -> None:
         if self.state[bucket.index] is BucketState.IN_FLIGHT:
@@ -183,8 +210,8 @@ class GradientReducer:
 
     def _launch_complete_in_order(self) -> None:
         """Launch buckets whose gradients have all arrived, never skipping an earlier incomplete one."""
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
+        while self._next_launch < len(self.launch_order):
+            bucket = self.launch_order[self._next_launch]
             if self._arrived[bucket.index] < len(bucket.params):
                 return
             self._launch_one(bucket)
@@ -202,7 +229,7 @@ class GradientReducer:
             self.wait()
 
     def _launch_remaining(self) -> None:
-        for bucket in self.buckets[self._next_launch :]:
+        for bucket in self.launch_order[self._next_launch :]:
             self._launch_one(bucket)
         self._next_launch = 0
         self._arrived = [0] * len(self.buckets)
@@ -215,6 +242,7 @@ class GradientReducer:
         # Nothing stays in flight past the backward that produced it: stage 1's buffers are autograd's
         # accumulation target for the next backward, and stage 2's staging buffers are memory we promised to free.
         self.wait()
+        self._adopt_observed_order()
         if not self.config.keeps_reduce_buffers:
             self.pool.clear()  # Note [buffers between steps]
 
