@@ -103,7 +103,10 @@ def test_stages_1_and_2_match_ddp(builder):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("builder", ["hf_causal_lm", "hf_prompt_tuning", "batchnorm_mlp"])
+@pytest.mark.parametrize(
+    "builder",
+    ["hf_causal_lm", "hf_prompt_tuning", "hf_lora", "frozen_norm_before_linear", "dataclass_output", "batchnorm_mlp"],
+)
 def test_stage_3_matches_ddp(builder):
     _check(builder, ["ddp", "zero3"])
 
@@ -112,5 +115,5 @@ def test_stage_3_matches_ddp(builder):
 def test_unused_parameters_match_ddp_with_a_stateless_optimizer():
     """With plain SGD a missing gradient and a zero gradient give the same step (with AdamW they do not: DDP leaves
     ``grad=None`` on parameters unused on every rank and the optimizer skips them; see the probe)."""
-    _check("moe", ["ddp_find_unused_parameters_true", "zero1", "zero2"], optimizer="plain_sgd")
+    _check("moe", ["ddp_find_unused_parameters_true", "zero1", "zero2", "zero3"], optimizer="plain_sgd")
     _check("unused_head", ["ddp_find_unused_parameters_true", "zero1", "zero2", "zero3"], optimizer="plain_sgd")
