@@ -222,3 +222,28 @@ def test_buckets_follow_the_observed_backward_order_after_the_first_step(stage):
         assert first.index("launch") > len(first) - first[::-1].index("grad") - 1, first
         # Later: each bucket goes out as soon as it is complete, before the backward is over.
         assert later.index("launch") < len(later) - later[::-1].index("grad") - 1, later
+
+
+def _root_modules_outside_a_step() -> tuple[bool, float, bool]:
+    """Call the root unit's modules (embedding, head) directly after training, as sampling in a hook does."""
+    model = build_model("frozen_norm")
+    reference = build_model("frozen_norm")
+    config = ZeroConfig(stage=3)
+    gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu"))
+    tokens = torch.arange(8)[None]
+    with torch.no_grad():
+        hidden = model.embed(tokens)
+        for block in model.blocks:
+            hidden = block(hidden)
+        logits = model.head(hidden)
+        expected = reference(tokens)
+    root_sharded = gatherer.units[0].state is UnitState.SHARDED
+    return bool(torch.isfinite(logits).all()), (logits - expected).abs().max().item(), root_sharded
+
+
+@pytest.mark.timeout(60)
+def test_root_unit_modules_called_outside_a_step_gather_the_root():
+    for finite, error, root_sharded in run_distributed(_root_modules_outside_a_step, 2):
+        assert finite
+        assert error < 1e-6
+        assert root_sharded  # and freed again afterwards
