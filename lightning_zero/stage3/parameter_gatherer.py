@@ -114,7 +114,7 @@ class ParameterGatherer:
         for module in self.root.modules():
             if module is self.root or not any(id(p) in owned for p in module.parameters(recurse=False)):
                 continue
-            self._handles.append(module.register_forward_pre_hook(lambda *_: self.pre_forward(root)))
+            self._handles.append(module.register_forward_pre_hook(partial(self._root_pre_forward_hook, root)))
             post = partial(self._post_forward_hook, root)
             self._handles.append(module.register_forward_hook(post, always_call=True))
 
@@ -127,6 +127,7 @@ class ParameterGatherer:
         return [b for unit in self.units for b in unit.buckets] + self.resident_buckets
 
     # -- forward --------------------------------------------------------------------------------------------------
+    @torch.compiler.disable  # Note [placeholders under compile]
     def _pre_forward_hook(
         self, unit: ShardedUnit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -138,6 +139,11 @@ class ParameterGatherer:
             self._inputs_hooked[unit.index] = hooked
         return args, kwargs
 
+    @torch.compiler.disable  # Note [placeholders under compile]
+    def _root_pre_forward_hook(self, root: ShardedUnit, module: nn.Module, args: Any) -> None:
+        self.pre_forward(root)
+
+    @torch.compiler.disable  # Note [placeholders under compile]
     def _post_forward_hook(self, unit: ShardedUnit, module: nn.Module, args: Any, output: Any) -> None:
         self.post_forward(unit, output)
 
@@ -189,6 +195,7 @@ class ParameterGatherer:
             self.release_all()
 
     # -- backward -------------------------------------------------------------------------------------------------
+    @torch.compiler.disable  # Note [placeholders under compile]
     def _pre_backward(self, unit: ShardedUnit, grad: Any) -> None:
         unit = self._owner(unit)
         if not self._backward_callback_queued:
@@ -205,6 +212,7 @@ class ParameterGatherer:
                 self.reducer.accumulate_into_staging(bucket)
         self._prefetch(unit, self._finish_order, only=self._reached_in_backward)
 
+    @torch.compiler.disable  # Note [placeholders under compile]
     def _post_backward(self, unit: ShardedUnit) -> None:
         if self._owner(unit) is not unit:
             return
