@@ -44,15 +44,15 @@ def _totals(output: str) -> dict[str, str]:
 # -- the formula -------------------------------------------------------------------------------------------------------
 def test_paper_example_prints_the_papers_four_numbers(capsys):
     assert cli(["estimate", "--params", "7.5e9", "--gpus", "64"]) == 0
-    assert _totals(capsys.readouterr().out) == {"DDP": "120.0", "1": "31.4", "2": "16.6", "3": "1.9"}
+    assert _totals(capsys.readouterr().out) == {"DDP": "120.0 GB", "1": "31.4 GB", "2": "16.6 GB", "3": "1.9 GB"}
 
 
 def test_precision_and_k_flags_change_the_formula(capsys):
     assert cli(["estimate", "--params", "1e9", "--gpus", "8", "--precision", "fp32"]) == 0
     # fp32: 4-byte parameters and gradients; K defaults to 8 (Adam; the parameters are their own master).
-    assert _totals(capsys.readouterr().out) == {"DDP": "16.0", "1": "9.0", "2": "5.5", "3": "2.0"}
+    assert _totals(capsys.readouterr().out) == {"DDP": "16.0 GB", "1": "9.0 GB", "2": "5.5 GB", "3": "2.0 GB"}
     assert cli(["estimate", "--params", "1e9", "--gpus", "8", "-K", "16"]) == 0
-    assert _totals(capsys.readouterr().out) == {"DDP": "20.0", "1": "6.0", "2": "4.2", "3": "2.5"}
+    assert _totals(capsys.readouterr().out) == {"DDP": "20.0 GB", "1": "6.0 GB", "2": "4.2 GB", "3": "2.5 GB"}
 
 
 def test_communication_per_step_follows_the_formula():
@@ -98,7 +98,7 @@ def test_layout_equals_the_zero_formulas_within_its_padding(name, world_size):
     assert estimates[3].state.total < estimates[2].state.total < estimates[1].state.total < estimates[0].state.total
 
 
-def test_models_with_padding_are_tested_at_scale():
+def test_gpt7b_has_padding_at_1000_ranks():
     # The test above checks the padding arithmetic only if some layout has padding: N = 1000 does not divide gpt7b.
     module = load_model("gpt7b")
     estimates = layout_estimates(module, build_on_meta(module), 1000, BF16_ADAM, ZeroConfig())

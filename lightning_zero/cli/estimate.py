@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -43,11 +44,11 @@ from lightning_zero.stage3.wrap_policy import assign_parameters, find_unit_roots
 
 Precision = Literal["bf16", "fp16", "fp32"]
 PARAM_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
-STAGES = (0, 1, 2, 3)
 STAGE_LABELS = {0: "DDP", 1: "1", 2: "2", 3: "3"}
 FORMULAS = {0: "(2+2+K)Ψ", 1: "(2+2)Ψ + KΨ/N", 2: "2Ψ + (2+K)Ψ/N", 3: "(2+2+K)Ψ/N"}
 RANK = 0  # Note [estimate for rank 0]
 DEFAULT_CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+WIDTH = 118  # prose lines; the tables are as wide as they need
 
 # The collectives of one optimizer step, and the paper's elements each rank sends in them.
 ALL_REDUCE = "all-reduce of the gradients"
@@ -150,7 +151,7 @@ def _paper_traffic(num_params: int, world_size: int, stage: int, param_bytes: in
 def paper_estimates(num_params: int, world_size: int, precisions: Precisions) -> list[StageEstimate]:
     """Every stage by the ZeRO paper's formula: model state and bytes sent per step by each rank."""
     out = []
-    for stage in STAGES:
+    for stage in STAGE_LABELS:
         formula = _formula(num_params, world_size, stage, precisions)
         traffic = _paper_traffic(num_params, world_size, stage, precisions.param)
         out.append(StageEstimate(stage, formula, formula, traffic, 0, 0))
@@ -227,20 +228,25 @@ def layout_estimates(
     stage1 = ModelStateBytes((padded + outside) * p.param, padded * p.param, masters * p.master, masters * p.optimizer)
     stage2 = stage1._replace(gradients=sum(b.shard_numel for b in buckets) * p.param)
     sent = {REDUCE_SCATTER: _ring(buckets, p.param), GATHER_AFTER_STEP: _ring(buckets, p.param)}
+    padding = sum(b.padded_numel - b.numel for b in buckets)
     for stage, state in ((1, stage1), (2, stage2)):
-        formula = _formula(num_params, n, stage, p)
         traffic = _traffic(stage, sent, num_params, n, p)
-        padding = sum(b.padded_numel - b.numel for b in buckets)
-        out.append(StageEstimate(stage, state, formula, traffic, len(buckets), padding))
+        out.append(StageEstimate(stage, state, _formula(num_params, n, stage, p), traffic, len(buckets), padding))
+    out.append(_stage3(module, group_of, num_params, n, p, config))
+    return out
 
-    # Stage 3: shard_module's units and their buckets. On meta a resident bucket keeps its full buffer for free, so
-    # every bucket is built resident and only its sizes are read.
+
+def _stage3(
+    module: nn.Module, group_of: dict[int, int], num_params: int, n: int, p: Precisions, config: ZeroConfig
+) -> StageEstimate:
+    """``shard_module``'s units and their buckets. On meta a resident bucket keeps its full buffer for free, so every
+    bucket is built resident and only its sizes are read."""
     unit_roots = find_unit_roots(module, config)
-    owned = assign_parameters(module, unit_roots)
     units: list[UnitSize] = []
     sharded: list[FlatBucket] = []
     persistent: list[FlatBucket] = []
-    for name, named in zip(["<root>", *(name for name, _ in unit_roots)], owned, strict=True):
+    names = ["<root>", *(name for name, _ in unit_roots)]
+    for name, named in zip(names, assign_parameters(module, unit_roots), strict=True):
         mine: list[FlatBucket] = []
         for resident, members in unit_bucket_layout(named, config):
             (persistent if resident else mine).append(FlatBucket(-1, -1, members, RANK, n))
@@ -257,19 +263,17 @@ def layout_estimates(
     sent[GATHER_PERSISTENT] = _ring([b for b in stepped if any(b is q for q in persistent)], p.param)
     every = sharded + persistent
     padding = sum(b.padded_numel - b.numel for b in every)
-    formula = _formula(num_params, n, 3, p)
     traffic = _traffic(3, sent, num_params, n, p)
-    out.append(StageEstimate(3, state, formula, traffic, len(every), padding, tuple(units)))
-    return out
+    return StageEstimate(3, state, _formula(num_params, n, 3, p), traffic, len(every), padding, tuple(units))
 
 
 # -- showing -----------------------------------------------------------------------------------------------------------
-def _unit(largest: int) -> tuple[str, float]:
-    """Decimal units, as the paper counts; GB unless the whole table is smaller."""
-    for name, scale in (("GB", 1e9), ("MB", 1e6)):
-        if largest >= scale:
-            return name, scale
-    return "kB", 1e3
+def _human(nbytes: int) -> str:
+    """Decimal units, as the paper counts, each value in its own: stage 3's shards are MB where DDP's state is GB."""
+    for name, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {name}"
+    return f"{nbytes} B"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], text_columns: int) -> str:
@@ -287,8 +291,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], text_columns: i
 
 def format_estimates(estimates: Sequence[StageEstimate], exact: bool) -> str:
     """A table of model state, one row per stage. ``exact``: also the layout's bytes, to the byte, and padding."""
-    unit, scale = _unit(max(max(e.state.total, e.sent) for e in estimates))
-    header = ["stage", *(f"{h} {unit}" for h in ("params", "grads", "masters", "optim", "total", "sent/step"))]
+    header = ["stage", "params", "grads", "masters", "optim", "total", "sent/step"]
     if exact:
         header += ["total bytes", "formula bytes", "buckets", "padding"]
     header.append("formula")
@@ -296,7 +299,7 @@ def format_estimates(estimates: Sequence[StageEstimate], exact: bool) -> str:
     for e in estimates:
         s = e.state
         values = (s.parameters, s.gradients, s.master_weights, s.optimizer_state, s.total, e.sent)
-        row = [STAGE_LABELS[e.stage], *(f"{v / scale:.1f}" for v in values)]
+        row = [STAGE_LABELS[e.stage], *(_human(v) for v in values)]
         if exact:
             row += [f"{s.total:,}", f"{e.formula.total:,}", str(e.buckets or "-"), f"{e.padding:,}"]
         rows.append([*row, FORMULAS[e.stage]])
@@ -305,27 +308,23 @@ def format_estimates(estimates: Sequence[StageEstimate], exact: bool) -> str:
 
 def format_traffic(estimates: Sequence[StageEstimate], exact: bool) -> str:
     """A table of the bytes each rank sends per step, one row per stage and collective."""
-    unit, scale = _unit(max(t.sent for e in estimates for t in e.traffic))
-    header = ["stage", "bytes", unit, *(["formula bytes"] if exact else []), "formula", "collective"]
+    header = ["stage", "bytes", "", *(["formula bytes"] if exact else []), "formula", "collective"]
     rows = []
     for e in estimates:
         for t in e.traffic:
             paper = [f"{t.formula:,}"] if exact else []
             formula = TRAFFIC_FORMULAS.get(t.collective, "Ψ(N-1)/N")
-            rows.append([STAGE_LABELS[e.stage], f"{t.sent:,}", f"{t.sent / scale:.2f}", *paper, formula, t.collective])
+            rows.append([STAGE_LABELS[e.stage], f"{t.sent:,}", _human(t.sent), *paper, formula, t.collective])
     return _table(header, rows, text_columns=2)
 
 
 def format_units(stage3: StageEstimate, param_bytes: int) -> str:
     """Stage 3's units: how many, and the largest one, which every rank gathers in full while it runs."""
-    largest = stage3.largest_unit
-    if largest is None:
-        return "Stage 3: no gather units."
-    root = stage3.units[0]
+    root, largest = stage3.units[0], stage3.largest_unit
+    assert largest is not None, "shard_module always makes a root unit"
 
     def size(u: UnitSize) -> str:
-        unit, scale = _unit(u.numel * param_bytes)
-        return f"{u.name!r}, {u.numel:,} elements = {u.numel * param_bytes / scale:.2f} {unit}"
+        return f"{u.name!r}, {u.numel:,} elements = {_human(u.numel * param_bytes)}"
 
     text = f"Stage 3: {len(stage3.units)} gather units; the largest, gathered in full on every rank while in use: "
     text += size(largest)
@@ -357,15 +356,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--precision", choices=sorted(PARAM_BYTES), default="bf16", help="parameters and gradients (default: bf16)"
     )
-    parser.add_argument(
-        "-K",
-        "--optimizer-bytes",
-        type=int,
-        default=None,
-        metavar="K",
-        help="optimizer-state bytes per parameter, fp32 master copy included (default: 12 = Adam with a 4-byte "
-        "master for 16-bit parameters, 8 for fp32 parameters)",
+    k_help = (
+        "optimizer-state bytes per parameter, fp32 master copy included (default: Adam's 12 for 16-bit, 8 for fp32)"
     )
+    parser.add_argument("-K", "--optimizer-bytes", type=int, default=None, metavar="K", help=k_help)
     defaults = ZeroConfig()
     for field, kind in (("bucket_numel", _parse_count), ("wrap_min_numel", int), ("persistence_threshold", int)):
         default = getattr(defaults, field)
@@ -403,24 +397,23 @@ def main(argv: list[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     exact = args.model is not None
-    print(f"{title} on N = {n:,} ranks; {args.precision} parameters and gradients ({precisions.param} bytes), ", end="")
-    print(f"K = {precisions.k} (fp32 masters {precisions.master} + optimizer state {precisions.optimizer}).")
+    intro = f"{title} on N = {n:,} ranks; {args.precision} parameters and gradients ({precisions.param} bytes), "
+    intro += f"K = {precisions.k} (fp32 masters {precisions.master} + optimizer state {precisions.optimizer}). "
     if exact:
-        print(
+        intro += (
             f"Model state of rank 0 as the strategy lays the model out: stages 1-2 in buckets of bucket_numel = "
             f"{config.bucket_numel:,}; stage 3 in units by wrap_module_classes = {config.wrap_module_classes}, "
             f"wrap_min_numel = {config.wrap_min_numel:,}, persistence_threshold = {config.persistence_threshold:,}. "
-            "Padding (elements) makes each bucket split into N equal shards; rank 0 holds the formula for Ψ + padding."
+            "Padding (elements) makes each bucket split into N equal shards; rank 0 holds the formula for Ψ + padding. "
         )
     else:
-        print("Model state per rank by the ZeRO paper's formula.")
-    print("Decimal units: 1 GB = 10^9 bytes.\n")
+        intro += "Model state per rank by the ZeRO paper's formula. "
+    print(textwrap.fill(intro + "Decimal units: 1 GB = 10^9 bytes.", width=WIDTH), end="\n\n")
     print(format_estimates(estimates, exact))
     print("\nBytes each rank sends per step:\n")
     print(format_traffic(estimates, exact))
     if exact:
-        print()
-        print(format_units(estimates[3], precisions.param))
+        print("\n" + textwrap.fill(format_units(estimates[3], precisions.param), width=WIDTH))
     if args.plot is not None:
         from lightning_zero.lightning.report import plot_memory_by_stage
 
