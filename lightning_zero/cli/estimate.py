@@ -346,7 +346,7 @@ def _parse_count(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_zero estimate",
-        description=__doc__.split("\nNote [")[0],
+        description=__doc__.split("\nNote ")[0],  # the notes are for readers of the code
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     what = parser.add_mutually_exclusive_group(required=True)
