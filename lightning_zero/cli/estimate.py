@@ -1,13 +1,23 @@
 """``python -m lightning_zero estimate``: model-state memory per rank and communication per step, for every stage.
 
-    python -m lightning_zero estimate --params 7.5e9 --gpus 64           # the ZeRO paper's formula
-    python -m lightning_zero estimate --model gpt7b --gpus 1024          # the real partitioner on a conf/model/ GPT
+    python -m lightning_zero estimate --params 7.5e9 --gpus 64    # the ZeRO paper's formula
+    python -m lightning_zero estimate --model gpt7b --gpus 1024   # the strategy's own layout of a conf/model/ GPT
 
 The first applies the ZeRO paper's formula (Ψ parameters, N ranks, K bytes of optimizer state per parameter): with
 ``--params 7.5e9 --gpus 64`` it prints the paper's example, 120.0, 31.4, 16.6 and 1.9 GB for DDP and stages 1-3.
-The second builds the model on the ``meta`` device (no memory) and lays it out with the same ``build_buckets`` the
-strategy uses, as rank 0 of N would (no processes), so its bytes are exact, padding included. Nothing is allocated
-and no process is started either way.
+The second builds the ``LitGPT`` of ``conf/model/<name>.yaml`` on the ``meta`` device, as ``ZeroStrategy`` does for
+stage 3, and lays it out with the strategy's own code as rank 0 of N: ``build_buckets`` over the optimizer's param
+groups (stages 1 and 2, as ``ZeroOptimizer``), the unit policy ``find_unit_roots`` / ``assign_parameters`` and
+``unit_bucket_layout`` (stage 3, as ``shard_module``), and ``segments_of`` for master weights and optimizer state.
+Its bytes are exact, padding included, and follow any change to the policy or the bucketing. Meta tensors have
+shapes and no storage, so nothing is allocated and no process is started either way.
+
+Note [estimate for rank 0]
+Every flat bucket is padded to a multiple of N and cut into N equal shards with the padding at the end, so every
+rank holds shards of the same size and rank 0's shards are all real elements. Rank 0 therefore holds the most master
+weights and optimizer state of any rank (the last one holds padding in their place): exactly the paper's formula
+for Ψ + P parameters, P being the padding the estimate reports. Laying out one rank is one pass over the
+parameters, whatever N.
 """
 
 from __future__ import annotations
@@ -15,25 +25,45 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
+from lightning_zero.config import ZeroConfig
 from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes
-from lightning_zero.models.gpt import GPT, Block, GPTConfig
-from lightning_zero.models.param_groups import param_groups_with_weight_decay
-from lightning_zero.sharding.flat_bucket import build_buckets
+from lightning_zero.models.lightning_gpt import LitGPT
+from lightning_zero.sharding.flat_bucket import FlatBucket, build_buckets
+from lightning_zero.sharding.param_groups import segments_of, trainable_named_groups
+from lightning_zero.stage3.sharded_init import unit_bucket_layout
+from lightning_zero.stage3.wrap_policy import assign_parameters, find_unit_roots
 
 Precision = Literal["bf16", "fp16", "fp32"]
 PARAM_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
-STAGES = (0, 1, 2, 3)
 STAGE_LABELS = {0: "DDP", 1: "1", 2: "2", 3: "3"}
 FORMULAS = {0: "(2+2+K)Ψ", 1: "(2+2)Ψ + KΨ/N", 2: "2Ψ + (2+K)Ψ/N", 3: "(2+2+K)Ψ/N"}
-COLLECTIVES = {0: "all-reduce 2Ψ(N-1)/N", 1: "RS + AG 2Ψ(N-1)/N", 2: "RS + AG 2Ψ(N-1)/N", 3: "AG×2 + RS 3Ψ(N-1)/N"}
+RANK = 0  # Note [estimate for rank 0]
 DEFAULT_CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+WIDTH = 118  # prose lines; the tables are as wide as they need
+
+# The collectives of one optimizer step, and the paper's elements each rank sends in them.
+ALL_REDUCE = "all-reduce of the gradients"
+REDUCE_SCATTER = "reduce-scatter of the gradients"
+GATHER_AFTER_STEP = "all-gather of the parameters after the step"
+GATHER_FORWARD = "all-gather of each unit before its forward"
+GATHER_BACKWARD = "all-gather of each unit before its backward"
+GATHER_PERSISTENT = "all-gather of the persistent parameters after the step"
+TRAFFIC_FORMULAS = {ALL_REDUCE: "2Ψ(N-1)/N", GATHER_PERSISTENT: "-"}  # every other one: Ψ(N-1)/N
+STAGE_COLLECTIVES = {
+    0: (ALL_REDUCE,),
+    1: (REDUCE_SCATTER, GATHER_AFTER_STEP),
+    2: (REDUCE_SCATTER, GATHER_AFTER_STEP),
+    3: (GATHER_FORWARD, GATHER_BACKWARD, REDUCE_SCATTER),
+}
 
 
 class Precisions(NamedTuple):
@@ -63,104 +93,77 @@ class Precisions(NamedTuple):
         return self.master + self.optimizer
 
 
+class Traffic(NamedTuple):
+    """One collective of a step and the bytes this rank sends in it, counted as ``comm.collectives`` counts them."""
+
+    collective: str
+    sent: int
+    formula: int
+    """The paper's bytes for the same collective (0 where the paper has none)."""
+
+
+class UnitSize(NamedTuple):
+    """A stage-3 gather unit and the elements gathered on every rank while it is in use, padding included."""
+
+    name: str
+    numel: int
+
+
 class StageEstimate(NamedTuple):
     """One stage's numbers for one rank."""
 
     stage: int
     """0 for DDP."""
     state: ModelStateBytes
-    """Bytes this rank holds (the partitioner's layout in ``--model`` mode, the formula otherwise)."""
+    """Bytes this rank holds (the strategy's layout in ``--model`` mode, the formula otherwise)."""
     formula: ModelStateBytes
     """The ZeRO paper's formula for the same model and N."""
-    sent: int
-    """Bytes this rank sends per optimizer step."""
-    units: int
-    """Flat buckets (stages 1-2) or gather units (stage 3) the parameters are packed into; 0 for the formula."""
+    traffic: tuple[Traffic, ...]
+    """Bytes this rank sends per optimizer step, by collective."""
+    buckets: int
+    """Flat buckets the parameters are packed into; 0 for the formula."""
     padding: int
-    """Elements of padding this rank holds in its shards (each bucket or unit is padded to a multiple of N)."""
+    """Elements of padding in the full flat buffers (each bucket is padded to a multiple of N, < N elements)."""
+    units: tuple[UnitSize, ...] = ()
+    """Stage 3 in ``--model`` mode: every gather unit, the root unit first."""
+
+    @property
+    def sent(self) -> int:
+        return sum(t.sent for t in self.traffic)
+
+    @property
+    def largest_unit(self) -> UnitSize | None:
+        """The unit whose full parameters one rank gathers at once: stage 3's transient peak of parameter memory."""
+        return max(self.units, key=lambda u: u.numel, default=None)
 
 
 # -- the formula -------------------------------------------------------------------------------------------------------
-def paper_estimates(num_params: int, world_size: int, precisions: Precisions) -> list[StageEstimate]:
-    """Every stage by the ZeRO paper's formula: model state and bytes sent per step by each rank."""
-    n = world_size
-    out = []
-    for stage in STAGES:
-        formula = _formula(num_params, n, stage, precisions)
-        # DDP and stages 1-2 move 2Ψ(N-1)/N elements per step; stage 3 gathers parameters twice (forward, backward).
-        elements = (3 if stage == 3 else 2) * num_params * (n - 1) // n
-        out.append(StageEstimate(stage, formula, formula, elements * precisions.param, 0, 0))
-    return out
-
-
 def _formula(num_params: int, world_size: int, stage: int, p: Precisions) -> ModelStateBytes:
     return expected_model_state_bytes(num_params, world_size, stage, p.param, p.master, p.optimizer)
 
 
-# -- the partitioner ---------------------------------------------------------------------------------------------------
-def build_meta_gpt(config: GPTConfig) -> GPT:
-    """The GPT on the ``meta`` device: every shape, no storage."""
-    with torch.device("meta"):
-        return GPT(config)
+def _paper_traffic(num_params: int, world_size: int, stage: int, param_bytes: int) -> tuple[Traffic, ...]:
+    one_way = num_params * param_bytes * (world_size - 1) // world_size  # a ring's Ψ(N-1)/N
+    sizes = {ALL_REDUCE: 2 * one_way}
+    return tuple(Traffic(c, sizes.get(c, one_way), sizes.get(c, one_way)) for c in STAGE_COLLECTIVES[stage])
 
 
-def stage3_units(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
-    """Stage 3's gather units: one per transformer ``Block``, then a root unit with every other parameter.
-
-    The only place that decides stage-3 units here, so that it can be switched to the stage-3 strategy's own
-    partitioner without touching the rest.
-    """
-    names = {id(p): fqn for fqn, p in model.named_parameters()}
-    units: list[list[tuple[str, nn.Parameter]]] = []
-    in_block: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, Block):
-            params = [p for p in module.parameters() if id(p) not in in_block]
-            in_block.update(id(p) for p in params)
-            units.append([(names[id(p)], p) for p in params])
-    units.append([(names[id(p)], p) for p in model.parameters() if id(p) not in in_block])
-    return [u for u in units if u]
-
-
-def simulated_estimates(
-    config: GPTConfig, world_size: int, precisions: Precisions, bucket_numel: int
-) -> list[StageEstimate]:
-    """Every stage as the partitioner lays the model out on rank 0 of ``world_size`` (exact, padding included)."""
-    n = world_size
-    p = precisions
-    model = build_meta_gpt(config)
-    num_params = sum(t.numel() for t in model.parameters())
-    ddp = _formula(num_params, n, 0, p)  # DDP has no layout of its own: the formula is exact
-    out = [StageEstimate(0, ddp, ddp, 2 * num_params * (n - 1) // n * p.param, 0, 0)]
-
-    # Stages 1 and 2: the optimizer's param groups packed into flat buckets, each padded to a multiple of N.
-    names = {id(t): fqn for fqn, t in model.named_parameters()}
-    groups = [[(names[id(t)], t) for t in g["params"]] for g in param_groups_with_weight_decay(model, 0.1)]
-    buckets = build_buckets(groups, bucket_numel, 0, n, list(model.parameters()))
-    padded = sum(b.padded_numel for b in buckets)
-    shard = sum(b.shard_numel for b in buckets)
-    optimizer = ModelStateBytes(0, 0, shard * p.master, shard * p.optimizer)
-    # Parameters are views into the full padded buffers; stage 1 keeps full padded gradients, stage 2 its shard.
-    stage1 = ModelStateBytes(padded * p.param, padded * p.param, optimizer.master_weights, optimizer.optimizer_state)
-    stage2 = stage1._replace(gradients=shard * p.param)
-    sent = 2 * shard * (n - 1) * p.param  # reduce-scatter + all-gather of the padded buffers
-    for stage, state in ((1, stage1), (2, stage2)):
-        out.append(
-            StageEstimate(stage, state, _formula(num_params, n, stage, p), sent, len(buckets), shard * n - num_params)
-        )
-
-    # Stage 3: every unit is one flat buffer padded to a multiple of N; this rank keeps a shard of each.
-    units = stage3_units(model)
-    shard3 = sum(math.ceil(sum(t.numel() for _, t in unit) / n) for unit in units)
-    state3 = ModelStateBytes(shard3 * p.param, shard3 * p.param, shard3 * p.master, shard3 * p.optimizer)
-    sent3 = 3 * shard3 * (n - 1) * p.param  # all-gather in forward and in backward, reduce-scatter of gradients
-    out.append(StageEstimate(3, state3, _formula(num_params, n, 3, p), sent3, len(units), shard3 * n - num_params))
+def paper_estimates(num_params: int, world_size: int, precisions: Precisions) -> list[StageEstimate]:
+    """Every stage by the ZeRO paper's formula: model state and bytes sent per step by each rank."""
+    out = []
+    for stage in STAGE_LABELS:
+        formula = _formula(num_params, world_size, stage, precisions)
+        traffic = _paper_traffic(num_params, world_size, stage, precisions.param)
+        out.append(StageEstimate(stage, formula, formula, traffic, 0, 0))
     return out
 
 
-def load_model_config(name: str, conf_dir: Path = DEFAULT_CONF_DIR) -> GPTConfig:
-    """``GPTConfig`` of ``conf/model/<name>.yaml``, composed by Hydra exactly as the example composes it."""
+# -- the strategy's own layout -----------------------------------------------------------------------------------------
+def load_model(name: str, conf_dir: Path = DEFAULT_CONF_DIR) -> LitGPT:
+    """The ``LitGPT`` of ``conf/model/<name>.yaml``, composed and instantiated by Hydra as the example does. Its
+    GPT is not built yet: ``build_on_meta`` does that."""
     from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
 
     from lightning_zero.hydra.schema import register_configs
 
@@ -173,45 +176,161 @@ def load_model_config(name: str, conf_dir: Path = DEFAULT_CONF_DIR) -> GPTConfig
     register_configs()
     with initialize_config_dir(config_dir=str(conf_dir.resolve()), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"model={name}"])
-    fields = {k: v for k, v in cfg.model.config.items() if k != "_target_"}
-    return GPTConfig(**fields)
+    model: LitGPT = instantiate(cfg.model, _convert_="all")
+    return model
+
+
+def build_on_meta(module: LitGPT) -> Optimizer:
+    """Run ``configure_model`` on the meta device, as ``ZeroStrategy`` does for stage 3, and return the optimizer of
+    ``configure_optimizers`` (an optimizer allocates its state at its first step, so it holds nothing)."""
+    with torch.device("meta"):
+        module.configure_model()
+    return module.configure_optimizers()
+
+
+def _master_numel(buckets: Sequence[FlatBucket], group_of: dict[int, int]) -> int:
+    """Elements of this rank's shards that get a master weight and optimizer state, as ``ZeroOptimizer`` cuts them."""
+    return sum(seg.stop - seg.start for b in buckets for seg in segments_of(b, group_of))
+
+
+def _ring(buckets: Sequence[FlatBucket], param_bytes: int) -> int:
+    """Bytes one rank sends to all-gather, or reduce-scatter, these buckets: its shard to each of N-1 others."""
+    return sum(b.shard_numel * (b.world_size - 1) for b in buckets) * param_bytes
+
+
+def _traffic(stage: int, sent: dict[str, int], num_params: int, world_size: int, p: Precisions) -> tuple[Traffic, ...]:
+    paper = {t.collective: t.formula for t in _paper_traffic(num_params, world_size, stage, p.param)}
+    return tuple(Traffic(c, nbytes, paper.get(c, 0)) for c, nbytes in sent.items() if nbytes or c in paper)
+
+
+def layout_estimates(
+    module: nn.Module, optimizer: Optimizer, world_size: int, precisions: Precisions, config: ZeroConfig
+) -> list[StageEstimate]:
+    """Every stage as the strategy lays ``module`` out on rank 0 of ``world_size`` (Note [estimate for rank 0]).
+
+    ``module`` should be on the meta device, and is used up: laying it out makes its parameters views into flat
+    buffers (without storage on meta). ``optimizer`` is the one ``configure_optimizers`` returns for it; ``config``
+    supplies ``bucket_numel`` and the stage-3 unit policy.
+    """
+    n, p = world_size, precisions
+    named_groups = trainable_named_groups(module, optimizer)
+    group_of = {id(t): g for g, named in enumerate(named_groups) for _, t in named}
+    num_params = sum(t.numel() for t in module.parameters())
+    ddp = _formula(num_params, n, 0, p)  # DDP has no layout of its own: the formula is exact
+    out = [StageEstimate(0, ddp, ddp, _paper_traffic(num_params, n, 0, p.param), 0, 0)]
+
+    # Stages 1 and 2: ZeroOptimizer's buckets. Parameters are views into the full padded buffers (those outside the
+    # optimizer stay as they are); stage 1 keeps full padded gradients, stage 2 only its shard.
+    buckets = build_buckets(named_groups, config.bucket_numel, RANK, n, list(module.parameters()))
+    padded = sum(b.padded_numel for b in buckets)
+    outside = sum(t.numel() for t in module.parameters() if id(t) not in group_of)
+    masters = _master_numel(buckets, group_of)
+    stage1 = ModelStateBytes((padded + outside) * p.param, padded * p.param, masters * p.master, masters * p.optimizer)
+    stage2 = stage1._replace(gradients=sum(b.shard_numel for b in buckets) * p.param)
+    sent = {REDUCE_SCATTER: _ring(buckets, p.param), GATHER_AFTER_STEP: _ring(buckets, p.param)}
+    padding = sum(b.padded_numel - b.numel for b in buckets)
+    for stage, state in ((1, stage1), (2, stage2)):
+        traffic = _traffic(stage, sent, num_params, n, p)
+        out.append(StageEstimate(stage, state, _formula(num_params, n, stage, p), traffic, len(buckets), padding))
+    out.append(_stage3(module, group_of, num_params, n, p, config))
+    return out
+
+
+def _stage3(
+    module: nn.Module, group_of: dict[int, int], num_params: int, n: int, p: Precisions, config: ZeroConfig
+) -> StageEstimate:
+    """``shard_module``'s units and their buckets. On meta a resident bucket keeps its full buffer for free, so every
+    bucket is built resident and only its sizes are read."""
+    unit_roots = find_unit_roots(module, config)
+    units: list[UnitSize] = []
+    sharded: list[FlatBucket] = []
+    persistent: list[FlatBucket] = []
+    names = ["<root>", *(name for name, _ in unit_roots)]
+    for name, named in zip(names, assign_parameters(module, unit_roots), strict=True):
+        mine: list[FlatBucket] = []
+        for resident, members in unit_bucket_layout(named, config):
+            (persistent if resident else mine).append(FlatBucket(-1, -1, members, RANK, n))
+        sharded += mine
+        units.append(UnitSize(name, sum(b.padded_numel for b in mine)))
+    trainable = [b for b in sharded + persistent if b.trainable]  # the gradient reducer's buckets
+    stepped = [b for b in trainable if any(id(t) in group_of for t in b.params)]  # the optimizer's
+    masters = _master_numel(stepped, group_of)
+    params = sum(b.shard_numel for b in sharded) + sum(b.padded_numel for b in persistent)
+    grads = sum(b.shard_numel for b in trainable)
+    state = ModelStateBytes(params * p.param, grads * p.param, masters * p.master, masters * p.optimizer)
+    sent = {GATHER_FORWARD: _ring(sharded, p.param), GATHER_BACKWARD: _ring(sharded, p.param)}
+    sent[REDUCE_SCATTER] = _ring(trainable, p.param)
+    sent[GATHER_PERSISTENT] = _ring([b for b in stepped if any(b is q for q in persistent)], p.param)
+    every = sharded + persistent
+    padding = sum(b.padded_numel - b.numel for b in every)
+    traffic = _traffic(3, sent, num_params, n, p)
+    return StageEstimate(3, state, _formula(num_params, n, 3, p), traffic, len(every), padding, tuple(units))
 
 
 # -- showing -----------------------------------------------------------------------------------------------------------
-def _unit(largest: int) -> tuple[str, float]:
-    """Decimal units, as the paper counts; GB unless the whole table is smaller."""
-    for name, scale in (("GB", 1e9), ("MB", 1e6)):
-        if largest >= scale:
-            return name, scale
-    return "kB", 1e3
+def _human(nbytes: int) -> str:
+    """Decimal units, as the paper counts, each value in its own: stage 3's shards are MB where DDP's state is GB."""
+    for name, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {name}"
+    return f"{nbytes} B"
 
 
-def format_estimates(estimates: Sequence[StageEstimate], exact: bool) -> str:
-    """A table, one row per stage. ``exact``: also the partitioner's bytes, to the byte, and its padding."""
-    unit, scale = _unit(max(max(e.state.total, e.sent) for e in estimates))
-    header = [f"{h} {unit}" for h in ("params", "grads", "optim(K)", "total", "sent/step")]
-    header.insert(0, "stage")
-    if exact:
-        header += ["total bytes", "formula bytes", "units", "padding", "sent/step bytes"]
-    header += ["formula", "collectives"]
-    rows = []
-    for e in estimates:
-        s = e.state
-        values = (s.parameters, s.gradients, s.master_weights + s.optimizer_state, s.total, e.sent)
-        row = [STAGE_LABELS[e.stage], *(f"{v / scale:.1f}" for v in values)]
-        if exact:
-            row += [f"{s.total:,}", f"{e.formula.total:,}", str(e.units or "-"), f"{e.padding:,}", f"{e.sent:,}"]
-        row += [FORMULAS[e.stage], COLLECTIVES[e.stage]]
-        rows.append(row)
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], text_columns: int) -> str:
+    """Columns right-aligned, except the last ``text_columns`` (words), left-aligned."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    text_columns = len(header) - 2  # the last two are words: left-aligned
+    first_text = len(header) - text_columns
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(
-            c.ljust(w) if i >= text_columns else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            c.ljust(w) if i >= first_text else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         ).rstrip()
 
     return "\n".join([line(header), *(line(r) for r in rows)])
+
+
+def format_estimates(estimates: Sequence[StageEstimate], exact: bool) -> str:
+    """A table of model state, one row per stage. ``exact``: also the layout's bytes, to the byte, and padding."""
+    header = ["stage", "params", "grads", "masters", "optim", "total", "sent/step"]
+    if exact:
+        header += ["total bytes", "formula bytes", "buckets", "padding"]
+    header.append("formula")
+    rows = []
+    for e in estimates:
+        s = e.state
+        values = (s.parameters, s.gradients, s.master_weights, s.optimizer_state, s.total, e.sent)
+        row = [STAGE_LABELS[e.stage], *(_human(v) for v in values)]
+        if exact:
+            row += [f"{s.total:,}", f"{e.formula.total:,}", str(e.buckets or "-"), f"{e.padding:,}"]
+        rows.append([*row, FORMULAS[e.stage]])
+    return _table(header, rows, text_columns=1)
+
+
+def format_traffic(estimates: Sequence[StageEstimate], exact: bool) -> str:
+    """A table of the bytes each rank sends per step, one row per stage and collective."""
+    header = ["stage", "bytes", "", *(["formula bytes"] if exact else []), "formula", "collective"]
+    rows = []
+    for e in estimates:
+        for t in e.traffic:
+            paper = [f"{t.formula:,}"] if exact else []
+            formula = TRAFFIC_FORMULAS.get(t.collective, "Ψ(N-1)/N")
+            rows.append([STAGE_LABELS[e.stage], f"{t.sent:,}", _human(t.sent), *paper, formula, t.collective])
+    return _table(header, rows, text_columns=2)
+
+
+def format_units(stage3: StageEstimate, param_bytes: int) -> str:
+    """Stage 3's units: how many, and the largest one, which every rank gathers in full while it runs."""
+    root, largest = stage3.units[0], stage3.largest_unit
+    assert largest is not None, "shard_module always makes a root unit"
+
+    def size(u: UnitSize) -> str:
+        return f"{u.name!r}, {u.numel:,} elements = {_human(u.numel * param_bytes)}"
+
+    text = f"Stage 3: {len(stage3.units)} gather units; the largest, gathered in full on every rank while in use: "
+    text += size(largest)
+    if largest is not root:
+        text += f"; the root unit, gathered around the whole forward and backward: {size(root)}"
+    return text + "."
 
 
 def _parse_count(text: str) -> int:
@@ -227,26 +346,30 @@ def _parse_count(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_zero estimate",
-        description=__doc__,
+        description=__doc__.split("\nNote ")[0],  # the notes are for readers of the code
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=_parse_count, help="number of parameters Ψ, e.g. 7.5e9 (the formula)")
-    what.add_argument("--model", help="a config name from conf/model/, e.g. gpt7b (the real partitioner)")
+    what.add_argument("--model", help="a config name from conf/model/, e.g. gpt7b (the strategy's own layout)")
     parser.add_argument("--gpus", type=_parse_count, required=True, help="data-parallel ranks N")
     parser.add_argument(
         "--precision", choices=sorted(PARAM_BYTES), default="bf16", help="parameters and gradients (default: bf16)"
     )
-    parser.add_argument(
-        "-K",
-        "--optimizer-bytes",
-        type=int,
-        default=None,
-        metavar="K",
-        help="optimizer-state bytes per parameter, fp32 master copy included (default: 12 = Adam with a 4-byte "
-        "master for 16-bit parameters, 8 for fp32 parameters)",
+    k_help = (
+        "optimizer-state bytes per parameter, fp32 master copy included (default: Adam's 12 for 16-bit, 8 for fp32)"
     )
-    parser.add_argument("--bucket-numel", type=_parse_count, default=4_000_000, help="ZeroConfig.bucket_numel")
+    parser.add_argument("-K", "--optimizer-bytes", type=int, default=None, metavar="K", help=k_help)
+    defaults = ZeroConfig()
+    for field, kind in (("bucket_numel", _parse_count), ("wrap_min_numel", int), ("persistence_threshold", int)):
+        default = getattr(defaults, field)
+        parser.add_argument(f"--{field.replace('_', '-')}", type=kind, default=default, help=f"ZeroConfig.{field}")
+    parser.add_argument(
+        "--wrap-module-classes",
+        nargs="*",
+        metavar="CLASS",
+        help="ZeroConfig.wrap_module_classes (default: None, the repeated layers; the flag alone: no class)",
+    )
     parser.add_argument("--config-dir", type=Path, default=DEFAULT_CONF_DIR, help="the conf/ directory")
     parser.add_argument("--plot", type=Path, default=None, help="also write a PNG bar chart (needs matplotlib)")
     return parser
@@ -254,35 +377,47 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    n = args.gpus
     try:
         precisions = Precisions.of(args.precision, args.optimizer_bytes)
-        n = args.gpus
         if args.model is None:
             num_params = args.params
             estimates = paper_estimates(num_params, n, precisions)
             title = f"Ψ = {num_params:,} parameters"
         else:
-            config = load_model_config(args.model, args.config_dir)
-            estimates = simulated_estimates(config, n, precisions, args.bucket_numel)
-            num_params = sum(t.numel() for t in build_meta_gpt(config).parameters())
+            classes = None if args.wrap_module_classes is None else tuple(args.wrap_module_classes)
+            sizes = {f: getattr(args, f) for f in ("bucket_numel", "wrap_min_numel", "persistence_threshold")}
+            config = ZeroConfig(stage=3, wrap_module_classes=classes, **sizes)
+            module = load_model(args.model, args.config_dir)
+            optimizer = build_on_meta(module)
+            num_params = sum(t.numel() for t in module.parameters())
+            estimates = layout_estimates(module, optimizer, n, precisions, config)
             title = f"{args.model}: Ψ = {num_params:,} parameters"
-    except ValueError as error:
+    except (ValueError, TypeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    k = precisions.k
-    print(f"{title} on N = {n:,} ranks; {args.precision} parameters and gradients ({precisions.param} bytes), K = {k}")
-    if args.model is None:
-        print("Model-state memory per rank by the ZeRO paper's formula (decimal units: 1 GB = 10^9 bytes):\n")
-    else:
-        print(
-            f"Model-state memory of rank 0 as the partitioner lays it out (bucket_numel = {args.bucket_numel:,}; "
-            "stage 3: one unit per transformer block plus a root unit), padding included:\n"
+    exact = args.model is not None
+    intro = f"{title} on N = {n:,} ranks; {args.precision} parameters and gradients ({precisions.param} bytes), "
+    intro += f"K = {precisions.k} (fp32 masters {precisions.master} + optimizer state {precisions.optimizer}). "
+    if exact:
+        intro += (
+            f"Model state of rank 0 as the strategy lays the model out: stages 1-2 in buckets of bucket_numel = "
+            f"{config.bucket_numel:,}; stage 3 in units by wrap_module_classes = {config.wrap_module_classes}, "
+            f"wrap_min_numel = {config.wrap_min_numel:,}, persistence_threshold = {config.persistence_threshold:,}. "
+            "Padding (elements) makes each bucket split into N equal shards; rank 0 holds the formula for Ψ + padding. "
         )
-    print(format_estimates(estimates, exact=args.model is not None))
+    else:
+        intro += "Model state per rank by the ZeRO paper's formula. "
+    print(textwrap.fill(intro + "Decimal units: 1 GB = 10^9 bytes.", width=WIDTH), end="\n\n")
+    print(format_estimates(estimates, exact))
+    print("\nBytes each rank sends per step:\n")
+    print(format_traffic(estimates, exact))
+    if exact:
+        print("\n" + textwrap.fill(format_units(estimates[3], precisions.param), width=WIDTH))
     if args.plot is not None:
         from lightning_zero.lightning.report import plot_memory_by_stage
 
         bars = {("DDP" if e.stage == 0 else f"ZeRO-{e.stage}"): e.state for e in estimates}
-        plot_memory_by_stage(bars, args.plot, f"{title} on {n:,} ranks, {args.precision}, K = {k}")
+        plot_memory_by_stage(bars, args.plot, f"{title} on {n:,} ranks, {args.precision}, K = {precisions.k}")
         print(f"\nchart written to {args.plot}")
     return 0

@@ -70,20 +70,28 @@ def _materialize(
     done.update(id(p) for p in direct)
 
 
-def _unit_buckets(
-    named: list[tuple[str, nn.Parameter]], config: ZeroConfig, group: ProcessGroup
-) -> tuple[list[FlatBucket], list[FlatBucket]]:
-    """(sharded, resident) buckets for one unit's parameters: one per (dtype, requires_grad) of each kind."""
-    rank, world = group.rank(), group.size()
-    source = dist.get_global_rank(group, 0) if world > 1 else 0
+def unit_bucket_layout(
+    named: list[tuple[str, nn.Parameter]], config: ZeroConfig
+) -> list[tuple[bool, list[tuple[str, nn.Parameter]]]]:
+    """How one unit's parameters are split into flat buckets: ``(resident, members)``, one per (resident, dtype,
+    requires_grad). Pure (no process group, no memory), so ``cli/estimate`` lays out a meta model with it too."""
     kinds: dict[tuple[bool, torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
     # Matrices first, then vectors: a weight-decay/no-decay split then cuts each shard into few runs.
     for fqn, p in sorted(named, key=lambda item: item[1].dim() < 2):
         resident = p.numel() < config.persistence_threshold
         kinds.setdefault((resident, p.dtype, p.requires_grad), []).append((fqn, p))
+    return [(resident, members) for (resident, _, _), members in kinds.items()]
+
+
+def _unit_buckets(
+    named: list[tuple[str, nn.Parameter]], config: ZeroConfig, group: ProcessGroup
+) -> tuple[list[FlatBucket], list[FlatBucket]]:
+    """(sharded, resident) buckets for one unit's parameters, laid out by ``unit_bucket_layout``."""
+    rank, world = group.rank(), group.size()
+    source = dist.get_global_rank(group, 0) if world > 1 else 0
     sharded: list[FlatBucket] = []
     resident_buckets: list[FlatBucket] = []
-    for (resident, _, _), members in kinds.items():
+    for resident, members in unit_bucket_layout(named, config):
         bucket = FlatBucket(-1, -1, members, rank, world, resident=True)
         if world > 1:
             assert bucket.data is not None
