@@ -247,3 +247,35 @@ def test_root_unit_modules_called_outside_a_step_gather_the_root():
         assert finite
         assert error < 1e-6
         assert root_sharded  # and freed again afterwards
+
+
+def _compiled_runs(stage: int) -> list[list[float]]:
+    """DDP + compile and ZeRO + compile of the same model, 3 steps each: the per-step losses."""
+    runs = []
+    for sharded in (False, True):
+        torch._dynamo.reset()
+        model = build_model("frozen_norm")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        if sharded:
+            config = ZeroConfig(stage=stage)
+            gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu")) if stage == 3 else None
+            optimizer = ZeroOptimizer(model, optimizer, dist.group.WORLD, config, gatherer)
+            forward = torch.compile(model)
+        else:
+            forward = torch.compile(DistributedDataParallel(model))
+        losses = []
+        for step in range(3):
+            loss = loss_fn("frozen_norm", forward, batch("frozen_norm", dist.get_rank(), step, 0))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        runs.append(losses)
+    return runs
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
+def test_torch_compile_matches_ddp_with_compile(stage):
+    for reference, compiled in run_distributed(_compiled_runs, 2, stage, timeout=280):
+        torch.testing.assert_close(torch.tensor(compiled), torch.tensor(reference), rtol=1e-4, atol=1e-5)

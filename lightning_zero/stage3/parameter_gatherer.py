@@ -14,6 +14,14 @@ along that reversed order, skipping units autograd will not reach. Every rank re
 whose use depends on the data are merged (Note [data-dependent units] in ``divergence.py``); nothing is prefetched
 before the order is known.
 
+Note [placeholders under compile]
+``torch.compile`` traces a module's forward hooks with it, and would compile the gather (whose collectives and
+parameter swaps it cannot trace) and specialize the graph on whatever the parameters were while tracing. Every hook
+is therefore excluded from tracing (``torch.compiler.disable``): the graph breaks at each unit boundary, the hook
+runs eagerly and gathers, and the graph that follows reads the parameters as inputs when it runs, i.e. gathered,
+contiguous, with their real strides; a placeholder (Note [placeholders]) never reaches a compiled graph. Compiling
+the whole model or each block (in ``configure_model``) both work; the graph breaks are the price.
+
 Note [recomputation]
 Activation checkpointing re-runs a unit's forward inside backward. The unit is already gathered by its pre-backward
 hook; the re-run must neither free it afterwards nor hook its outputs again. Hooks recognize it because autograd is
