@@ -19,6 +19,7 @@ module.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -188,6 +189,14 @@ class ZeroStrategy(ShardedCheckpointing):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if "nccl" in self._process_group_backend and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "0":
+            # See "Faults on NCCL" in the README: without error handling nothing ever ends a hung collective.
+            log.warning(
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a collective whose peer died or hangs will block this rank "
+                "forever; `collective_timeout_s` (%s s) only takes effect with error handling on. HINT: unset it "
+                "(torch's default tears the process down once the timeout expires).",
+                self.config.collective_timeout_s,
+            )
         # Names the rank that failed, died or hangs in the errors of the others (see ``comm/fault_monitor.py``).
         if self._fault_monitor is None:
             self._fault_monitor = FaultMonitor.from_default_group()
