@@ -12,6 +12,7 @@ Not a benchmark itself; imported by ``step_time.py`` and ``collectives.py`` (whi
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import inspect
 import multiprocessing as mp
@@ -63,8 +64,10 @@ def run_ranks(
     timeout: float = 1800.0,
     max_other_cores: float = float("inf"),
     attempts: int = 1,
+    backend: str = "gloo",
 ) -> Run:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes joined in a gloo group.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes joined in a ``backend`` group (with
+    nccl, rank r uses GPU r).
 
     The children's environment is this process's plus ``CHILD_ENV`` plus ``env`` (a ``None`` value removes the
     variable). First waits up to ``idle_wait`` seconds for the machine to be idle. A run during which other processes
@@ -81,14 +84,14 @@ def run_ranks(
     for _ in range(max(1, attempts)):
         if idle_wait > 0:
             wait_until_idle(idle_wait)
-        runs.append(_run_once(fn, world_size, args, timeout))
+        runs.append(_run_once(fn, world_size, args, timeout, backend))
         if runs[-1].other_cpu_cores <= max_other_cores:
             break
         print(f"  (other processes used {runs[-1].other_cpu_cores:.2f} CPU cores during the run)", flush=True)
     return min(runs, key=lambda run: run.other_cpu_cores)
 
 
-def _run_once(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float) -> Run:
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float, backend: str) -> Run:
     start, busy = time.monotonic(), busy_cpu_seconds()
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="zero_bench_") as tmp:
@@ -96,7 +99,9 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], ti
         procs, readers = [], []
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_entry, args=(fn, rank, world_size, init_method, args, writer), daemon=True)
+            proc = ctx.Process(
+                target=_entry, args=(fn, rank, world_size, init_method, args, writer, backend), daemon=True
+            )
             proc.start()
             writer.close()
             procs.append(proc)
@@ -130,13 +135,21 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], ti
 
 
 def _entry(
-    fn: Callable[..., Any], rank: int, world_size: int, init_method: str, args: tuple[Any, ...], conn: Any
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    init_method: str,
+    args: tuple[Any, ...],
+    conn: Any,
+    backend: str = "gloo",
 ) -> None:
     message: tuple[bool, Any]
     try:
         torch.set_num_threads(1)  # two ranks on two cores: one compute thread each
+        if backend == "nccl":  # one GPU per rank (one node): the device every rank_device() call returns
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(minutes=10)
+            backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(minutes=10)
         )
         dist.barrier()
         message = (True, fn(rank, world_size, *args))
@@ -231,6 +244,35 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device cpu|cuda --backend gloo|nccl``: where the benchmark's ranks compute and communicate."""
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl on cuda, else gloo")
+
+
+def check_device_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill in the backend and refuse combinations that cannot run, naming the flag and the fix."""
+    args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    if args.backend == "nccl" and args.device != "cuda":
+        parser.error("--backend nccl needs --device cuda (NCCL communicates GPU tensors only)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine. HINT: use --device cpu")
+    world = getattr(args, "world_size", 0)
+    if args.device == "cuda" and world > torch.cuda.device_count():
+        parser.error(f"--world-size {world} > {torch.cuda.device_count()} GPUs here: one GPU per rank")
+
+
+def rank_device(device_type: str) -> torch.device:
+    """This rank's device: its GPU (set in ``_entry``) or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a host clock measures it (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def tensor_bytes(tensors: list[Tensor]) -> int:

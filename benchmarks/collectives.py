@@ -117,18 +117,24 @@ OPS: dict[str, tuple[Op, Callable[[int, int], int]]] = {
 }
 
 
-def bench_rank(rank: int, world: int, sizes: list[int], warmup: int, repeats: int) -> dict[str, dict[int, list[float]]]:
+def bench_rank(
+    rank: int, world: int, sizes: list[int], warmup: int, repeats: int, device_type: str = "cpu"
+) -> dict[str, dict[int, list[float]]]:
     """Runs on every rank: ``{op: {size: [seconds, ...]}}`` for this rank."""
     times: dict[str, dict[int, list[float]]] = {name: {} for name in OPS}
+    device = bench.rank_device(device_type)
     for size in sizes:
         numel = size - size % world  # the bucket splits into equal shards
         for name, (make, _) in OPS.items():
-            run = make(numel, world)
+            with device:  # the buffers live on this rank's device
+                run = make(numel, world)
             samples = []
             for i in range(warmup + repeats):
                 dist.barrier()
+                bench.synchronize(device)
                 start = time.perf_counter()
                 run()
+                bench.synchronize(device)  # a GPU collective ends when its kernel does
                 if i >= warmup:
                     samples.append(time.perf_counter() - start)
             times[name][size] = samples
@@ -143,6 +149,7 @@ def _size_label(size: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
+    bench.add_device_arguments(parser)
     parser.add_argument("--sizes", default="500000,4000000,25000000", help="comma-separated fp32 element counts")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
@@ -151,14 +158,16 @@ def main() -> None:
     parser.add_argument("--attempts", type=int, default=3, help="runs at most, per measurement, see above")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/collectives.json"))
     ns = parser.parse_args()
+    bench.check_device_arguments(parser, ns)
     sizes = [int(s) for s in ns.sizes.split(",")]
     run = bench.run_ranks(
         bench_rank,
         ns.world_size,
-        (sizes, ns.warmup, ns.repeats),
+        (sizes, ns.warmup, ns.repeats, ns.device),
         idle_wait=ns.idle_wait,
         max_other_cores=ns.max_other_cores,
         attempts=ns.attempts,
+        backend=ns.backend,
     )
     per_rank = run.results
 

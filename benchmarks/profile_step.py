@@ -83,6 +83,8 @@ class PhaseTimer:
 def profile_rank(rank: int, world: int, variant: str, args: BenchArgs, zero: dict[str, Any]) -> list[dict[str, float]]:
     config = GPTConfig.bench25m()
     torch.manual_seed(args.seed)
+    device = args.rank_device()
+    torch.set_default_device(device)  # every model and buffer below lives on this rank's device
     model = GPT(config)
     timer = PhaseTimer()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -96,7 +98,7 @@ def profile_rank(rank: int, world: int, variant: str, args: BenchArgs, zero: dic
         if stage == 3:  # as step_time.py: built on meta and sharded, one unit per block plus the root
             with torch.device("meta"):
                 model = GPT(config)
-            gatherer = shard_module(model, ZeroConfig(stage=3, **zero), dist.group.WORLD, torch.device("cpu"))
+            gatherer = shard_module(model, ZeroConfig(stage=3, **zero), dist.group.WORLD, device)
             opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
             forward = model
             for unit in gatherer.units:
@@ -112,7 +114,8 @@ def profile_rank(rank: int, world: int, variant: str, args: BenchArgs, zero: dic
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     steps = []
     for _ in range(args.warmup + args.steps):
-        batch = torch.randint(config.vocab_size, (args.batch_size, config.block_size + 1), generator=gen)
+        batch = torch.randint(config.vocab_size, (args.batch_size, config.block_size + 1), generator=gen, device="cpu")
+        batch = batch.to(device)
         x, y = batch[:, :-1], batch[:, 1:]
         dist.barrier()
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -124,6 +127,7 @@ def profile_rank(rank: int, world: int, variant: str, args: BenchArgs, zero: dic
             loss.backward()
         with timer("step"):
             step_opt.step()
+            bench.synchronize(device)  # on a GPU the phases above time the launches; the total is the step
         total = time.perf_counter() - start
         cpu = time.process_time() - cpu_start
         steps.append({**timer.take(), "total": total, "total [cpu, all threads]": cpu, "loss": loss.item()})
@@ -136,6 +140,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--world-size", type=int, default=2)
+    bench.add_device_arguments(parser)
     parser.add_argument("--mmap-threshold", type=int, default=65536, help="0: glibc's default")
     parser.add_argument("--bucket-numel", type=int, default=None)
     parser.add_argument("--max-inflight-buckets", type=int, default=None)
@@ -146,7 +151,8 @@ def main() -> None:
     parser.add_argument("--attempts", type=int, default=3, help="runs at most, per measurement, see above")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_step.json"))
     ns = parser.parse_args()
-    args = BenchArgs(world_size=ns.world_size, steps=ns.steps, warmup=ns.warmup)
+    bench.check_device_arguments(parser, ns)
+    args = BenchArgs(world_size=ns.world_size, steps=ns.steps, warmup=ns.warmup, device=ns.device, backend=ns.backend)
     zero: dict[str, Any] = {"overlap_comm": not ns.no_overlap}
     if ns.no_divergence_check:
         zero["check_rank_divergence"] = False
@@ -168,6 +174,7 @@ def main() -> None:
             ns.idle_wait,
             max_other_cores=ns.max_other_cores,
             attempts=ns.attempts,
+            backend=ns.backend,
         )
         ranks = run.results
         print(f"{variant}: other processes used {run.other_cpu_cores:.2f} cores meanwhile", flush=True)

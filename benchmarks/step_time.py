@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
@@ -62,6 +63,13 @@ class BenchArgs:
     seed: int = 1234
     keep_reduce_buffers: str = "default"
     """Our stages' ``ZeroConfig.keep_reduce_buffers``: default (None), true or false."""
+    device: str = "cpu"
+    """cpu, or cuda (one GPU per rank); set by ``--device``."""
+    backend: str = "gloo"
+    """gloo or nccl; set by ``--backend`` (default: nccl on cuda)."""
+
+    def rank_device(self) -> torch.device:
+        return bench.rank_device(self.device)
 
     def zero_config(self, stage: int) -> ZeroConfig:
         keep = {"default": None, "true": True, "false": False}[self.keep_reduce_buffers]
@@ -123,16 +131,24 @@ def replicated_state_bytes(model: GPT, opt: torch.optim.Optimizer) -> int:
     return bench.tensor_bytes(params + [p.grad for p in params if p.grad is not None] + bench.adam_state(opt))
 
 
+def metered_ddp(model: GPT) -> DistributedDataParallel:
+    """DDP whose bucket all-reduce is issued from Python (``allreduce_hook``: the same average, divided by N, as its
+    C++ default), so that ``METER`` sees what DDP hands ``torch.distributed`` instead of a formula."""
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    return ddp
+
+
 @runner("ddp")
 def run_ddp(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     psi, world = model.num_parameters(), dist.get_world_size()
     return Prepared(
-        make_step(DistributedDataParallel(model), opt),
+        make_step(metered_ddp(model), opt),
         lambda: replicated_state_bytes(model, opt),
-        lambda: {"all_reduce": bench.ring_all_reduce_bytes(psi, world)},
-        "theory: ring all-reduce of fp32 grads, 2·Ψ·4·(N−1)/N",
+        lambda: dict(METER.last_step),
+        "measured: torch.distributed calls of DDP's all-reduce hook (benchmarks/_common.py TrafficMeter)",
         fp32_expected(psi, world, 0),
     )
 
@@ -142,12 +158,11 @@ def run_ddp_torch_zero(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
     model = build()
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr)
     psi, world = model.num_parameters(), dist.get_world_size()
-    own = sum(p.numel() for g in opt.optim.param_groups for p in g["params"])  # this rank's partition
     return Prepared(
-        make_step(DistributedDataParallel(model), opt),
+        make_step(metered_ddp(model), opt),
         lambda: replicated_state_bytes(model, opt.optim),
-        lambda: {"all_reduce": bench.ring_all_reduce_bytes(psi, world), "broadcast": own * 4 * (world - 1)},
-        "theory: ring all-reduce of grads + broadcast of this rank's partition to N−1 peers",
+        lambda: dict(METER.last_step),
+        "measured: torch.distributed calls (DDP's all-reduce hook, ZeroRedundancyOptimizer's broadcasts)",
         fp32_expected(psi, world, 1),
     )
 
@@ -182,7 +197,7 @@ def run_zero3(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
     config = args.zero_config(3)
     with torch.device("meta"):  # sharded init: the model is never materialized whole
         model = build()
-    gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu"))
+    gatherer = shard_module(model, config, dist.group.WORLD, args.rank_device())
     zopt = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=args.lr), dist.group.WORLD, config, gatherer)
     return Prepared(
         make_step(model, zopt),
@@ -200,7 +215,7 @@ def run_fsdp2(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
 
     model = build()
     psi, world = model.num_parameters(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(args.device, (world,))
     for block in model.blocks:  # one unit per block, as our stage 3's default policy, plus the root
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -227,7 +242,7 @@ if importlib.util.find_spec("deepspeed") is not None:  # a benchmark peer only, 
 
     @runner("deepspeed3")
     def run_deepspeed3(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("DS_ACCELERATOR", args.device)
         os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # DeepSpeed asks its launcher's variable (one node)
         import deepspeed
 
@@ -272,10 +287,12 @@ def bench_rank(rank: int, world: int, variant: str, args: BenchArgs) -> dict[str
         return GPT(config)
 
     METER.install()  # before the variant is built: DeepSpeed captures the collectives it will call
-    prepared = RUNNERS[variant](build, args)
+    device = args.rank_device()
+    with device:  # models are built on this rank's device (stage 3 overrides it with meta inside)
+        prepared = RUNNERS[variant](build, args)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # different data per rank, same across variants
     tokens = [
-        torch.randint(config.vocab_size, (args.batch_size, config.block_size + 1), generator=gen)
+        torch.randint(config.vocab_size, (args.batch_size, config.block_size + 1), generator=gen).to(device)
         for _ in range(args.warmup + args.steps)
     ]
     times, cpu_times, losses = [], [], []
@@ -285,6 +302,7 @@ def bench_rank(rank: int, world: int, variant: str, args: BenchArgs) -> dict[str
         METER.start_step()
         start, cpu_start = time.perf_counter(), time.process_time()
         loss = prepared.step(x, y)
+        bench.synchronize(device)  # a GPU step ends when its kernels do, not when they are queued
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)  # all threads of this rank, gloo's included
         losses.append(loss.item())
@@ -365,7 +383,10 @@ def report(summary: dict[str, dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_device_arguments(parser)
     for f in fields(BenchArgs):
+        if f.name in ("device", "backend"):
+            continue
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     parser.add_argument("--repeats", type=int, default=1, help="run all variants round-robin this many times")
     parser.add_argument("--variants", default=",".join(RUNNERS), help=f"comma-separated subset of {list(RUNNERS)}")
@@ -377,6 +398,7 @@ def main() -> None:
     parser.add_argument("--attempts", type=int, default=3, help="runs at most, per measurement, see above")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step_time.json"))
     ns = parser.parse_args()
+    bench.check_device_arguments(parser, ns)
     variants = ns.variants.split(",")
     unknown = sorted(set(variants) - set(RUNNERS))
     if unknown:
@@ -399,6 +421,7 @@ def main() -> None:
                 ns.idle_wait,
                 max_other_cores=ns.max_other_cores,
                 attempts=ns.attempts,
+                backend=args.backend,
             )
             ranks = run.results
             ranks[0]["other_cpu_cores"] = run.other_cpu_cores

@@ -2,12 +2,18 @@
 
 Everything here runs inside a rank started by ``tests.harness.run_distributed``; results come back as plain lists and
 tensors so that the assertions (and their messages) live in the test, in the parent process.
+
+Both collective modes: ``ddp_and_zero`` trains the ZeRO model a second time with ``LIGHTNING_ZERO_NATIVE_COLLECTIVES=1``
+(the branch NCCL takes, Note [native collectives] in ``lightning_zero/comm/collectives.py``) and ``assert_runs_match``
+checks that run against DDP too, so every parity test covers both modes for the cost of one more ZeRO run per rank
+(no new processes). ``LIGHTNING_ZERO_NATIVE_COLLECTIVES`` set for the whole test session runs everything natively.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import nullcontext
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +24,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_zero import ZeroConfig, ZeroOptimizer
+from lightning_zero.comm.collectives import NATIVE_COLLECTIVES_ENV, native_collectives
 from lightning_zero.models.gpt import GPT, GPTConfig
 from lightning_zero.models.mlp import MLP
 from lightning_zero.models.param_groups import param_groups_with_weight_decay
@@ -178,14 +185,37 @@ def zero3(config: ZeroConfig) -> Callable[[nn.Module, torch.optim.Optimizer], tu
     return wrap
 
 
+@contextmanager
+def native_collectives_on() -> Iterator[None]:
+    """Inside, every collective of this process takes its native (NCCL) branch, also on gloo."""
+    previous = os.environ.get(NATIVE_COLLECTIVES_ENV)
+    os.environ[NATIVE_COLLECTIVES_ENV] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[NATIVE_COLLECTIVES_ENV]
+        else:
+            os.environ[NATIVE_COLLECTIVES_ENV] = previous
+
+
 def ddp_and_zero(model_name: str, optimizer_name: str, steps: int, accumulate: int, config: ZeroConfig) -> list[Run]:
-    """One rank's [DDP run, ZeRO run] with identical seeds and data."""
+    """One rank's [DDP run, ZeRO run] with identical seeds and data; the ZeRO run carries a second one with native
+    collectives in ``extra["native"]`` (see the module docstring)."""
     reference = train(model_name, optimizer_name, steps, accumulate, ddp)
-    sharded = train(model_name, optimizer_name, steps, accumulate, zero3(config) if config.stage == 3 else zero(config))
+    wrap = zero3(config) if config.stage == 3 else zero(config)
+    sharded = train(model_name, optimizer_name, steps, accumulate, wrap)
+    if dist.get_world_size() > 1 and not native_collectives():  # one rank: no collective has two branches
+        with native_collectives_on():
+            sharded.extra["native"] = train(model_name, optimizer_name, steps, accumulate, wrap)
     return [reference, sharded]
 
 
 def assert_runs_match(reference: Run, candidate: Run, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Same losses at every step and same final weights; also for the native-collective run the candidate carries."""
+    native = candidate.extra.get("native")
+    if native is not None:
+        assert_runs_match(reference, native, rtol, atol)
     torch.testing.assert_close(
         torch.tensor(candidate.losses), torch.tensor(reference.losses), rtol=rtol, atol=atol, msg="per-step losses"
     )

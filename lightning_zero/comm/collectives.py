@@ -1,8 +1,21 @@
 """Stateless collectives over flat buffers.
 
 Every function takes the process group explicitly, launches asynchronously and returns a ``PendingCollective``:
-the work handle, the buffers that must stay alive until it completes, any local post-processing, and the bytes this
-rank sends. Callers record those bytes in a ``CommLedger`` (``ledger.py``).
+the work handles, the buffers that must stay alive until it completes, any local post-processing, and a ``Send``
+per call into ``torch.distributed`` (what was handed to it, measured at the call). Callers record them in a
+``CommLedger`` (``ledger.py``). An optional ``CollectiveStream`` runs the collective on a side stream of its device
+(Note [collective streams] in ``streams.py``).
+
+Note [native collectives]
+On NCCL (and any backend but gloo) a reduce-scatter is ``reduce_scatter_single`` and an all-gather
+``all_gather_single`` (recent torch; older ones, down to the ``torch>=2.6`` we accept, have only the long-standing
+``reduce_scatter_tensor`` / ``all_gather_into_tensor``, which recent torch deprecates: the newer name is looked up at
+the call and the older one used without it). On gloo we take the faster
+forms of the notes below. The environment variable ``LIGHTNING_ZERO_NATIVE_COLLECTIVES=1`` makes every collective
+take the native branch on gloo too, so that CPU tests run the exact code path GPUs take (gloo implements both native
+ops in fp32, fp16, bf16 and int64). It is an environment switch, not a ``ZeroConfig`` field, because it must reach
+every collective, including those issued by code that never sees the config (the divergence check, the optimizer's
+parameter gathers), and because the test harness hands the environment to every rank. It is read at each call.
 
 Note [reduce-scatter on gloo]
 Measured on the 2-core CPU machine, 2 ranks, one thread each (``benchmarks/collectives.py``): averaging a 4M-element
@@ -27,15 +40,23 @@ With N a power of two both orders give bit-identical results.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zero.comm.streams import CollectiveStream
+
 ProcessGroup = dist.ProcessGroup
+
+NATIVE_COLLECTIVES_ENV = "LIGHTNING_ZERO_NATIVE_COLLECTIVES"
+"""Set to ``1`` to run the native (NCCL) branch of every collective on gloo too: Note [native collectives]."""
 
 
 class Collective(str, Enum):
@@ -46,32 +67,64 @@ class Collective(str, Enum):
     ALL_REDUCE = "all_reduce"
 
 
+@dataclass(frozen=True, slots=True)
+class Send:
+    """One call into ``torch.distributed``, measured at the call: the tensor this rank handed it to send."""
+
+    op: str
+    """The ``torch.distributed`` function called (``reduce_scatter_single``, ``broadcast``, ...)."""
+    numel: int
+    dtype: torch.dtype
+    wire_bytes: int
+    """Bytes of that tensor that leave this rank with the op's bandwidth-optimal algorithm: a reduce-scatter or an
+    all-to-all sends the (N-1)/N of its input that other ranks own, an all-gather its input to N-1 ranks, the root
+    of a broadcast its tensor to N-1 ranks (the others none), an all-reduce twice the (N-1)/N of its tensor."""
+
+
 @dataclass
 class PendingCollective:
-    """An issued collective. ``wait()`` blocks until its result is in the output tensor."""
+    """An issued collective. ``wait()`` makes its result usable by the code (and stream) that calls it."""
 
     kind: Collective
     works: tuple[dist.Work, ...]
     """The asynchronous operations it was issued as (none for a world of one, several for a broadcast gather)."""
     buffers: tuple[Tensor, ...]
     """Tensors the collective reads or writes; held so they outlive the asynchronous work."""
-    bytes_sent: int
-    """Bytes this rank puts on the wire with a bandwidth-optimal algorithm."""
+    sends: tuple[Send, ...] = ()
+    """Every call into ``torch.distributed`` it made, with what was handed to it."""
     finish: Callable[[], None] | None = None
     """Local work to run once the data has arrived (the sum of the all-to-all reduce-scatter, the average)."""
+    stream: CollectiveStream | None = field(default=None, repr=False)
+    """The side stream it was issued on and completes on (Note [collective streams]); None: the current stream."""
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank puts on the wire, from what each call was handed (see ``Send.wire_bytes``)."""
+        return sum(send.wire_bytes for send in self.sends)
 
     def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works = ()
-        if self.finish is not None:
-            self.finish()
-            self.finish = None
+        with self.stream.complete() if self.stream is not None else nullcontext():
+            for work in self.works:
+                work.wait()
+            self.works = ()
+            if self.finish is not None:
+                self.finish()
+                self.finish = None
+        # Only now may the buffers be reused or freed: the caller's stream is ordered after the collective.
         self.buffers = ()
 
 
-def _nbytes(tensor: Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+def native_collectives() -> bool:
+    """Whether ``LIGHTNING_ZERO_NATIVE_COLLECTIVES`` asks for the native branch on gloo (Note [native collectives])."""
+    value = os.environ.get(NATIVE_COLLECTIVES_ENV, "")
+    if value in ("", "0", "false", "False"):
+        return False
+    if value in ("1", "true", "True"):
+        return True
+    raise ValueError(
+        f"Invalid environment variable {NATIVE_COLLECTIVES_ENV}={value!r}. Expected 1 (native collectives on "
+        f"gloo too) or 0 (gloo's faster forms). HINT: `export {NATIVE_COLLECTIVES_ENV}=1`, or unset it."
+    )
 
 
 def _runs_on_gloo(tensor: Tensor, group: ProcessGroup) -> bool:
@@ -83,51 +136,92 @@ def _runs_on_gloo(tensor: Tensor, group: ProcessGroup) -> bool:
     return per_device.get(tensor.device.type) == "gloo"
 
 
+def _gloo_form(tensor: Tensor, group: ProcessGroup) -> bool:
+    """Whether this collective takes gloo's own form (Notes [reduce-scatter on gloo], [all-gather on gloo])."""
+    return _runs_on_gloo(tensor, group) and not native_collectives()
+
+
+def needs_receive_buffer(input: Tensor, group: ProcessGroup) -> bool:
+    """Whether ``reduce_scatter(..., input, group)`` would use a ``scratch`` receive buffer: only gloo's all-to-all
+    form does, so callers borrow one only then (on NCCL it would be an unused bucket-sized buffer per bucket)."""
+    return group.size() > 1 and _gloo_form(input, group)
+
+
+def _native(new: str, old: str) -> Callable[..., Any]:
+    function: Callable[..., Any] | None = getattr(dist, new, None)
+    return function if function is not None else getattr(dist, old)  # Note [native collectives]
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _send(function: Callable[..., Any], tensor: Tensor, wire_bytes: int) -> Send:
+    return Send(function.__name__, tensor.numel(), tensor.dtype, wire_bytes)
+
+
 def reduce_scatter(
-    output: Tensor, input: Tensor, group: ProcessGroup, *, scratch: Tensor | None = None
+    output: Tensor,
+    input: Tensor,
+    group: ProcessGroup,
+    *,
+    scratch: Tensor | None = None,
+    stream: CollectiveStream | None = None,
 ) -> PendingCollective:
     """Average ``input`` (world * shard elements) across ranks; this rank's shard lands in ``output``.
 
     ``input`` must not change until the collective completes; fp16 input is divided by the world size in place
-    first (Note [when to average]). ``scratch``: on gloo, a buffer of ``input``'s size and dtype to receive into,
-    lent by the caller until ``wait()`` returns; without it one is allocated. ``output`` may be this rank's own
-    chunk of ``input`` (an in-place reduce-scatter): gloo writes it only once the exchange is complete.
+    first (Note [when to average]). ``scratch``: in gloo's form (``needs_receive_buffer``), a buffer of ``input``'s
+    size and dtype to receive into, lent by the caller until ``wait()`` returns; without it one is allocated.
+    ``output`` may be this rank's own chunk of ``input`` (an in-place reduce-scatter): gloo writes it only once the
+    exchange is complete, NCCL supports that aliasing.
     """
     world = group.size()
     assert input.numel() == output.numel() * world, (input.shape, output.shape, world)
     if world == 1:
         output.copy_(input)
-        return PendingCollective(Collective.REDUCE_SCATTER, (), (), 0)
+        return PendingCollective(Collective.REDUCE_SCATTER, (), ())
     divide_first = input.dtype == torch.float16  # Note [when to average]
     if divide_first:
         input.div_(world)
-    bytes_sent = _nbytes(input) * (world - 1) // world
-    if _runs_on_gloo(input, group):
+    wire_bytes = _nbytes(input) * (world - 1) // world
+    if _gloo_form(input, group):
         # See Note [reduce-scatter on gloo].
         if scratch is None:
             scratch = torch.empty_like(input)
         assert scratch.numel() == input.numel(), (scratch.shape, input.shape)
         assert scratch.dtype == input.dtype, (scratch.dtype, input.dtype)
         received = scratch.view(input.shape)  # chunk r is rank r's contribution to our shard
-        work = dist.all_to_all_single(received, input, group=group, async_op=True)
+        with stream.launch() if stream is not None else nullcontext():
+            work = dist.all_to_all_single(received, input, group=group, async_op=True)
 
         def finish() -> None:
             torch.sum(received.view(world, -1), dim=0, out=output.view(-1))
             if not divide_first:
                 output.div_(world)
 
-        return PendingCollective(Collective.REDUCE_SCATTER, (work,), (received, input, output), bytes_sent, finish)
-    work = dist.reduce_scatter_single(output, input, group=group, async_op=True)
+        send = _send(dist.all_to_all_single, input, wire_bytes)
+        return PendingCollective(Collective.REDUCE_SCATTER, (work,), (received, input, output), (send,), finish, stream)
+    function = _native("reduce_scatter_single", "reduce_scatter_tensor")
+    with stream.launch() if stream is not None else nullcontext():
+        work = function(output, input, group=group, async_op=True)
 
     def average() -> None:
         output.div_(world)
 
     return PendingCollective(
-        Collective.REDUCE_SCATTER, (work,), (input, output), bytes_sent, None if divide_first else average
+        Collective.REDUCE_SCATTER,
+        (work,),
+        (input, output),
+        (_send(function, input, wire_bytes),),
+        None if divide_first else average,
+        stream,
     )
 
 
-def all_gather(output: Tensor, input: Tensor, group: ProcessGroup) -> PendingCollective:
+def all_gather(
+    output: Tensor, input: Tensor, group: ProcessGroup, *, stream: CollectiveStream | None = None
+) -> PendingCollective:
     """Gather every rank's ``input`` shard into ``output`` (world * shard elements), in rank order.
 
     ``input`` may be this rank's own slice of ``output`` (an in-place gather): the updated shard is written straight
@@ -138,27 +232,35 @@ def all_gather(output: Tensor, input: Tensor, group: ProcessGroup) -> PendingCol
     if world == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
-        return PendingCollective(Collective.ALL_GATHER, (), (), 0)
-    bytes_sent = _nbytes(input) * (world - 1)
-    if _runs_on_gloo(output, group):
+        return PendingCollective(Collective.ALL_GATHER, (), ())
+    if _gloo_form(output, group):
         # See Note [all-gather on gloo].
         shards = output.view(world, -1)
-        own = shards[group.rank()]
+        rank = group.rank()
+        own = shards[rank]
         if own.data_ptr() != input.data_ptr():
             own.copy_(input.view(-1))
-        works = tuple(
-            dist.broadcast(shards[r], src=dist.get_global_rank(group, r), group=group, async_op=True)
-            for r in range(world)
+        with stream.launch() if stream is not None else nullcontext():
+            works = tuple(
+                dist.broadcast(shards[r], src=dist.get_global_rank(group, r), group=group, async_op=True)
+                for r in range(world)
+            )
+        sends = tuple(
+            _send(dist.broadcast, shards[r], _nbytes(shards[r]) * (world - 1) if r == rank else 0) for r in range(world)
         )
-        return PendingCollective(Collective.ALL_GATHER, works, (output, input), bytes_sent)
-    work = dist.all_gather_single(output, input, group=group, async_op=True)
-    return PendingCollective(Collective.ALL_GATHER, (work,), (output, input), bytes_sent)
+        return PendingCollective(Collective.ALL_GATHER, works, (output, input), sends, None, stream)
+    function = _native("all_gather_single", "all_gather_into_tensor")
+    with stream.launch() if stream is not None else nullcontext():
+        work = function(output, input, group=group, async_op=True)
+    send = _send(function, input, _nbytes(input) * (world - 1))
+    return PendingCollective(Collective.ALL_GATHER, (work,), (output, input), (send,), None, stream)
 
 
 def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> PendingCollective:
     """Sum ``tensor`` in place across ranks (small tensors: norms, overflow flags)."""
     world = group.size()
     if world == 1:
-        return PendingCollective(Collective.ALL_REDUCE, (), (), 0)
+        return PendingCollective(Collective.ALL_REDUCE, (), ())
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return PendingCollective(Collective.ALL_REDUCE, (work,), (tensor,), 2 * _nbytes(tensor) * (world - 1) // world)
+    send = _send(dist.all_reduce, tensor, 2 * _nbytes(tensor) * (world - 1) // world)
+    return PendingCollective(Collective.ALL_REDUCE, (work,), (tensor,), (send,))

@@ -4,15 +4,25 @@ A collective whose peer died or hangs fails on the surviving ranks with a transp
 best (gloo: ``Connection reset by peer``, ``Timed out waiting 10000ms for recv``). Each rank therefore keeps a few
 keys in the process group's c10d store, which every launcher already provides:
 
-- ``pid/<rank>``: host and pid, written once at start;
+- ``host/<hostname>``: ``rank:pid,`` appended once at start by every rank of that host;
 - ``heartbeat/<rank>``: a counter a background thread advances every ``interval_s`` seconds;
 - ``failure/<rank>``: written by ``on_exception`` when this rank fails: its exception, and whether it was the
-  first to fail (``origin``) or failed because a collective did (``collective``).
+  first to fail (``origin``) or failed because a collective did (``collective``); its rank is appended to
+  ``failed``, and to ``origins`` for an origin.
 
 When a rank's exception looks like a collective failure, ``on_exception`` reads these keys and adds a note to the
 exception naming the rank(s) at fault: one that reported its own error, one whose process is gone or stopped (same
 host: checked in ``/proc``), one whose heartbeat stopped, or one that is alive but never joined the collective. No
-collective and no per-step work is involved; the heartbeat is one small store write every few seconds.
+collective and no per-step work is involved.
+
+Note [store traffic at scale]
+The store is one process (rank 0's under torchrun), so what every rank sends it must stay small at 1024 ranks.
+Steady state: one ``set`` of a ~40-byte key and a counter per rank every ``interval_s`` (2 s): N/2 writes per
+second, 512/s and ~35 KB/s at N = 1024, and two client connections per rank. A failure diagnosis costs each
+failing rank a bounded number of requests whatever N is: one per poll (every 0.25 s, ~6.5 s at most) for the small
+``origins`` key, one for its host's ``rank:pid`` list, one read of ``failed`` (a few bytes per failed rank), and
+heartbeats and records of at most ``_MAX_SUSPECTS`` ranks: ~40 requests and ~20 KB per rank, ~40K requests when all
+1024 ranks fail at once. (Reading every peer's keys, as a naive diagnosis would, is N² requests: 4M at 1024.)
 
 See Note [monitor must not hang shutdown].
 """
@@ -87,6 +97,9 @@ class FaultMonitor:
     """
 
     _STALE_BEATS = 2
+    _MAX_SUSPECTS = 16
+    """Ranks whose heartbeat is read when no rank reported an origin: Note [store traffic at scale]."""
+    _POLL_S = 0.25
 
     def __init__(
         self,
@@ -107,8 +120,8 @@ class FaultMonitor:
         self._store_timeout = timedelta(seconds=store_timeout_s)
         prefix = f"{_NAMESPACE}/{next(_starts)}"
         # Two clients: the heartbeat thread and the failing main thread never wait on each other's calls.
-        self._beat_store = PrefixStore(prefix, _client(store, self._store_timeout))
-        self._store = PrefixStore(prefix, _client(store, self._store_timeout))
+        self._beat_store: Store = PrefixStore(prefix, _client(store, self._store_timeout))
+        self._store: Store = PrefixStore(prefix, _client(store, self._store_timeout))
         self._store_address = _address(store)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -126,7 +139,7 @@ class FaultMonitor:
 
     # -- lifecycle ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
-        self._store.set(f"pid/{self.rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        _append(self._store, f"host/{socket.gethostname()}", f"{self.rank}:{os.getpid()},")
         self._thread = threading.Thread(
             target=self._beat, name=f"lightning_zero-heartbeat-rank{self.rank}", daemon=True
         )
@@ -150,13 +163,20 @@ class FaultMonitor:
     # -- failure ------------------------------------------------------------------------------------------------------
     def on_exception(self, exception: BaseException) -> None:
         """Publish this rank's failure and, for a collective failure, add a note naming the rank(s) at fault."""
+        if self.publish(exception):
+            exception.add_note(self.diagnose())
+
+    def publish(self, exception: BaseException) -> bool:
+        """Record this rank's failure in the store; whether it is a collective failure (caused by another rank)."""
         collective = is_collective_failure(exception)
         summary = f"{type(exception).__name__}: {str(exception).strip().splitlines()[0] if str(exception) else ''}"
         record = json.dumps({"cause": "collective" if collective else "origin", "error": summary[:500]})
         with contextlib.suppress(Exception):  # the store's host is gone; diagnose() below reports that
             self._store.set(f"failure/{self.rank}", record)
-        if collective:
-            exception.add_note(self.diagnose())
+            _append(self._store, "failed", f"{self.rank},")
+            if not collective:
+                _append(self._store, "origins", f"{self.rank},")
+        return collective
 
     def diagnose(self) -> str:
         """A sentence naming the ranks that failed first, died, stopped, or never joined; bounded in time."""
@@ -177,65 +197,85 @@ class FaultMonitor:
         return head + " " + " ".join(f"Rank {rank} {what}." for rank, what in sorted(verdicts.items()))
 
     def _verdicts(self) -> dict[int, str]:
-        peers = [r for r in range(self.world_size) if r != self.rank]
-        # Give a peer that failed at the same moment time to publish its own record before judging it.
-        deadline = time.monotonic() + self._STALE_BEATS * self.interval_s + 0.5
-        beats = self._heartbeats(peers)
+        """Poll for an origin or a dead/stopped peer on this host; failing that, judge the ranks that reported
+        nothing by their heartbeats (Note [store traffic at scale])."""
+        local = {r: peer for r, peer in self._local_peers().items() if r != self.rank}
+        # Give peers failing at the same moment time to publish their records before judging anyone.
+        settle = time.monotonic() + self.interval_s + 0.5
+        suspects: list[int] = []
+        unlisted = 0
+        beats: dict[int, int | None] = {}
+        stale_at = 0.0
         while True:
-            verdicts: dict[int, str] = {}
-            failures = self._failures(peers)
-            origins = {r: f["error"] for r, f in failures.items() if f["cause"] == "origin"}
+            origins = self._origins()
             if origins:  # the first failure; the others are its consequences
-                return {r: f"failed first with {error}" for r, error in origins.items()}
-            for rank in peers:
-                if rank not in failures:
-                    state = _process_state(self._peer(rank))
-                    if state is not None:
-                        verdicts[rank] = state
-            if verdicts or time.monotonic() >= deadline:
+                return {r: f"failed first with {self._failure(r)}" for r in origins}
+            processes = {r: state for r, peer in local.items() if (state := _process_state(peer)) is not None}
+            if processes:
+                failed = self._failed()  # a peer that reported its failure and then exited is not at fault
+                dead = {r: state for r, state in processes.items() if r not in failed}
+                if dead:
+                    return dead
+            now = time.monotonic()
+            if not stale_at and now >= settle:
+                failed = self._failed()
+                silent = [r for r in range(self.world_size) if r != self.rank and r not in failed]
+                suspects, unlisted = silent[: self._MAX_SUSPECTS], max(0, len(silent) - self._MAX_SUSPECTS)
+                beats = self._heartbeats(suspects)
+                stale_at = now + self._stale_s()
+            if stale_at and now >= stale_at:
                 break
-            time.sleep(min(0.25, self.interval_s))
-        if verdicts:
-            return verdicts
-        now = self._heartbeats(peers)
-        for rank in peers:
-            if rank in failures:
-                continue
-            if now.get(rank) is None or now.get(rank) == beats.get(rank):
+            time.sleep(min(self._POLL_S, self.interval_s))
+        failed = self._failed()
+        suspects = [r for r in suspects if r not in failed]
+        now_beats = self._heartbeats(suspects)
+        verdicts: dict[int, str] = {}
+        for rank in suspects:
+            if now_beats.get(rank) is None or now_beats.get(rank) == beats.get(rank):
                 verdicts[rank] = f"stopped answering: its heartbeat has not advanced for over {self._stale_s():g} s"
             else:
                 verdicts[rank] = (
                     "is alive (its heartbeat advances) but never joined the collective: it is stuck outside "
                     "collectives (a loop, a blocking call) or took another code path"
                 )
+        if verdicts and unlisted:
+            last = max(verdicts)
+            verdicts[last] += f". {unlisted} more ranks reported nothing either (not checked)"
         return verdicts
 
     def _stale_s(self) -> float:
         return self._STALE_BEATS * self.interval_s
 
-    def _failures(self, peers: list[int]) -> dict[int, dict[str, str]]:
-        found = {}
-        for rank in peers:
-            if self._store.check([f"failure/{rank}"]):
-                found[rank] = json.loads(self._store.get(f"failure/{rank}"))
-        return found
+    def _ranks(self, key: str) -> set[int]:
+        if not self._store.check([key]):
+            return set()
+        return {int(r) for r in self._store.get(key).decode().split(",") if r}
 
-    def _heartbeats(self, peers: list[int]) -> dict[int, int | None]:
+    def _origins(self) -> set[int]:
+        return self._ranks("origins") - {self.rank}
+
+    def _failed(self) -> set[int]:
+        return self._ranks("failed")
+
+    def _failure(self, rank: int) -> str:
+        return str(json.loads(self._store.get(f"failure/{rank}"))["error"])
+
+    def _heartbeats(self, ranks: list[int]) -> dict[int, int | None]:
         return {
-            r: int(self._store.get(f"heartbeat/{r}")) if self._store.check([f"heartbeat/{r}"]) else None for r in peers
+            r: int(self._store.get(f"heartbeat/{r}")) if self._store.check([f"heartbeat/{r}"]) else None for r in ranks
         }
 
-    def _peer(self, rank: int) -> _Peer | None:
-        if not self._store.check([f"pid/{rank}"]):
-            return None
-        info = json.loads(self._store.get(f"pid/{rank}"))
-        return _Peer(rank, info["host"], info["pid"])
+    def _local_peers(self) -> dict[int, _Peer]:
+        host = socket.gethostname()
+        key = f"host/{host}"
+        if not self._store.check([key]):
+            return {}
+        entries = (entry.split(":") for entry in self._store.get(key).decode().split(",") if entry)
+        return {int(rank): _Peer(int(rank), host, int(pid)) for rank, pid in entries}
 
 
-def _process_state(peer: _Peer | None) -> str | None:
-    """'died ...' / 'is stopped ...' for a peer process on this host; None if alive, elsewhere, or unknown."""
-    if peer is None or peer.host != socket.gethostname():
-        return None
+def _process_state(peer: _Peer) -> str | None:
+    """'died ...' / 'is stopped ...' for a peer process on this host; None if alive or unknown."""
     try:
         with open(f"/proc/{peer.pid}/stat") as stat:
             state = stat.read().rsplit(")", 1)[1].split()[0]
@@ -248,6 +288,11 @@ def _process_state(peer: _Peer | None) -> str | None:
     if state in ("T", "t"):
         return f"(pid {peer.pid}) is stopped (SIGSTOP or a debugger) and stopped answering"
     return None
+
+
+def _append(store: Store, key: str, value: str) -> None:
+    """One request: ``key`` lists several ranks without a key per rank (Note [store traffic at scale])."""
+    store.append(key, value)  # type: ignore[attr-defined]  # missing from torch's stubs
 
 
 def _unwrap(store: Store) -> Store:

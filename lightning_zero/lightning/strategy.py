@@ -19,6 +19,7 @@ module.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -188,6 +189,14 @@ class ZeroStrategy(ShardedCheckpointing):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if "nccl" in self._process_group_backend and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "0":
+            # See "Faults on NCCL" in the README: without error handling nothing ever ends a hung collective.
+            log.warning(
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a collective whose peer died or hangs will block this rank "
+                "forever; `collective_timeout_s` (%s s) only takes effect with error handling on. HINT: unset it "
+                "(torch's default tears the process down once the timeout expires).",
+                self.config.collective_timeout_s,
+            )
         # Names the rank that failed, died or hangs in the errors of the others (see ``comm/fault_monitor.py``).
         if self._fault_monitor is None:
             self._fault_monitor = FaultMonitor.from_default_group()
@@ -368,14 +377,31 @@ class ZeroStrategy(ShardedCheckpointing):
 
     @override
     def teardown(self) -> None:
+        """Stages 1 and 2 end like DDP: the module (full parameters on every rank) moves to the CPU.
+
+        Note [teardown keeps the model sharded]
+        Lightning's teardown moves the module and the optimizer state to the CPU. For stage 3 that would turn each
+        parameter placeholder (one element expanded to the full shape, Note [placeholders]) into a dense full-size
+        host tensor on a GPU, the whole model on every rank, and re-point persistent parameters and buffers away
+        from the buckets and hooks that own them, so the next ``validate``/``test``/``fit`` on the same module would
+        run on detached copies. Stage 3 therefore tears down as FSDP's strategy does: nothing moves, the units stay
+        sharded on their device with their hooks, and the next run's ``setup`` finds them as it left them (a new
+        ``fit`` builds fresh optimizers over the same shards, as it would for DDP).
+        """
         if self._fault_monitor is not None:
             self._fault_monitor.stop()
             self._fault_monitor = None
-        # Stage 3 keeps its hooks: the model stays sharded and usable (a later fit/test, or inference).
         if self._gatherer is None:
             for optimizer in iter_zero_optimizers(self.optimizers):
                 optimizer.reducer.remove_hooks()
-        super().teardown()
+            super().teardown()
+            return
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     @classmethod
     @override

@@ -46,8 +46,9 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.comm.buffer_pool import BufferPool
-from lightning_zero.comm.collectives import PendingCollective, ProcessGroup, reduce_scatter
+from lightning_zero.comm.collectives import PendingCollective, ProcessGroup, needs_receive_buffer, reduce_scatter
 from lightning_zero.comm.ledger import CommLedger
+from lightning_zero.comm.streams import CollectiveStream
 from lightning_zero.config import ZeroConfig, dtype_from_name
 from lightning_zero.sharding.flat_bucket import FlatBucket, ParamSlot
 
@@ -103,6 +104,8 @@ class GradientReducer:
             self.pool.reserve(bucket.padded_numel, self._reduce_dtype(bucket), bucket.device)
         self._lent: list[list[Tensor]] = [[] for _ in self.buckets]
         """Pooled buffers an in-flight bucket's collective uses; back to the pool when it completes."""
+        self.stream = CollectiveStream(self.buckets[0].device if self.buckets else torch.device("cpu"))
+        """The reduce-scatters' side stream (Note [collective streams]); inert on the CPU."""
         self._handles: list[RemovableHandle] = []
         for bucket in self.buckets:
             for slot, param in bucket.slots_and_params():
@@ -247,14 +250,17 @@ class GradientReducer:
             self.pool.clear()  # Note [buffers between steps]
 
     def _reduce_scatter(self, bucket: FlatBucket, output: Tensor, input: Tensor) -> PendingCollective:
-        """Issue the bucket's reduce-scatter with a pooled receive buffer, held until the bucket completes."""
-        scratch = self.pool.take(input.numel(), input.dtype, input.device)
-        self._lent[bucket.index].append(scratch)
-        return reduce_scatter(output, input, self.group, scratch=scratch)
+        """Issue the bucket's reduce-scatter on the reduce-scatter stream. Only gloo's form receives into a separate
+        buffer; that one is pooled and held until the bucket completes (NCCL needs none)."""
+        scratch = None
+        if needs_receive_buffer(input, self.group):
+            scratch = self.pool.take(input.numel(), input.dtype, input.device)
+            self._lent[bucket.index].append(scratch)
+        return reduce_scatter(output, input, self.group, scratch=scratch, stream=self.stream)
 
     def _wait_oldest(self) -> None:
         bucket, pending = self._in_flight.popleft()
-        pending.wait()
+        pending.wait()  # compute is ordered after the collective from here on: Note [collective streams]
         self._complete(bucket)
         for buffer in self._lent[bucket.index]:
             self.pool.give(buffer)

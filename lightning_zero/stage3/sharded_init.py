@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero.comm.collectives import ProcessGroup
+from lightning_zero.comm.streams import CollectiveStream
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
@@ -121,11 +122,12 @@ def shard_module(
     resident: list[FlatBucket] = []
     was_meta = {id(p) for p in root.parameters() if p.is_meta}
     done: set[int] = set()
+    gather_stream = CollectiveStream(device)  # one all-gather stream for every unit, as FSDP2
 
     def build(index: int) -> None:
         name, module = ("", root) if index == 0 else unit_roots[index - 1]
         sharded, kept = _unit_buckets(owned[index], config, group)
-        units[index] = ShardedUnit(index, name, module, sharded)
+        units[index] = ShardedUnit(index, name, module, sharded, gather_stream)
         resident.extend(kept)
 
     for position, module in enumerate(modules):

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from lightning_zero.comm.collectives import PendingCollective, ProcessGroup, all_gather
 from lightning_zero.comm.ledger import CommLedger
+from lightning_zero.comm.streams import CollectiveStream
 from lightning_zero.sharding.flat_bucket import FlatBucket
 
 
@@ -25,7 +26,14 @@ class UnitState(enum.Enum):
 class ShardedUnit:
     """A unit module and the sharded buckets of the parameters it owns (see ``wrap_policy``)."""
 
-    def __init__(self, index: int, name: str, module: nn.Module, buckets: list[FlatBucket]) -> None:
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        module: nn.Module,
+        buckets: list[FlatBucket],
+        stream: CollectiveStream | None = None,
+    ) -> None:
         assert all(not b.resident for b in buckets)
         self.index = index
         """Position in module pre-order; 0 is the root unit."""
@@ -34,6 +42,8 @@ class ShardedUnit:
         self.buckets = buckets
         self.numel = sum(b.padded_numel for b in buckets)
         self.state = UnitState.SHARDED
+        self.stream = stream
+        """The all-gather stream every unit of the model shares (Note [collective streams]); None: the current one."""
         self._pending: list[tuple[FlatBucket, Tensor, PendingCollective]] = []
 
     @property
@@ -45,21 +55,24 @@ class ShardedUnit:
         if self.state is not UnitState.SHARDED:
             return
         for bucket in self.buckets:
+            # Allocated on the compute stream, which frees it again in release(): Note [collective streams].
             flat = bucket.allocate_full()
-            self._pending.append((bucket, flat, ledger.record(all_gather(flat, bucket.param_shard, group))))
+            pending = all_gather(flat, bucket.param_shard, group, stream=self.stream)
+            self._pending.append((bucket, flat, ledger.record(pending)))
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:
         if self.state is not UnitState.GATHERING:
             return
         for bucket, flat, pending in self._pending:
-            pending.wait()
+            pending.wait()  # compute waits for the gather here, and only here
             bucket.attach(flat)
         self._pending.clear()
         self.state = UnitState.GATHERED
 
     def release(self) -> None:
-        """Free the full parameters (waiting first if a gather is still in flight: its buffers must outlive it)."""
+        """Free the full parameters (waiting first if a gather is still in flight: its buffers must outlive it, and
+        the storage must go back to the allocator only once compute is ordered after the gather)."""
         if self.state is UnitState.SHARDED:
             return
         self.wait()

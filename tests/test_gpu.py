@@ -1,0 +1,193 @@
+"""The CUDA + NCCL path, for the day a machine with GPUs runs the suite (skipped without CUDA: ``gpu`` marker).
+
+Nothing here has run yet: no machine of the project has a GPU. Each test needs ``torch.cuda.device_count() >= 2``
+(one NCCL rank per GPU) and says what it checks; the harness starts the ranks as for the gloo tests, and Lightning
+(``init_process_group=False``) creates the NCCL group from the variables it sets.
+
+- parity with ``Trainer(strategy="ddp")`` for every stage, fp32, losses and weights step by step;
+- peak ``torch.cuda.max_memory_allocated`` of a stage-3 (and stage-1/2) step within the model-state formula plus
+  the measured activations of the same model and the communication buffers the design allows;
+- a profiler trace in which stage 3's all-gather kernels overlap compute kernels (Note [collective streams]);
+- teardown: ``fit``, ``validate``, ``fit`` keeps the stage-3 model sharded on its GPU, nothing moved to the host.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+import lightning_zero  # noqa: F401  (registers the presets)
+from lightning_zero import ZeroConfig, ZeroOptimizer, ZeroStrategy, expected_model_state_bytes, shard_module
+from lightning_zero.models.gpt import GPT, GPTConfig
+from tests.harness import run_distributed
+from tests.test_strategy import STEPS, ParityModule, _dataset, _full_weights
+from tests.test_teardown import TrackedModule, _sharded_state
+
+pytestmark = pytest.mark.gpu
+GPUS = 2
+RTOL, ATOL = 1e-4, 1e-5  # NCCL's ring sums in another order than gloo's; both runs share every other kernel
+
+
+def _gpu_trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="gpu",
+        devices=GPUS,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def _gpu_fit(strategy: Any) -> dict[str, Any]:
+    module = ParityModule("gpt", "adamw")
+    trainer = _gpu_trainer(strategy)
+    trainer.fit(module, DataLoader(_dataset("gpt", 2 * 4 * STEPS), batch_size=4))
+    weights = {n: w.cpu() for n, w in _full_weights(trainer, module.model).items()}
+    return {"losses": module.losses, "weights": weights, "backend": dist.get_backend()}
+
+
+def _ddp_then_every_stage() -> list[dict[str, Any]]:
+    return [_gpu_fit("ddp")] + [_gpu_fit(ZeroStrategy(stage=s, bucket_numel=4_000)) for s in (1, 2, 3)]
+
+
+@pytest.mark.timeout(600)
+def test_every_stage_matches_ddp_on_gpus_with_nccl():
+    for reference, *sharded in run_distributed(_ddp_then_every_stage, GPUS, init_process_group=False):
+        for run in sharded:
+            assert run["backend"] == "nccl"
+            torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=RTOL,
+                                       atol=ATOL)  # fmt: skip
+            for name, expected in reference["weights"].items():
+                torch.testing.assert_close(run["weights"][name], expected, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def _nccl_group() -> torch.device:
+    """This rank's GPU and an NCCL default group (the harness passes the rendezvous in the environment)."""
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    return device
+
+
+def _peak_memory(stage: int) -> dict[str, int]:
+    """Peak allocated bytes of a steady-state step, and what the design allows for it."""
+    device = _nccl_group()
+    config = GPTConfig.small(n_layer=6)
+    zero = ZeroConfig(stage=stage, bucket_numel=1_000_000)
+    tokens = torch.randint(0, config.vocab_size, (8, config.block_size + 1), device=device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    # Activations of this model and batch, measured on an unsharded copy: peak minus what was there before.
+    torch.manual_seed(0)
+    plain = GPT(config).to(device)
+    plain.loss(x, y)  # warm-up (cuBLAS workspaces)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    plain.loss(x, y).backward()
+    activations = torch.cuda.max_memory_allocated() - before  # includes the full gradients the copy produces
+    del plain
+    torch.cuda.empty_cache()
+
+    torch.manual_seed(0)
+    if stage == 3:
+        with torch.device("meta"):
+            model = GPT(config)
+        gatherer = shard_module(model, zero, dist.group.WORLD, device)
+        largest_unit = max(u.numel for u in gatherer.units) * 4
+        buffers = 2 * largest_unit + gatherer.units[0].numel * 4  # a unit in use, the prefetched one, the root
+    else:
+        model, gatherer = GPT(config).to(device), None
+        buffers = 0
+    optimizer = ZeroOptimizer(model, torch.optim.AdamW(model.parameters()), dist.group.WORLD, zero, gatherer)
+    buckets = max(b.padded_numel for b in optimizer.reducer.buckets) * 4
+    buffers += (zero.max_inflight_buckets + 1) * buckets  # staging buffers in flight and filling
+    for _ in range(2):  # the second step has optimizer state from the start
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        model.loss(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.cuda.synchronize()
+    psi = sum(b.numel for b in optimizer.reducer.buckets)
+    state = expected_model_state_bytes(psi, GPUS, stage, param_bytes=4, master_bytes=0).total
+    return {"peak": torch.cuda.max_memory_allocated(), "state": state, "activations": activations,
+            "buffers": buffers, "inputs": tokens.numel() * tokens.element_size()}  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_peak_gpu_memory_is_the_formula_plus_activations(stage):
+    for m in run_distributed(_peak_memory, GPUS, stage, init_process_group=False):
+        allowed = m["state"] + m["activations"] + m["buffers"] + m["inputs"]
+        assert m["peak"] <= 1.05 * allowed, m  # 5%: allocator rounding to 512-byte blocks, kernel workspaces
+
+
+def _all_gather_overlap() -> dict[str, float]:
+    """Time of NCCL all-gather kernels, and of that time spent while a compute kernel ran, in one stage-3 step."""
+    device = _nccl_group()
+    config = GPTConfig.small(n_layer=8)
+    with torch.device("meta"):
+        model = GPT(config)
+    zero = ZeroConfig(stage=3)
+    gatherer = shard_module(model, zero, dist.group.WORLD, device)
+    optimizer = ZeroOptimizer(model, torch.optim.AdamW(model.parameters()), dist.group.WORLD, zero, gatherer)
+    tokens = torch.randint(0, config.vocab_size, (16, config.block_size + 1), device=device)
+
+    def step() -> None:
+        model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # warm-up: NCCL communicators, optimizer state
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gathers = [(e.time_range.start, e.time_range.end) for e in kernels if "AllGather" in e.name]
+    compute = sorted((e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower())
+    overlapped = sum(max(0, min(end, c_end) - max(start, c_start)) for start, end in gathers
+                     for c_start, c_end in compute)  # fmt: skip
+    return {"gather_us": sum(end - start for start, end in gathers), "overlapped_us": overlapped}
+
+
+@pytest.mark.timeout(600)
+def test_stage3_all_gathers_overlap_compute_on_gpus():
+    for m in run_distributed(_all_gather_overlap, GPUS, init_process_group=False):
+        assert m["gather_us"] > 0, m
+        # Prefetched gathers run on their own stream while the previous unit computes (Note [collective streams]).
+        assert m["overlapped_us"] >= 0.25 * m["gather_us"], m
+
+
+def _teardown_on_gpu() -> dict[str, Any]:
+    module = TrackedModule()
+    trainer = _gpu_trainer(ZeroStrategy(stage=3, persistence_threshold=100))
+    loader = DataLoader(_dataset("gpt", 2 * 4 * 2 * STEPS), batch_size=4)
+    trainer.fit(module, loader)
+    trainer.validate(module, DataLoader(_dataset("gpt", 16), batch_size=4), verbose=False)
+    trainer.fit_loop.epoch_loop.max_steps = 2 * STEPS
+    trainer.fit(module, loader)
+    state = _sharded_state(module, trainer.strategy)
+    devices = {p.device.type for p in module.parameters()} | {b.device.type for b in module.buffers()}
+    return {"state": state, "devices": devices, "moves": module.moves_after_run, "steps": len(module.losses)}
+
+
+@pytest.mark.timeout(600)
+def test_zero3_fit_validate_fit_stays_sharded_on_the_gpu():
+    for m in run_distributed(_teardown_on_gpu, GPUS, init_process_group=False):
+        assert m["devices"] == {"cuda"}, m  # nothing was moved to the host
+        assert m["state"]["full"] == [], m
+        assert m["state"]["detached"] == [], m
+        assert m["moves"] == 0, m
+        assert m["steps"] == 2 * STEPS, m
