@@ -44,17 +44,16 @@ def _monitor(store: dist.Store, rank: int) -> FaultMonitor:
 def test_a_diagnosis_at_1024_ranks_reads_a_bounded_number_of_keys(origin, monkeypatch):
     monkeypatch.setattr(fault_monitor, "_starts", itertools.repeat(0))  # 1024 "processes" sharing one namespace
     store = dist.HashStore()
-    monitors = [_monitor(store, rank) for rank in range(WORLD)]
-    for monitor in monitors:
-        monitor._store.set(f"heartbeat/{monitor.rank}", "7")  # every rank has beaten once, then froze
+    peer = FaultMonitor(store, 0, WORLD)  # writes the keys of every other rank in turn (no thread started)
     culprit = 700
-    if origin:
-        monitors[culprit].publish(ValueError("bad batch"))
-    for monitor in monitors[2:]:  # every other rank but 0 and the culprit already reported its collective failure
-        if monitor.rank != culprit:
-            monitor.publish(RuntimeError("gloo: Connection closed by peer"))
-    me = monitors[0]
-    me._store.requests.clear()
+    for rank in range(WORLD):
+        peer.rank = rank
+        peer._store.set(f"heartbeat/{rank}", "7")  # every rank has beaten once, then froze
+        if origin and rank == culprit:
+            peer.publish(ValueError("bad batch"))
+        elif rank >= 2 and rank != culprit:  # every rank but 0, 1 and the culprit reported its collective failure
+            peer.publish(RuntimeError("gloo: Connection closed by peer"))
+    me = _monitor(store, 0)
     error = RuntimeError("gloo: Timed out waiting 1000ms for recv")
     me.on_exception(error)
     note = error.__notes__[0]
