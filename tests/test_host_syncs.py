@@ -1,4 +1,5 @@
-"""No host-device synchronization in the steady-state step of stages 1 and 2 (counted with ``tests/host_syncs.py``)."""
+"""No host-device synchronization in the steady-state step (counted with ``tests/host_syncs.py``): none for stages 1
+and 2, none for stage 3 with the divergence check off (its default on GPUs)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_zero import ZeroConfig, ZeroOptimizer
+from lightning_zero import ZeroConfig, ZeroOptimizer, shard_module
 from tests.harness import run_distributed
 from tests.host_syncs import count_host_syncs
 from tests.parity import batch, build_model, build_optimizer, loss_fn
@@ -60,3 +61,38 @@ def _steady_state_syncs(stage: int, accumulate: int) -> list[str]:
 def test_stages_1_and_2_step_without_host_syncs(stage, accumulate):
     for where in run_distributed(_steady_state_syncs, 2, stage, accumulate):
         assert where == []
+
+
+def _stage3_steady_state_syncs(check: bool | None) -> list[str]:
+    model = build_model("gpt")
+    config = ZeroConfig(stage=3, check_rank_divergence=check)
+    gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu"))
+    optimizer = ZeroOptimizer(model, build_optimizer("adamw", model), dist.group.WORLD, config, gatherer)
+    rank = dist.get_rank()
+
+    def step(index: int) -> None:
+        loss_fn("gpt", model, batch("gpt", rank, index, 0)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step(0)  # the first step's rounds read every exchange (Note [data-dependent units])
+    with count_host_syncs() as syncs:
+        for index in range(1, 3):
+            step(index)
+    return syncs.where
+
+
+@pytest.mark.timeout(120)
+def test_stage3_steps_without_host_syncs_when_the_divergence_check_is_off():
+    # Off is what ZeroConfig(check_rank_divergence=None) resolves to on a GPU.
+    assert ZeroConfig(stage=3).checks_rank_divergence_on(torch.device("cuda", 0)) is False
+    for where in run_distributed(_stage3_steady_state_syncs, 2, False):
+        assert where == []
+
+
+@pytest.mark.timeout(120)
+def test_stage3_divergence_check_reads_one_exchange_per_gather():
+    assert ZeroConfig(stage=3).checks_rank_divergence_on(torch.device("cpu")) is True
+    for where in run_distributed(_stage3_steady_state_syncs, 2, True):
+        assert where, "the check must read the exchanged unit indices"
+        assert all("parameter_gatherer.py" in w for w in where), where  # the check, nothing else
