@@ -295,7 +295,7 @@ def _construct(cls: type[Optimizer], groups: list[dict[str, Any]], hyper: dict[s
     attempts: list[dict[str, Any]] = [{}, {"lr": hyper["lr"]}] if "lr" in hyper else [{}]
     for kwargs in attempts:
         try:
-            return cls(groups, **kwargs)  # type: ignore[call-arg]
+            return cls(groups, **kwargs)
         except TypeError:
             continue
     return None

@@ -434,4 +434,4 @@ def _mark_used(flags: list[bool], index: int, param: Tensor) -> None:
 
 def _without_step_hooks(step: Callable[..., Any]) -> Callable[..., Any]:
     """The optimizer class's ``step`` without torch's hook-running wrapper (Note [step hooks])."""
-    return step.__wrapped__ if getattr(step, "hooked", False) else step  # type: ignore[attr-defined,no-any-return]
+    return step.__wrapped__ if getattr(step, "hooked", False) else step  # type: ignore[attr-defined]
