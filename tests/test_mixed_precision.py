@@ -152,9 +152,8 @@ def test_transformer_encoder_with_an_fp32_positional_buffer_trains_under_16_mixe
     _assert_language_model_matches_ddp("encoder", "16-mixed")
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", pytest.param("16-mixed", marks=pytest.mark.slow)])
 def test_hugging_face_gpt2_with_an_fp32_positional_buffer_trains_as_under_ddp(precision):
     pytest.importorskip("transformers")
     _assert_language_model_matches_ddp("huggingface", precision)
