@@ -54,8 +54,8 @@ class Segment(NamedTuple):
     start: int
     stop: int
     group: int
-    slot: int
-    """The parameter's position in ``bucket.params``."""
+    slot: int = -1
+    """The parameter's position in ``bucket.params`` (-1: a segment built by hand, not by ``segments_of``)."""
 
 
 class MasterRun(NamedTuple):
