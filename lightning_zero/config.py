@@ -92,6 +92,19 @@ class ZeroConfig:
     at the end of each backward, so they do not sit on top of the next forward's activations. None: True for stages
     1 and 2 (buckets of ``bucket_numel``), False for stage 3 (buckets as large as a unit)."""
 
+    broadcast_buffers: bool = True
+    """As DDP's ``broadcast_buffers``: before a forward of the training loop, every rank takes rank 0's buffers
+    (BatchNorm running statistics), so the ranks keep one model. Synchronized exactly when DDP does: before a
+    training or (during ``fit``) validation step whose previous step was a training step outside gradient
+    accumulation (Note [buffers follow rank 0] in ``lightning/strategy.py``). False: each rank keeps its own."""
+
+    elementwise_optimizers: tuple[str, ...] = ()
+    """Optimizer classes, by class name (``"Lion"``) or qualified name, that may be sharded although they are not
+    torch's element-wise ones (SGD, Adam, AdamW, ...). ZeRO steps a flat slice of each parameter, so only optimizers
+    whose update of an element reads nothing but that element's gradient and state give the same result; anything
+    else is refused. A listed optimizer is still stepped on a small probe, whole and cut into flat pieces, and refused
+    if the two differ."""
+
     collective_timeout_s: float = 1800.0
     """Seconds any collective may wait for the other ranks before failing. A rank that dies or hangs then fails
     the others after at most this long instead of leaving them blocked forever; lower it for fast failure."""
@@ -120,8 +133,9 @@ class ZeroConfig:
             raise TypeError(
                 f"Invalid ZeroConfig.keep_reduce_buffers: {self.keep_reduce_buffers!r}. Expected True, False or None."
             )
-        if not isinstance(self.overlap_comm, bool):
-            raise TypeError(f"Invalid ZeroConfig.overlap_comm: {self.overlap_comm!r}. Expected True or False.")
+        for name in ("overlap_comm", "broadcast_buffers"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Invalid ZeroConfig.{name}: {getattr(self, name)!r}. Expected True or False.")
         if self.check_rank_divergence is not None and not isinstance(self.check_rank_divergence, bool):
             raise TypeError(
                 f"Invalid ZeroConfig.check_rank_divergence: {self.check_rank_divergence!r}. Expected True, False or "
@@ -136,6 +150,14 @@ class ZeroConfig:
                     "names, e.g. ('Block',) or ('torch.nn.TransformerEncoderLayer',)."
                 )
             object.__setattr__(self, "wrap_module_classes", tuple(names))  # lists from YAML, frozen as a tuple
+        optimizers: object = self.elementwise_optimizers
+        names = list(optimizers) if isinstance(optimizers, (tuple, list)) else None
+        if names is None or not all(isinstance(n, str) and n for n in names):
+            raise TypeError(
+                f"Invalid ZeroConfig.elementwise_optimizers: {optimizers!r}. Expected a tuple of optimizer class "
+                "names, e.g. ('Lion',)."
+            )
+        object.__setattr__(self, "elementwise_optimizers", tuple(names))
         if self.reduce_dtype is not None and self.reduce_dtype not in _DTYPES:
             raise ValueError(
                 f"Invalid ZeroConfig.reduce_dtype: {self.reduce_dtype!r}. Expected None or one of {sorted(_DTYPES)}."

@@ -11,6 +11,24 @@ is what gives the paper's 4Ψ + 12Ψ/N (stage 1), 2Ψ + 14Ψ/N (stage 2) and 16�
 | ``16-mixed``   | fp16                  | fp32                            | fp16 autocast   | dynamic      |
 | ``bf16-true``  | bf16                  | bf16 (no fp32 copy)             | inputs to bf16  | -            |
 
+Note [mixed precision runs any model]
+Under Lightning's own ``"bf16-mixed"``/``"16-mixed"`` (what DDP runs) everything is fp32 and autocast lowers the
+matmuls; here the parameters themselves are low precision, which must not change what a model can do:
+
+- Floating *buffers* stay fp32, as under Lightning's plugin: only parameters are cast (``convert_module``, and at
+  birth inside ``configure_model``/``init_module``: ``_low_precision_parameters``). A positional encoding, a
+  BatchNorm running statistic or a float step counter keeps its fp32 values and updates.
+- The forward runs under autocast, as Lightning's plugin does, so matmuls and convolutions take fp32 inputs.
+- Normalization layers are the ops autocast does not reconcile: ``layer_norm`` with an fp32 input (a model input,
+  or an fp32 buffer added to bf16 activations) and bf16 weights fails on CPU (``mixed dtype (CPU): expect parameter
+  to have scalar type of Float``), and ``batch_norm`` with fp32 running statistics needs fp32 weights on every
+  device. Inside the forward, ``_NormsSeeFullPrecisionAffine`` hands the F.*_norm functions their (1-D, cheap)
+  weight and bias in the dtype DDP's would have: the input's or the running statistics', whichever is wider. The
+  result is the op DDP computes, on bf16-rounded weights, and gradients flow back to the bf16 parameters through
+  the cast. Limits: an fp32 tensor reaching a norm in a region recomputed under activation checkpointing (the
+  recomputation runs outside the forward context), and norms written as raw ops (``x * rsqrt(var) * weight``,
+  which promote and need nothing).
+
 Note [reduced gradients live in the optimizer]
 After backward, a parameter's ``.grad`` does not hold the averaged gradient: stage 1 has already reduce-scattered
 its flat gradient buffers into the sharded optimizer (and zeroed them for the next accumulation), stages 2 and 3 keep
@@ -25,7 +43,8 @@ named in a warning when the fit ends.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import copy
+from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
 
@@ -37,9 +56,12 @@ from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.nn.parameter import UninitializedParameter
+from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
-from lightning_zero.sharding.loss_scaler import DynamicLossScaler
+from lightning_zero.sharding.loss_scaler import DynamicLossScaler, scale_for_backward
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
 ZeroPrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
@@ -72,20 +94,38 @@ class ZeroPrecision(Precision):
         self.param_dtype = _PARAM_DTYPE[precision]
         self.fp32_masters = precision != "bf16-true"
         self.loss_scaler = loss_scaler or (DynamicLossScaler() if precision == "16-mixed" else None)
+        """The first optimizer's scaler; each other optimizer gets its own with the same schedule (Note [one loss
+        scale per optimizer] in ``sharding/loss_scaler.py``)."""
+        self.loss_scalers: list[DynamicLossScaler] = [self.loss_scaler] if self.loss_scaler is not None else []
+        self._configured_scaler = copy.copy(self.loss_scaler)
         # A user's `configure_gradient_clipping` during this fit: its class, calls, and calls that clipped through
         # Lightning. See Note [reduced gradients live in the optimizer].
         self._clipping_hook: tuple[str, int, int] | None = None
         self._clipped = False
 
-    # -- model ----------------------------------------------------------------------------------------------------
+    # -- model: Note [mixed precision runs any model] ---------------------------------------------------------------
+    @property
+    def _mixed(self) -> bool:
+        return self.precision.endswith("-mixed")
+
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        return module.to(self.param_dtype) if self.param_dtype != torch.float32 else module
+        if self.param_dtype == torch.float32:
+            return module
+        if not self._mixed:
+            return module.to(self.param_dtype)  # bf16-true: buffers too, as Lightning's HalfPrecision
+        with torch.no_grad():
+            for param in module.parameters():
+                if param.is_floating_point() and param.dtype != self.param_dtype:
+                    param.data = param.data.to(self.param_dtype)
+        return module
 
     @override
     def tensor_init_context(self) -> AbstractContextManager[Any]:
         # Parameters are created directly in their dtype: a bf16 model never exists in fp32, not even transiently.
-        return _DtypeContextManager(self.param_dtype) if self.param_dtype != torch.float32 else nullcontext()
+        if self.param_dtype == torch.float32:
+            return nullcontext()
+        return _low_precision_parameters(self.param_dtype) if self._mixed else _DtypeContextManager(self.param_dtype)
 
     @override
     def module_init_context(self) -> AbstractContextManager[Any]:
@@ -94,13 +134,21 @@ class ZeroPrecision(Precision):
     @contextmanager
     @override
     def forward_context(self) -> Generator[None, None, None]:
-        if self.precision.endswith("-mixed"):
+        if self._mixed:
             # Autocast casts fp32 inputs for matmuls and keeps softmax, norms and losses in fp32.
             device_type = "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu"
-            with torch.autocast(device_type, dtype=self.param_dtype):
+            with torch.autocast(device_type, dtype=self.param_dtype), _NormsSeeFullPrecisionAffine():
                 yield
         else:
             yield
+
+    def loss_scalers_for(self, count: int) -> list[DynamicLossScaler | None]:
+        """One loss scaler per optimizer (``16-mixed``), the first being ``loss_scaler``; None for the others."""
+        if self.loss_scaler is None or self._configured_scaler is None:
+            return [None] * count
+        extra = [copy.copy(self._configured_scaler) for _ in range(count - 1)]
+        self.loss_scalers = [self.loss_scaler, *extra]
+        return list(self.loss_scalers)
 
     @override
     def convert_input(self, data: Any) -> Any:
@@ -111,8 +159,8 @@ class ZeroPrecision(Precision):
     # -- backward and step ----------------------------------------------------------------------------------------
     @override
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
-        if self.loss_scaler is not None:
-            tensor = tensor * self.loss_scaler.scale
+        if self.loss_scalers:
+            tensor = tensor * scale_for_backward(self.loss_scalers)  # Note [one loss scale per optimizer]
         return super().pre_backward(tensor, module)
 
     @override
@@ -175,12 +223,94 @@ class ZeroPrecision(Precision):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler is not None else {}
+        if self.loss_scaler is None:
+            return {}
+        state: dict[str, Any] = {"loss_scaler": self.loss_scaler.state_dict()}
+        if len(self.loss_scalers) > 1:
+            state["loss_scalers"] = [scaler.state_dict() for scaler in self.loss_scalers]
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.loss_scaler is not None and "loss_scaler" in state_dict:
+        if self.loss_scaler is None:
+            return
+        saved = state_dict.get("loss_scalers")
+        if saved is not None and len(saved) == len(self.loss_scalers):
+            for scaler, state in zip(self.loss_scalers, saved, strict=True):
+                scaler.load_state_dict(state)
+        elif "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+
+
+# (weight, bias) positions of each F.*_norm function, and of its running statistics (never cast: updated in place).
+_AFFINE: dict[Callable[..., Any], tuple[int, ...]] = {
+    F.layer_norm: (2, 3),
+    F.group_norm: (2, 3),
+    F.batch_norm: (3, 4),
+    F.instance_norm: (3, 4),
+    F.rms_norm: (2,),
+}
+_STATISTICS: dict[Callable[..., Any], tuple[int, ...]] = {F.batch_norm: (1, 2), F.instance_norm: (1, 2)}
+
+
+class _NormsSeeFullPrecisionAffine(TorchFunctionMode):
+    """Normalization functions get weight and bias in the dtype of their input or running statistics, whichever is
+    wider, when the parameters are narrower (Note [mixed precision runs any model])."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        positions = _AFFINE.get(func)
+        if positions is not None and args and isinstance(args[0], Tensor) and args[0].is_floating_point():
+            args, kwargs = _widen_affine(func, positions, list(args), kwargs)
+        return func(*args, **kwargs)
+
+
+def _widen_affine(
+    func: Callable[..., Any], positions: tuple[int, ...], args: list[Any], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    wide = args[0].dtype
+    names = ("running_mean", "running_var")
+    for position, name in zip(_STATISTICS.get(func, ()), names, strict=False):
+        stat = args[position] if position < len(args) else kwargs.get(name)
+        if isinstance(stat, Tensor) and stat.is_floating_point():
+            wide = torch.promote_types(wide, stat.dtype)
+
+    def widen(value: Any) -> Any:
+        narrower = isinstance(value, Tensor) and value.is_floating_point() and value.dtype != wide
+        return value.to(wide) if narrower and torch.promote_types(value.dtype, wide) == wide else value
+
+    for position, name in zip(positions, ("weight", "bias"), strict=False):
+        if position < len(args):
+            args[position] = widen(args[position])
+        elif name in kwargs:
+            kwargs[name] = widen(kwargs[name])
+    return tuple(args), kwargs
+
+
+@contextmanager
+def _low_precision_parameters(dtype: torch.dtype) -> Iterator[None]:
+    """Every floating parameter registered inside is cast to ``dtype`` as it is registered (so the model never
+    exists in fp32), while buffers and other tensors keep the default dtype (Note [mixed precision runs any
+    model])."""
+
+    def cast(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        if type(param) is not nn.Parameter or isinstance(param, UninitializedParameter):
+            return None  # None, lazy or a custom Parameter subclass: convert_module casts it later
+        if not param.is_floating_point() or param.dtype == dtype:
+            return None
+        return nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+
+    handle = nn.modules.module.register_module_parameter_registration_hook(cast)  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _zero_optimizer(optimizer: Any) -> ZeroOptimizer:

@@ -14,6 +14,15 @@ The lifecycle, in Lightning's hook order:
 Stage 3 adds: ``model_sharded_context`` builds ``configure_model`` on the meta device; ``setup`` shards the model
 unit by unit (``stage3/sharded_init.py``); each ``*_step`` runs with the root unit gathered, as a forward of the root
 module.
+
+Note [buffers follow rank 0]
+DDP (``broadcast_buffers=True``) broadcasts rank 0's buffers at the start of a forward of its wrapper when the
+previous forward ran with gradients enabled outside ``no_sync`` (and at the first forward of a fit). Under
+Lightning, training steps and, during ``fit``, validation steps are forwards of the wrapper; validation runs without
+gradients. So the first validation step after training evaluates rank 0's BatchNorm statistics on every rank, the
+first training step after validation does not broadcast, and accumulating micro-batches broadcast only at the first
+of each window. ``ZeroStrategy`` broadcasts at exactly those points (``ZeroConfig.broadcast_buffers``), in one
+coalesced broadcast of every buffer, as DDP does.
 """
 
 from __future__ import annotations
@@ -116,6 +125,8 @@ class ZeroStrategy(ShardedCheckpointing):
         self._param_init_fn = param_init_fn
         self._gatherer: ParameterGatherer | None = None
         self._fault_monitor: FaultMonitor | None = None
+        self._broadcast_next_forward = True  # Note [buffers follow rank 0]
+        self._accumulating = False  # inside block_backward_sync
 
     # -- precision: ZeRO's own mixed precision (see ``precision.py``) -----------------------------------------------
     @property
@@ -212,6 +223,7 @@ class ZeroStrategy(ShardedCheckpointing):
         self.model = self.precision_plugin.convert_module(self.model)
         if self.config.stage == 3:
             self._shard_model()
+            self._broadcast_buffers()  # what _sync_module_states does for stages 1 and 2 (parameters are sharded)
         else:
             self.model_to_device()
             # Parameters are broadcast again bucket by bucket when sharded; buffers (e.g. BatchNorm statistics)
@@ -219,6 +231,7 @@ class ZeroStrategy(ShardedCheckpointing):
             _sync_module_states(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self._broadcast_next_forward = True  # a fresh DDP wrapper's state: Note [buffers follow rank 0]
         self.setup_precision_plugin()
 
     def _shard_model(self) -> None:
@@ -236,6 +249,8 @@ class ZeroStrategy(ShardedCheckpointing):
         super().setup_optimizers(trainer)
         assert self.lightning_module is not None
         precision = self.precision_plugin
+        # One loss scaler per optimizer: Note [one loss scale per optimizer] in sharding/loss_scaler.py.
+        scalers = precision.loss_scalers_for(len(self.optimizers))
         self.optimizers = [
             ZeroOptimizer(
                 self.lightning_module,
@@ -244,9 +259,9 @@ class ZeroStrategy(ShardedCheckpointing):
                 self.config,
                 self._gatherer,
                 fp32_masters=precision.fp32_masters,
-                loss_scaler=precision.loss_scaler,
+                loss_scaler=scaler,
             )
-            for optimizer in self.optimizers
+            for optimizer, scaler in zip(self.optimizers, scalers, strict=True)
         ]
 
     @contextmanager
@@ -274,11 +289,29 @@ class ZeroStrategy(ShardedCheckpointing):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._forward_of_the_fit()
         return self._with_root_gathered(lambda: super(ZeroStrategy, self).training_step(*args, **kwargs))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._forward_of_the_fit()
         return self._with_root_gathered(lambda: super(ZeroStrategy, self).validation_step(*args, **kwargs))
+
+    def _forward_of_the_fit(self) -> None:
+        """Broadcast rank 0's buffers where DDP would, before a step of ``fit`` (Note [buffers follow rank 0])."""
+        assert self.lightning_module is not None
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            return
+        if self._broadcast_next_forward and self.config.broadcast_buffers:
+            self._broadcast_buffers()
+        self._broadcast_next_forward = torch.is_grad_enabled() and not self._accumulating
+
+    def _broadcast_buffers(self) -> None:
+        assert self.lightning_module is not None
+        buffers = list(self.lightning_module.buffers())
+        if buffers and self.world_size > 1:
+            # DDP's own coalesced broadcast, with its default bucket size (250 MiB).
+            dist._broadcast_coalesced(self.process_group, buffers, 250 * 1024 * 1024, 0)  # type: ignore[attr-defined]
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -329,7 +362,11 @@ class ZeroStrategy(ShardedCheckpointing):
         with ExitStack() as stack:
             for optimizer in iter_zero_optimizers(self.optimizers):
                 stack.enter_context(optimizer.no_sync())
-            yield
+            self._accumulating = True  # Note [buffers follow rank 0]
+            try:
+                yield
+            finally:
+                self._accumulating = False
 
     # -- introspection -------------------------------------------------------------------------------------------
     def model_state_bytes(self) -> ModelStateBytes:

@@ -12,6 +12,13 @@ model whose layers initialize themselves (every ``torch.nn`` layer, and the mode
 gets bit-identical initial weights from the same seed. A parameter shared by several modules (tied embeddings) is
 re-initialized by each of them, consuming the same random numbers as separate construction would, and keeps the value
 its first module gave it, as tying after construction does.
+
+Note [meta buffers]
+A buffer built on meta has no values: what ``__init__`` computed (RoPE's ``inv_freq``, a causal mask, a sinusoidal
+table) is gone, and only the module's initializer can restore it. It is allocated (in its own dtype, on the target
+device) before the initializer runs, and afterwards it must have been written, in place or by assigning a new
+tensor; otherwise sharding stops with an error naming the module and the buffer, instead of training with zeros.
+A module that owns only buffers is initialized the same way.
 """
 
 from __future__ import annotations
@@ -37,17 +44,19 @@ def _default_init(module: nn.Module) -> None:
     reset = getattr(module, "reset_parameters", None)
     if not callable(reset):
         raise TypeError(
-            f"Cannot initialize the parameters of {type(module).__name__} built on the meta device: it has no "
-            "reset_parameters(). HINT: give the module a reset_parameters() that initializes its own parameters, "
-            "or pass `param_init_fn` to ZeroStrategy, or build the model outside `configure_model`."
+            f"Cannot initialize the parameters and buffers of {type(module).__name__} built on the meta device: it "
+            "has no reset_parameters(). HINT: give the module a reset_parameters() that initializes its own "
+            "parameters and buffers, or pass `param_init_fn` to ZeroStrategy, or build the model outside "
+            "`configure_model`."
         )
     reset()
 
 
 def _materialize(
-    module: nn.Module, device: torch.device, init: ParamInitFn, was_meta: set[int], done: set[int]
+    module: nn.Module, device: torch.device, init: ParamInitFn, was_meta: set[int], done: set[int], name: str = ""
 ) -> None:
-    """Allocate and initialize ``module``'s own meta parameters and buffers (see Note [initialization order]).
+    """Allocate and initialize ``module``'s own meta parameters and buffers (see Note [initialization order] and
+    Note [meta buffers]); ``name`` is the module's qualified name, for the error.
 
     ``was_meta``: parameters that were on meta when sharding began; a module owning any of them is initialized even
     if a tied parameter was allocated by an earlier module. ``done``: parameters initialized so far.
@@ -60,15 +69,27 @@ def _materialize(
         if p.is_meta:
             # swap_tensors keeps the Parameter object: ties and references held elsewhere stay valid.
             torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
-    for name, buffer in module.named_buffers(recurse=False):
+    allocated: dict[str, torch.Tensor] = {}
+    for key, buffer in module.named_buffers(recurse=False):
         if buffer.is_meta:
-            setattr(module, name, torch.zeros_like(buffer, device=device))
+            allocated[key] = torch.zeros_like(buffer, device=device)
+            setattr(module, key, allocated[key])
     with torch.no_grad():
         init(module)
         for p in direct:
             if id(p) in kept:
                 p.copy_(kept[id(p)])
     done.update(id(p) for p in direct)
+    untouched = [k for k, b in allocated.items() if module._buffers.get(k) is b and b._version == 0]
+    if untouched:  # Note [meta buffers]
+        where = ", ".join(repr(f"{name}.{k}" if name else k) for k in untouched)
+        raise RuntimeError(
+            f"Buffer(s) {where} of {type(module).__name__} were built on the meta device and its initializer "
+            "(reset_parameters() or param_init_fn) did not set them: what __init__ computed is lost, and training "
+            f"would use zeros. HINT: compute them in {type(module).__name__}.reset_parameters() (e.g. "
+            f"`self.{untouched[0]}.copy_(...)`), or set them in `param_init_fn`, or build the model in `__init__` "
+            "instead of `configure_model`."
+        )
 
 
 def unit_bucket_layout(
@@ -130,8 +151,9 @@ def shard_module(
         units[index] = ShardedUnit(index, name, module, sharded, gather_stream)
         resident.extend(kept)
 
+    names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
     for position, module in enumerate(modules):
-        _materialize(module, device, init, was_meta, done)
+        _materialize(module, device, init, was_meta, done, names.get(id(module), ""))
         for i, last in enumerate(last_position):
             if last == position:
                 build(i + 1)
