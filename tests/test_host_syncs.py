@@ -1,5 +1,7 @@
-"""No host-device synchronization in the steady-state step (counted with ``tests/host_syncs.py``): none for stages 1
-and 2, none for stage 3 with the divergence check off (its default on GPUs)."""
+"""Host-device synchronizations in the steady-state step (counted with ``tests/host_syncs.py``): exactly one per step
+at every stage (stage 3 with the divergence check off, its default on GPUs). That one is the decision of which
+parameters got a gradient on some rank (Note [unused parameters]): as under DDP, a parameter without one is left out
+of the step, and torch's optimizers skip a parameter by looking at ``p.grad is None`` on the host."""
 
 from __future__ import annotations
 
@@ -55,12 +57,17 @@ def _steady_state_syncs(stage: int, accumulate: int) -> list[str]:
     return syncs.where
 
 
+def _only_the_used_flags(where: list[str], steps: int) -> None:
+    assert len(where) == steps, where
+    assert all("sharded_optimizer.py" in w and "step" in w for w in where), where
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_stages_1_and_2_step_without_host_syncs(stage, accumulate):
+def test_stages_1_and_2_step_with_one_host_sync(stage, accumulate):
     for where in run_distributed(_steady_state_syncs, 2, stage, accumulate):
-        assert where == []
+        _only_the_used_flags(where, steps=2)
 
 
 def _stage3_steady_state_syncs(check: bool | None) -> list[str]:
@@ -83,16 +90,17 @@ def _stage3_steady_state_syncs(check: bool | None) -> list[str]:
 
 
 @pytest.mark.timeout(120)
-def test_stage3_steps_without_host_syncs_when_the_divergence_check_is_off():
+def test_stage3_steps_with_one_host_sync_when_the_divergence_check_is_off():
     # Off is what ZeroConfig(check_rank_divergence=None) resolves to on a GPU.
     assert ZeroConfig(stage=3).checks_rank_divergence_on(torch.device("cuda", 0)) is False
     for where in run_distributed(_stage3_steady_state_syncs, 2, False):
-        assert where == []
+        _only_the_used_flags(where, steps=2)
 
 
 @pytest.mark.timeout(120)
 def test_stage3_divergence_check_reads_one_exchange_per_gather():
     assert ZeroConfig(stage=3).checks_rank_divergence_on(torch.device("cpu")) is True
     for where in run_distributed(_stage3_steady_state_syncs, 2, True):
-        assert where, "the check must read the exchanged unit indices"
-        assert all("parameter_gatherer.py" in w for w in where), where  # the check, nothing else
+        checks = [w for w in where if "parameter_gatherer.py" in w]
+        assert checks, "the check must read the exchanged unit indices"
+        _only_the_used_flags([w for w in where if w not in checks], steps=2)
