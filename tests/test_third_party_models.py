@@ -129,3 +129,10 @@ def test_mixture_of_experts_matches_ddp_find_unused_with_adamw():
     """With AdamW, experts unused on every rank in a step must keep their weights and Adam state, as DDP's do."""
     _check("moe", ["ddp_find_unused_parameters_true", "zero2", "zero3"])
     _check("unused_head", ["ddp_find_unused_parameters_true", "zero1", "zero2", "zero3"], optimizer="plain_sgd")
+
+
+@pytest.mark.timeout(400)
+def test_compiled_model_matches_ddp_with_compile_at_every_stage():
+    """``torch.compile`` of the model's body (the fixture compiles it) through the Trainer: stage 3 breaks the graph
+    at each unit boundary and gathers there, eagerly (Note [placeholders under compile])."""
+    _check("compiled_mlp", ["ddp", "zero1", "zero2", "zero3"])
