@@ -129,7 +129,10 @@ def _real_step(model: GPT, optimizer: ZeroOptimizer) -> tuple[ModelStateBytes, d
     optimizer.zero_grad()
     gatherer = optimizer.gatherer
     assert gatherer is None or isinstance(gatherer, ParameterGatherer)
-    return model_state_bytes(model, [optimizer], gatherer), optimizer.ledger.last_step_bytes()
+    # The model's traffic; the few bytes of the per-step "got a gradient" all-reduce (Note [unused parameters]) are
+    # not the model's and the estimate leaves them out.
+    sent = {kind: nbytes for kind, nbytes in optimizer.ledger.last_step_bytes().items() if kind != "all_reduce"}
+    return model_state_bytes(model, [optimizer], gatherer), sent
 
 
 def _shard_for_real() -> dict[str, object]:
