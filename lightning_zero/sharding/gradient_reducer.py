@@ -169,8 +169,9 @@ class GradientReducer:
     def queue_flush(self) -> None:
         """Have the backward running now flush every bucket when it ends (Note [bucket flush]). The reducer's own
         hooks call this at the first gradient; calling it from a hook that runs earlier in the same backward (stage
-        3's first pre-backward) makes sure the flush belongs to the outermost backward."""
-        if not self._callback_queued:
+        3's first pre-backward) makes sure the flush belongs to the outermost backward. A backward that does not
+        communicate (inside ``no_sync()`` with local accumulation) queues nothing."""
+        if self._communicates_now() and not self._callback_queued:
             # See Note [bucket flush].
             Variable._execution_engine.queue_callback(self._on_backward_end)
             self._callback_queued = True
