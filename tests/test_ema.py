@@ -165,3 +165,45 @@ def test_sharded_ema_refuses_other_strategies_with_a_hint(tmp_path):
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False)
     with pytest.raises(TypeError, match=r"HINT: .*EMAWeightAveraging"):
         ShardedEMA().setup(trainer, TinyGPT(), "fit")
+
+
+def _bf16_with_and_without(root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, callbacks in (("plain", []), ("ema", [ShardedEMA(decay=DECAY)])):
+        module = ValidatedGPT()
+        trainer = pl.Trainer(
+            strategy=ZeroStrategy(stage=2, bucket_numel=3_000),
+            accelerator="cpu",
+            devices=2,
+            precision="bf16-mixed",
+            max_steps=6,
+            val_check_interval=2,
+            limit_val_batches=1,
+            callbacks=callbacks,
+            enable_checkpointing=False,
+            default_root_dir=root,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module)
+        zeros = [o for o in trainer.strategy.optimizers if hasattr(o, "masters")]
+        out[name] = module.train_losses, module.val_losses
+        if name == "ema":
+            (zero,) = zeros
+            shards = [s.bucket.param_shard[s.start : s.stop] for s in zero.segments]
+            out["masters_are_the_average"] = all(torch.equal(m, zero.state[m]["ema"]) for m in zero.masters)
+            out["shards_follow"] = all(torch.equal(p, m.to(p.dtype)) for p, m in zip(shards, zero.masters, strict=True))
+            out["separate_masters"] = all(p.dtype == torch.bfloat16 for p in shards)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_bf16_swap_restores_the_live_weights_bit_for_bit():
+    with tempfile.TemporaryDirectory() as root:
+        for rank in run_distributed(_bf16_with_and_without, 2, root, init_process_group=False):
+            assert rank["ema"][0] == rank["plain"][0]  # training never sees the average, nor a rounded restore
+            assert rank["ema"][1] != rank["plain"][1]  # validation does
+            assert rank["separate_masters"]
+            assert rank["masters_are_the_average"]  # fit ends with the average in the masters...
+            assert rank["shards_follow"]  # ...and in the bf16 parameters
