@@ -132,8 +132,11 @@ class ShardedEMA(pl.Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # Interrupted during validation: leave the model with its live weights, not the average.
-        self.on_validation_epoch_end(trainer, pl_module)
+        # Interrupted during validation: put the live weights back into the masters and shards (what a checkpoint
+        # saves), without a collective: another rank may be the one that failed.
+        if self._live is not None:
+            live, self._live = self._live, None
+            _write_masters(trainer, live, gather=False)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -175,8 +178,9 @@ def _emas(zero: ZeroOptimizer) -> list[Tensor]:
 
 
 @torch.no_grad()
-def _write_masters(trainer: pl.Trainer, values: list[list[Tensor]]) -> None:
-    """Set every optimizer's masters to ``values``, then the parameter shards and the full parameters from them."""
+def _write_masters(trainer: pl.Trainer, values: list[list[Tensor]], gather: bool = True) -> None:
+    """Set every optimizer's masters to ``values``, then the parameter shards and (``gather``) the full parameters
+    from them."""
     for zero, new in zip(_zeros(trainer), values, strict=True):
         if zero.masters:
             torch._foreach_copy_(zero.masters, new)
@@ -184,6 +188,8 @@ def _write_masters(trainer: pl.Trainer, values: list[list[Tensor]]) -> None:
             shard = segment.bucket.param_shard[segment.start : segment.stop]
             if master.data_ptr() != shard.data_ptr():
                 shard.copy_(master)  # fp32 master -> low-precision parameter shard
+        if not gather:
+            continue
         with _gathering() as pending:
             for bucket in zero.resident_buckets:
                 assert bucket.data is not None
