@@ -19,7 +19,8 @@ Two nodes (here both on localhost; on a cluster run the same command on each nod
     torchrun --nnodes=2 --nproc-per-node=1 --node-rank=1 --master-addr=127.0.0.1 --master-port=29500 \\
         examples/train.py trainer.num_nodes=2 trainer.devices=1
 
-Outputs (the composed config, logs, ``memory_report.json``) go to Hydra's directory: ``outputs/<date>/<time>/``,
+Outputs (the composed config, logs, ``memory_report.json``, and ``logs/metrics.csv``: the loss and every rank's
+memory and bytes sent every ``report.log_every_n_steps`` steps) go to Hydra's directory: ``outputs/<date>/<time>/``,
 or ``multirun/<date>/<time>/<job>/`` for a sweep.
 """
 
@@ -121,10 +122,13 @@ def main(cfg: DictConfig) -> float:
         callbacks: list[pl.Callback] = [instantiate(cfg.report), PrintLoss(cfg.trainer.log_every_n_steps)]
         if isinstance(data, ByteCorpusDataModule):  # text: show what the model writes
             callbacks.append(SampleText(**cfg.sample, seed=cfg.seed))
+        # The job's logger writes the loss and MemoryReport's per-rank figures into the job's directory.
+        logger = instantiate(cfg.logger, save_dir=str(job.output_dir)) if cfg.get("logger") else False
         trainer: pl.Trainer = instantiate(
             cfg.trainer,
             strategy=instantiate(cfg.strategy, _convert_="all"),
             callbacks=callbacks,
+            logger=logger,
             default_root_dir=str(job.output_dir),
         )
         job.attach(trainer)

@@ -11,7 +11,7 @@ imports upwards):
 - ``sharding``: stages 1 and 2 and the shared optimizer: flat buckets, gradient reducers, ``ZeroOptimizer``.
 - ``stage3``: parameters sharded too: unit policy, units, the gatherer, sharded initialization.
 - ``checkpoint``: sharded checkpoint IO.
-- ``lightning``: ``ZeroStrategy``, ``ZeroPrecision``, the memory count and report.
+- ``lightning``: ``ZeroStrategy``, ``ZeroPrecision``, ``ShardedEMA``, the memory count and report.
 - ``hydra``: structured configs and multirun launch; ``cli``: ``python -m lightning_zero`` commands.
 - ``models``: the example models and data (plain PyTorch / Lightning code).
 """
@@ -22,6 +22,7 @@ from lightning_zero.checkpoint.sharded_checkpoint import CheckpointError, load_f
 from lightning_zero.cli.consolidate import consolidate_checkpoint
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig
+from lightning_zero.lightning.ema import ShardedEMA
 from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes, model_state_bytes
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.report import MemoryReport
@@ -39,6 +40,7 @@ __all__ = [
     "ModelStateBytes",
     "ParameterGatherer",
     "RankDivergenceError",
+    "ShardedEMA",
     "ZeroConfig",
     "ZeroOptimizer",
     "ZeroPrecision",

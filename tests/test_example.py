@@ -7,6 +7,7 @@ its own process group, killed as a whole if it outlives its timeout.
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import os
 import re
@@ -113,7 +114,9 @@ def test_example_trains_end_to_end_on_two_processes(tmp_path, strategy):
     if strategy == "zero3" and (reason := stage3_unavailable_reason()):
         pytest.skip(reason)
     run_dir = tmp_path / "run"
-    output = run_example([f"strategy={strategy}", *FAST, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    output = run_example(
+        [f"strategy={strategy}", *FAST, "report.log_every_n_steps=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path
+    )
 
     steps = losses(output)
     assert len(steps) == 4, output
@@ -144,6 +147,18 @@ def test_example_trains_end_to_end_on_two_processes(tmp_path, strategy):
         gathers = 2 if stage == 3 else 1  # stage 3 gathers in forward and again in backward
         assert abs(sent["reduce_scatter"] - full // 2) <= padding
         assert abs(sent["all_gather"] - gathers * full // 2) <= gathers * padding
+    # The CSV logger's file holds the loss and, every 2 steps, each rank's memory and traffic, equal to the report's.
+    with (run_dir / "logs" / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert any(row["train_loss"] for row in rows)
+    logged = [row for row in rows if row.get("memory/rank1/optimizer_state")]
+    assert len(logged) == 2
+    for rank in report["ranks"]:
+        for row in logged:
+            assert float(row[f"memory/rank{rank['rank']}/optimizer_state"]) == rank["optimizer_state"] > 0
+            assert float(row[f"memory/rank{rank['rank']}/peak_memory"]) > 0
+            for collective, sent in rank["sent"].items():
+                assert float(row[f"comm/rank{rank['rank']}/{collective}"]) == sent
     # Each rank logs to the job's directory; the launched rank writes no config record of its own.
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     assert (run_dir / "train_rank1.log").is_file()

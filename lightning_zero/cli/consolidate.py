@@ -1,11 +1,14 @@
 """A sharded checkpoint directory -> one plain Lightning checkpoint file, on one CPU process without a process group.
 
-    python -m lightning_zero consolidate CKPT_DIR OUT_FILE
+    python -m lightning_zero consolidate CKPT_DIR OUT_FILE [--weights live|ema]
 
 The output holds the full fp32 ``state_dict`` under the LightningModule's own key names (tied parameters share one
 tensor, as ``state_dict()`` has them) plus Lightning's fields (epoch, global step, loops, hyper-parameters, ...), so
 ``MyModule.load_from_checkpoint(OUT_FILE)`` and ``nn.Module.load_state_dict(torch.load(OUT_FILE)["state_dict"])``
 both work. Optimizer and LR-scheduler state are left out, as in Lightning's ``save_weights_only`` checkpoints.
+``--weights ema`` exports the moving average ``ShardedEMA`` kept (saved as optimizer state: Note [EMA as optimizer
+state] in ``lightning/ema.py``) in place of the trained weights, for every parameter that has one; frozen parameters
+and buffers, which are not averaged, are exported as they are.
 
 Tensors are read one at a time, each from every saved chunk of it (fp32 masters where the run kept them), so peak
 memory is the output state dict plus one tensor: no optimizer state is ever read.
@@ -18,6 +21,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -36,28 +40,41 @@ from lightning_zero.checkpoint.format import (
     TOC_KEY,
     FlatChunk,
     SafeLoadPlanner,
+    Toc,
     check_toc_against_metadata,
     checked_toc,
     info_dtype,
+    model_key,
 )
 
 # Lightning state that only makes sense next to the optimizer tensors this file leaves out.
 _DROPPED = ("optimizer_states", "lr_schedulers")
+# The optimizer state entry ShardedEMA keeps its average in (lightning_zero.lightning.ema.EMA_KEY; cli may not import
+# lightning, so the name is repeated here and a test checks they agree).
+EMA_STATE = "ema"
 
 
-def consolidate_checkpoint(ckpt_dir: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> Path:
-    """Write the checkpoint directory ``ckpt_dir`` as the single file ``out_file`` (replaced atomically)."""
+def consolidate_checkpoint(
+    ckpt_dir: str | os.PathLike[str], out_file: str | os.PathLike[str], weights: Literal["live", "ema"] = "live"
+) -> Path:
+    """Write the checkpoint directory ``ckpt_dir`` as the single file ``out_file`` (replaced atomically).
+
+    ``weights="ema"`` writes ``ShardedEMA``'s average instead of the trained weights."""
+    if weights not in ("live", "ema"):
+        raise ValueError(f"Invalid weights: {weights!r}. Expected 'live' (the trained weights) or 'ema'.")
     directory, out = Path(ckpt_dir), Path(out_file)
     state = load_lightning_state(directory / LIGHTNING_STATE_FILE)
     toc = checked_toc(state.pop(TOC_KEY, None), directory / LIGHTNING_STATE_FILE)
     metadata = read_metadata(directory)
     check_toc_against_metadata(toc, metadata, directory)
     reader = SafeReader(directory, metadata, toc["files"])
+    averages = _ema_storage(toc, directory) if weights == "ema" else {}
     full: dict[str, Tensor] = {}
     by_storage: dict[str, Tensor] = {}
     for key, storage in toc["state_dict"].items():
         if storage not in by_storage:
-            source = toc["masters"].get(storage, storage)  # the fp32 master when the parameters were low precision
+            # The average, or the fp32 master when the parameters were low precision, or the parameter itself.
+            source = averages.get(storage) or toc["masters"].get(storage, storage)
             shape = torch.Size(toc["tensors"][storage]["shape"])
             flat = torch.empty(shape.numel(), dtype=info_dtype(toc["tensors"][source]))
             with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the point
@@ -78,6 +95,23 @@ def consolidate_checkpoint(ckpt_dir: str | os.PathLike[str], out_file: str | os.
     return out
 
 
+def _ema_storage(toc: Toc, directory: Path) -> dict[str, str]:
+    """Model storage key -> storage key of its saved average, for every parameter with one."""
+    averages = {
+        toc["state_dict"].get(fqn, model_key(fqn)): entries[EMA_STATE]
+        for names in toc["optimizers"]
+        for fqn, entries in names.items()
+        if EMA_STATE in entries
+    }
+    if not averages:
+        raise CheckpointError(
+            f"{directory} holds no moving average of the weights. HINT: train with the `lightning_zero.ShardedEMA` "
+            "callback (the average is saved after its first update), or export the trained weights with "
+            "`--weights live`."
+        )
+    return averages
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_zero consolidate",
@@ -85,9 +119,15 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("ckpt_dir", help="checkpoint directory written by ZeroStrategy")
     parser.add_argument("out_file", help="the single .ckpt file to write")
+    parser.add_argument(
+        "--weights",
+        choices=("live", "ema"),
+        default="live",
+        help="live: the trained weights (default); ema: the moving average kept by the ShardedEMA callback",
+    )
     args = parser.parse_args(argv)
     try:
-        out = consolidate_checkpoint(args.ckpt_dir, args.out_file)
+        out = consolidate_checkpoint(args.ckpt_dir, args.out_file, args.weights)
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -6,6 +6,10 @@ row per rank and can write the numbers as JSON and a PNG bar chart of memory by 
 
     trainer = pl.Trainer(strategy="zero2", devices=2, callbacks=[MemoryReport(plot_path="memory.png")])
 
+With ``log_every_n_steps=N`` the same per-rank figures also go through the Trainer's loggers (TensorBoard, CSV, ...)
+every N optimizer steps, beside the loss: ``memory/rank{r}/{parameters,gradients,master_weights,optimizer_state,
+model_state,peak_memory}`` and ``comm/rank{r}/{reduce_scatter,all_gather,all_reduce}`` (bytes sent in the last step).
+
 Works with any strategy. ``ZeroStrategy`` reports its own counts; for other strategies (DDP, single device) the
 tensors are counted directly and DDP's all-reduce is shown as its bandwidth-optimal size, 2Ψ(N-1)/N gradient bytes
 (marked ``*``), since DDP does not record what it sends.
@@ -86,15 +90,50 @@ class MemoryReport(pl.Callback):
         plot_path: where rank 0 writes a PNG bar chart of model-state memory per rank for every stage (the paper's
             formula for this model and world size, next to what this run measured). Needs matplotlib
             (``pip install "lightning-zero[plot]"``). None: no chart.
+        log_every_n_steps: every this many optimizer steps, every rank measures and rank 0 logs all ranks' figures
+            through ``trainer.loggers`` at Lightning's own step, so they line up with the loss. None: not logged.
+            Each time is one small all-gather on every rank.
     """
 
-    def __init__(self, json_path: str | Path | None = None, plot_path: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        json_path: str | Path | None = None,
+        plot_path: str | Path | None = None,
+        log_every_n_steps: int | None = None,
+    ) -> None:
+        if log_every_n_steps is not None and (
+            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+        ):
+            raise ValueError(
+                f"Invalid MemoryReport.log_every_n_steps: {log_every_n_steps!r}. Expected a positive int "
+                "(optimizer steps between two logged measurements), or None not to log."
+            )
         if plot_path is not None:
             _require_matplotlib()
+        self.log_every_n_steps = log_every_n_steps
+        self._last_logged_step = -1
         self.json_path = None if json_path is None else Path(json_path)
         self.plot_path = None if plot_path is None else Path(plot_path)
         self.report: FitReport | None = None
         """Set on every rank at the end of training (the rows of other ranks are gathered on all of them)."""
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        # Every rank sees the same global_step, so every rank joins the all-gather at the same batch; under
+        # gradient accumulation the batches between two optimizer steps do not measure again.
+        if self.log_every_n_steps is None or step == self._last_logged_step or step % self.log_every_n_steps:
+            return
+        self._last_logged_step = step
+        rows = _gather_rows(_measure(trainer, pl_module).to(trainer.strategy.root_device))
+        if not trainer.is_global_zero or not trainer.loggers:
+            return
+        metrics = step_metrics(_row_to_report(r, row) for r, row in enumerate(rows.tolist()))
+        # Lightning logs this batch's loss at the count of batches that stepped before this one (private, but it is
+        # the step the loggers already hold for the loss); the same step puts these figures on the loss's row/x.
+        logged_step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=logged_step)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -132,6 +171,17 @@ class MemoryReport(pl.Callback):
             )
             plot_memory_by_stage(_report_bars(self.report), path, title)
             print(f"memory chart written to {path}", flush=True)
+
+
+def step_metrics(ranks: Iterable[RankReport]) -> dict[str, float]:
+    """The logger keys of every rank's figures: ``memory/rank{r}/<kind>`` and ``comm/rank{r}/<collective>``."""
+    metrics: dict[str, float] = {}
+    for r in ranks:
+        state = r.model_state
+        kinds = {**state._asdict(), "model_state": state.total, "peak_memory": r.peak_memory}
+        metrics.update({f"memory/rank{r.rank}/{kind}": float(v) for kind, v in kinds.items()})
+        metrics.update({f"comm/rank{r.rank}/{c}": float(r.sent.get(c, 0)) for c in COLLECTIVES})
+    return metrics
 
 
 # -- measuring -------------------------------------------------------------------------------------------------------

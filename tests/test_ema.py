@@ -1,0 +1,209 @@
+"""``ShardedEMA`` against Lightning's ``EMAWeightAveraging`` under DDP: the average after K steps, validation with it,
+training on with the live weights, exact resume, and consolidation of either set of weights."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import EMAWeightAveraging
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zero import ShardedEMA, ZeroStrategy
+from lightning_zero.cli import consolidate
+from lightning_zero.lightning import ema
+from tests.harness import run_distributed
+from tests.test_checkpoint_trainer import BATCH, TinyGPT, weights
+
+DECAY = 0.8  # far enough from 1 that the average is clearly not the live weights after a few steps
+STEPS, SAVE_AT = 8, 4
+TRAINABLE = ("model.",)  # TinyGPT's averaged parameters (its frozen parameter and counting buffer are not)
+
+
+class ValidatedGPT(TinyGPT):
+    """TinyGPT that records its loss at every training step and every validation batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_losses: list[float] = []
+        self.val_losses: list[float] = []
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.train_losses.append(float(loss))
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        inputs, targets = batch
+        self.val_losses.append(float(nn.functional.cross_entropy(self.model(inputs).flatten(0, 1), targets.flatten())))
+
+    def val_dataloader(self) -> DataLoader:
+        tokens = torch.randint(0, 64, (2 * BATCH, 17), generator=torch.Generator().manual_seed(7))
+        return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=BATCH)
+
+
+class AtStep(pl.Callback):
+    """At optimizer step ``SAVE_AT``: the live weights, the DDP reference's average, and (ZeRO) a checkpoint."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.live: dict[str, Tensor] = {}
+        self.average: dict[str, Tensor] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step != SAVE_AT or self.live:
+            return
+        self.live = trainer_weights(pl_module)
+        reference = next((c for c in trainer.callbacks if isinstance(c, EMAWeightAveraging)), None)  # type: ignore[attr-defined]
+        if reference is not None and reference._average_model is not None:
+            self.average = {k: v.detach().clone() for k, v in reference._average_model.module.state_dict().items()}
+        if self.path is not None:
+            trainer.save_checkpoint(self.path)
+
+
+def trainer_weights(module: nn.Module) -> dict[str, Tensor]:
+    return {k: v for k, v in weights(module).items() if k.startswith(TRAINABLE)}
+
+
+def _fit(strategy: Any, callback: pl.Callback, root: str, at: AtStep, ckpt: str | None = None) -> ValidatedGPT:
+    module = ValidatedGPT()
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        val_check_interval=3,  # validation mid-epoch, between updates
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        callbacks=[callback, at],
+        enable_checkpointing=False,
+        default_root_dir=root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, ckpt_path=ckpt)
+    return module
+
+
+def _run(root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    reference = AtStep(None)
+    ddp = _fit("ddp", EMAWeightAveraging(decay=DECAY, use_buffers=False), root, reference)
+    out["ddp"] = (ddp.train_losses, ddp.val_losses, trainer_weights(ddp), reference.live, reference.average)
+    for stage in (1, 2, 3):
+        at = AtStep(f"{root}/zero{stage}-step{SAVE_AT}")
+        module = _fit(ZeroStrategy(stage=stage, bucket_numel=3_000), ShardedEMA(decay=DECAY), root, at)
+        out[f"zero{stage}"] = (module.train_losses, module.val_losses, trainer_weights(module), at.live)
+    # Resume stage 3 from its step-4 checkpoint; the steps after it must be those of the uninterrupted run.
+    resumed = _fit(ZeroStrategy(stage=3, bucket_numel=3_000), ShardedEMA(decay=DECAY), root, AtStep(None),
+                   ckpt=f"{root}/zero3-step{SAVE_AT}")  # fmt: skip
+    out["resumed"] = (resumed.train_losses, resumed.val_losses, trainer_weights(resumed))
+    return out
+
+
+def _close(actual: dict[str, Tensor], expected: dict[str, Tensor], exact: bool = False) -> None:
+    assert actual.keys() == expected.keys()
+    tolerance = {"rtol": 0.0, "atol": 0.0} if exact else {"rtol": 1e-6, "atol": 1e-7}
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, **tolerance, msg=name)
+
+
+@pytest.mark.timeout(240)
+def test_sharded_ema_matches_lightnings_ema_under_ddp_resumes_exactly_and_consolidates(tmp_path):
+    with tempfile.TemporaryDirectory() as root:
+        results = run_distributed(_run, 2, root, init_process_group=False, timeout=230)
+        _, _, _, ddp_live4, ddp_ema4 = results[0]["ddp"]
+        ddp_ema4 = {k: v for k, v in ddp_ema4.items() if k in ddp_live4}
+        # The average is not the live weights: otherwise nothing here could tell them apart.
+        assert any(not torch.allclose(ddp_ema4[k], ddp_live4[k], rtol=1e-3) for k in ddp_live4)
+        for stage in (1, 2, 3):
+            for rank in results:  # each rank against the same rank of the DDP run: its own batches
+                ddp_train, ddp_val, ddp_final, ddp_live, _ = rank["ddp"]
+                assert ddp_val, "the reference validated"
+                train, val, final, live4 = rank[f"zero{stage}"]
+                # Training sees the live weights, also after every validation; validation sees the average.
+                assert train == pytest.approx(ddp_train, rel=1e-5), f"stage {stage} train losses"
+                assert val == pytest.approx(ddp_val, rel=1e-5), f"stage {stage} validation losses"
+                _close(live4, ddp_live)
+                _close(final, ddp_final)  # fit ends with the average copied into the model
+            # consolidate exports either set of weights of the step-4 checkpoint.
+            for which, expected in (("live", ddp_live4), ("ema", ddp_ema4)):
+                out = tmp_path / f"zero{stage}-{which}.ckpt"
+                consolidate.consolidate_checkpoint(f"{root}/zero{stage}-step{SAVE_AT}", out, weights=which)
+                state = torch.load(out, weights_only=True)["state_dict"]
+                _close({k: state[k] for k in expected}, expected)
+        for rank in results:
+            train, val, final, _ = rank["zero3"]
+            resumed_train, resumed_val, resumed_final = rank["resumed"]
+            assert resumed_train == train[SAVE_AT:]  # the live weights continue exactly
+            assert resumed_val == val[-len(resumed_val) :]
+            _close(resumed_final, final, exact=True)  # so does the average
+
+
+def test_consolidate_without_an_average_says_how_to_get_one(tmp_path):
+    toc = {"optimizers": [{"model.w": {"exp_avg": "optim/0/model.w/exp_avg"}}], "state_dict": {}}
+    with pytest.raises(consolidate.CheckpointError, match=r"no moving average.*ShardedEMA.*--weights live"):
+        consolidate._ema_storage(toc, tmp_path)
+
+
+def test_the_cli_and_the_callback_name_the_same_state_entry():
+    assert consolidate.EMA_STATE == ema.EMA_KEY
+
+
+@pytest.mark.parametrize(("field", "value"), [("decay", 1.0), ("decay", -0.1), ("update_every_n_steps", -1)])
+def test_invalid_arguments_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"ShardedEMA.{field}: {value}"):
+        ShardedEMA(**{field: value})
+
+
+def test_sharded_ema_refuses_other_strategies_with_a_hint(tmp_path):
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False)
+    with pytest.raises(TypeError, match=r"HINT: .*EMAWeightAveraging"):
+        ShardedEMA().setup(trainer, TinyGPT(), "fit")
+
+
+def _bf16_with_and_without(root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, callbacks in (("plain", []), ("ema", [ShardedEMA(decay=DECAY)])):
+        module = ValidatedGPT()
+        trainer = pl.Trainer(
+            strategy=ZeroStrategy(stage=2, bucket_numel=3_000),
+            accelerator="cpu",
+            devices=2,
+            precision="bf16-mixed",
+            max_steps=6,
+            val_check_interval=2,
+            limit_val_batches=1,
+            callbacks=callbacks,
+            enable_checkpointing=False,
+            default_root_dir=root,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module)
+        zeros = [o for o in trainer.strategy.optimizers if hasattr(o, "masters")]
+        out[name] = module.train_losses, module.val_losses
+        if name == "ema":
+            (zero,) = zeros
+            shards = [s.bucket.param_shard[s.start : s.stop] for s in zero.segments]
+            out["masters_are_the_average"] = all(torch.equal(m, zero.state[m]["ema"]) for m in zero.masters)
+            out["shards_follow"] = all(torch.equal(p, m.to(p.dtype)) for p, m in zip(shards, zero.masters, strict=True))
+            out["separate_masters"] = all(p.dtype == torch.bfloat16 for p in shards)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_bf16_swap_restores_the_live_weights_bit_for_bit():
+    with tempfile.TemporaryDirectory() as root:
+        for rank in run_distributed(_bf16_with_and_without, 2, root, init_process_group=False):
+            assert rank["ema"][0] == rank["plain"][0]  # training never sees the average, nor a rounded restore
+            assert rank["ema"][1] != rank["plain"][1]  # validation does
+            assert rank["separate_masters"]
+            assert rank["masters_are_the_average"]  # fit ends with the average in the masters...
+            assert rank["shards_follow"]  # ...and in the bf16 parameters
