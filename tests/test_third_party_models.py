@@ -100,6 +100,7 @@ def _check(builder: str, strategies: list[str], optimizer: str = "adamw") -> Non
         "hf_lora",
         "hf_prompt_tuning",
         "frozen_norm_before_linear",
+        "reentrant_checkpointing",
         "batchnorm_mlp",
         "transformer_encoder_with_pe",
         "dataclass_output",
@@ -112,7 +113,15 @@ def test_stages_1_and_2_match_ddp(builder):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "builder",
-    ["hf_causal_lm", "hf_prompt_tuning", "hf_lora", "frozen_norm_before_linear", "dataclass_output", "batchnorm_mlp"],
+    [
+        "hf_causal_lm",
+        "hf_prompt_tuning",
+        "hf_lora",
+        "frozen_norm_before_linear",
+        "reentrant_checkpointing",
+        "dataclass_output",
+        "batchnorm_mlp",
+    ],
 )
 def test_stage_3_matches_ddp(builder):
     _check(builder, ["ddp", "zero3"])

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -152,6 +153,27 @@ def frozen_norm_before_linear() -> Fixture:
     """Three blocks of frozen ``LayerNorm`` -> trainable ``Linear``, between a trainable input and head."""
     torch.manual_seed(SEED)
     return Fixture(FrozenNormStack(), _regression_batch, _mse_loss)
+
+
+class ReentrantCheckpointed(nn.Module):
+    """Runs a block under reentrant activation checkpointing: its backward is a nested backward."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=True)
+        return out
+
+
+def reentrant_checkpointing() -> Fixture:
+    """``frozen_norm_before_linear`` with every block under reentrant activation checkpointing."""
+    fixture = frozen_norm_before_linear()
+    stack = fixture.model
+    assert isinstance(stack, FrozenNormStack)
+    stack.blocks = nn.ModuleList(ReentrantCheckpointed(block) for block in stack.blocks)
+    return fixture
 
 
 class Expert(nn.Module):
@@ -367,6 +389,7 @@ BUILDERS: dict[str, Callable[[], Fixture]] = {
         hf_lora,
         hf_prompt_tuning,
         frozen_norm_before_linear,
+        reentrant_checkpointing,
         moe,
         unused_head,
         batchnorm_mlp,
