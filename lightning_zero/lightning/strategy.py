@@ -428,11 +428,15 @@ class ZeroStrategy(ShardedCheckpointing):
         if self._fault_monitor is not None:
             self._fault_monitor.stop()
             self._fault_monitor = None
-        if self._gatherer is None:
+        module = self.lightning_module
+        on_meta = module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+        if self._gatherer is None and not on_meta:
             for optimizer in iter_zero_optimizers(self.optimizers):
                 optimizer.reducer.remove_hooks()
             super().teardown()
             return
+        # A model still on meta (sharding it failed) cannot move either: moving it would replace the error that
+        # stopped the run with "Cannot copy out of meta tensor".
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
