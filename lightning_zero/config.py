@@ -109,6 +109,37 @@ class ZeroConfig:
     """Seconds any collective may wait for the other ranks before failing. A rank that dies or hangs then fails
     the others after at most this long instead of leaving them blocked forever; lower it for fast failure."""
 
+    # -- ZeRO++ (stage 3): Note [ZeRO++ on a node topology] in ``stage3/zeropp.py`` --------------------------------
+    ranks_per_node: int | None = None
+    """How many consecutive ranks share a node (a fast local link), for ZeRO++'s hierarchy and for metering
+    communication by link. None: from the cluster environment (``LOCAL_WORLD_SIZE`` under torchrun,
+    ``SLURM_NTASKS_PER_NODE`` under SLURM, the devices per node under Lightning), else all ranks on one node. Set it
+    to simulate several nodes on one machine (4 ranks as 2 nodes x 2: ``ranks_per_node=2``)."""
+
+    quantize_weights: bool = False
+    """ZeRO++ qwZ, stage 3: the forward all-gather of each unit sends every shard block-quantized to int8 (one
+    scale per ``quantization_block`` elements) and dequantizes on arrival, halving the gather's bytes for bf16
+    parameters. Only the gathered copy is quantized: the shards, fp32 masters and checkpoints stay exact."""
+
+    hpz_partition_size: int = 1
+    """ZeRO++ hpZ, stage 3: after a unit's forward all-gather every rank keeps a secondary shard of it, 1/size of
+    the unit, partitioned over ``hpz_partition_size`` consecutive ranks of its node; the backward all-gather reads
+    those instead of the primary shards, so it never leaves the node. 1: off; usually ``ranks_per_node``. Costs
+    params/size bytes per rank, dropped at the optimizer step."""
+
+    quantize_gradients: bool = False
+    """ZeRO++ qgZ, stage 3: each bucket's gradient reduce-scatter becomes a hierarchical all-to-all, quantized to
+    ``gradient_quantization_bits`` with block scales: within the node, then across nodes, averaged in fp32 and
+    landing in the same gradient shard."""
+
+    quantization_block: int = 2048
+    """Elements per quantization scale, for ``quantize_weights`` and ``quantize_gradients``: the per-element error
+    is at most half of the block's largest magnitude / 127 (int8) or / 7 (int4). Smaller blocks are more exact and
+    send more scales (4 bytes per block)."""
+
+    gradient_quantization_bits: Literal[4, 8] = 4
+    """Bits per gradient element under ``quantize_gradients``: 4 (two per byte; ZeRO++'s choice) or 8."""
+
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
             raise ValueError(f"Invalid ZeroConfig.stage: {self.stage!r}. Expected 1, 2 or 3.")
@@ -162,6 +193,38 @@ class ZeroConfig:
             raise ValueError(
                 f"Invalid ZeroConfig.reduce_dtype: {self.reduce_dtype!r}. Expected None or one of {sorted(_DTYPES)}."
             )
+        self._check_zeropp()
+
+    def _check_zeropp(self) -> None:
+        if self.ranks_per_node is not None:
+            _check_positive_int("ranks_per_node", self.ranks_per_node)
+        _check_positive_int("hpz_partition_size", self.hpz_partition_size)
+        _check_positive_int("quantization_block", self.quantization_block)
+        for name in ("quantize_weights", "quantize_gradients"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Invalid ZeroConfig.{name}: {getattr(self, name)!r}. Expected True or False.")
+        bits = self.gradient_quantization_bits
+        if isinstance(bits, bool) or bits not in (4, 8):
+            raise ValueError(f"Invalid ZeroConfig.gradient_quantization_bits: {bits!r}. Expected 4 or 8.")
+        if self.ranks_per_node is not None and self.ranks_per_node % self.hpz_partition_size:
+            raise ValueError(
+                f"Invalid ZeroConfig.hpz_partition_size: {self.hpz_partition_size} with ranks_per_node="
+                f"{self.ranks_per_node}. Expected a divisor of ranks_per_node, so that a secondary shard's "
+                "partition stays inside one node. HINT: hpz_partition_size=ranks_per_node."
+            )
+        if self.stage < 3:
+            on = [f"{n}={getattr(self, n)!r}" for n in _ZEROPP_SWITCHES if getattr(self, n) != _ZEROPP_OFF[n]]
+            if on:
+                raise ValueError(
+                    f"Invalid ZeroConfig: {', '.join(on)} with stage={self.stage}. ZeRO++ (quantize_weights, "
+                    "hpz_partition_size, quantize_gradients) works on stage 3's parameter gathers and gradient "
+                    "reduce-scatters. HINT: set stage=3, or turn these off."
+                )
+
+    @property
+    def uses_zeropp(self) -> bool:
+        """Whether any ZeRO++ switch is on."""
+        return any(getattr(self, n) != _ZEROPP_OFF[n] for n in _ZEROPP_SWITCHES)
 
     @property
     def keeps_reduce_buffers(self) -> bool:
@@ -195,3 +258,7 @@ def _check_positive_int(name: str, value: object) -> None:
 def _check_non_negative_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"Invalid ZeroConfig.{name}: {value!r}. Expected a non-negative integer.")
+
+
+_ZEROPP_OFF: dict[str, object] = {"quantize_weights": False, "hpz_partition_size": 1, "quantize_gradients": False}
+_ZEROPP_SWITCHES = tuple(_ZEROPP_OFF)

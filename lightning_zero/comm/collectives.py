@@ -79,6 +79,8 @@ class Send:
     """Bytes of that tensor that leave this rank with the op's bandwidth-optimal algorithm: a reduce-scatter or an
     all-to-all sends the (N-1)/N of its input that other ranks own, an all-gather its input to N-1 ranks, the root
     of a broadcast its tensor to N-1 ranks (the others none), an all-reduce twice the (N-1)/N of its tensor."""
+    destinations: tuple[int, ...] = ()
+    """The global ranks ``wire_bytes`` go to, in equal parts (Note [bytes by link] in ``ledger.py``)."""
 
 
 @dataclass
@@ -156,8 +158,15 @@ def _nbytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _send(function: Callable[..., Any], tensor: Tensor, wire_bytes: int) -> Send:
-    return Send(function.__name__, tensor.numel(), tensor.dtype, wire_bytes)
+def peers(group: ProcessGroup) -> tuple[int, ...]:
+    """The global ranks of ``group`` other than this one: where a collective over it sends."""
+    me = dist.get_rank()
+    return tuple(r for r in dist.get_process_group_ranks(group) if r != me)
+
+
+def make_send(function: Callable[..., Any], tensor: Tensor, wire_bytes: int, group: ProcessGroup) -> Send:
+    """The ``Send`` of one call of ``function`` handed ``tensor``, sending ``wire_bytes`` to the rest of ``group``."""
+    return Send(function.__name__, tensor.numel(), tensor.dtype, wire_bytes, peers(group) if wire_bytes else ())
 
 
 def reduce_scatter(
@@ -200,7 +209,7 @@ def reduce_scatter(
             if not divide_first:
                 output.div_(world)
 
-        send = _send(dist.all_to_all_single, input, wire_bytes)
+        send = make_send(dist.all_to_all_single, input, wire_bytes, group)
         return PendingCollective(Collective.REDUCE_SCATTER, (work,), (received, input, output), (send,), finish, stream)
     function = _native("reduce_scatter_single", "reduce_scatter_tensor")
     with stream.launch() if stream is not None else nullcontext():
@@ -213,7 +222,7 @@ def reduce_scatter(
         Collective.REDUCE_SCATTER,
         (work,),
         (input, output),
-        (_send(function, input, wire_bytes),),
+        (make_send(function, input, wire_bytes, group),),
         None if divide_first else average,
         stream,
     )
@@ -246,13 +255,14 @@ def all_gather(
                 for r in range(world)
             )
         sends = tuple(
-            _send(dist.broadcast, shards[r], _nbytes(shards[r]) * (world - 1) if r == rank else 0) for r in range(world)
+            make_send(dist.broadcast, shards[r], _nbytes(shards[r]) * (world - 1) if r == rank else 0, group)
+            for r in range(world)
         )
         return PendingCollective(Collective.ALL_GATHER, works, (output, input), sends, None, stream)
     function = _native("all_gather_single", "all_gather_into_tensor")
     with stream.launch() if stream is not None else nullcontext():
         work = function(output, input, group=group, async_op=True)
-    send = _send(function, input, _nbytes(input) * (world - 1))
+    send = make_send(function, input, _nbytes(input) * (world - 1), group)
     return PendingCollective(Collective.ALL_GATHER, (work,), (output, input), (send,), None, stream)
 
 
@@ -262,5 +272,5 @@ def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> PendingCollective:
     if world == 1:
         return PendingCollective(Collective.ALL_REDUCE, (), ())
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    send = _send(dist.all_reduce, tensor, 2 * _nbytes(tensor) * (world - 1) // world)
+    send = make_send(dist.all_reduce, tensor, 2 * _nbytes(tensor) * (world - 1) // world, group)
     return PendingCollective(Collective.ALL_REDUCE, (work,), (tensor,), (send,))

@@ -2,13 +2,27 @@
 
 Bytes are metered, not computed from a formula over the model: each ``Send`` is taken from the tensor handed to
 ``torch.distributed`` at the call (``collectives.py``). Comparing them with the ZeRO formulas is a test's job.
+
+Note [bytes by link]
+Each ``Send`` says how many bytes leave this rank (``wire_bytes``, the op's bandwidth-optimal volume) and to which
+global ranks (``destinations``). The model is ring-free: a collective over a group of N ranks sends every peer an
+equal part, ``wire_bytes / (N - 1)`` (an all-gather its whole input to each, a reduce-scatter or all-to-all the
+peer's 1/N of the input, the root of a broadcast its tensor to each, an all-reduce twice the peer's 1/N), as a
+direct exchange would, rather than routing through neighbours as a ring does. Under that model the bytes a call
+sends over the node's own links are ``wire_bytes`` times the fraction of its destinations on this rank's node
+(``NodeTopology``, Note [node topology] in ``topology.py``); the rest cross to other nodes. A ring all-gather on
+NCCL moves the same total, but which link a given byte takes depends on the ring order; the model says what the
+algorithm must deliver where, not how NCCL routes it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
+
 from lightning_zero.comm.collectives import Collective, PendingCollective, Send
+from lightning_zero.comm.topology import LINKS, Link, NodeTopology
 
 
 @dataclass
@@ -24,12 +38,31 @@ class CommLedger:
     current_sends: list[Send] = field(default_factory=list)
     last_step_sends: list[Send] = field(default_factory=list)
     """Every call into ``torch.distributed`` of the last step, with the size and dtype of what it was handed."""
+    topology: NodeTopology | None = None
+    """Which ranks share a node, to split bytes by link (Note [bytes by link]); None: all on one node."""
+    current_by_link: dict[tuple[Collective, Link], int] = field(default_factory=dict)
+    last_step_by_link: dict[tuple[Collective, Link], int] = field(default_factory=dict)
 
     def record(self, pending: PendingCollective) -> PendingCollective:
         self.current[pending.kind] = self.current.get(pending.kind, 0) + pending.bytes_sent
         self.calls[pending.kind] = self.calls.get(pending.kind, 0) + 1
         self.current_sends.extend(pending.sends)
+        for send in pending.sends:
+            for link, nbytes in self.split_by_link(send).items():
+                key = (pending.kind, link)
+                self.current_by_link[key] = self.current_by_link.get(key, 0) + nbytes
         return pending
+
+    def split_by_link(self, send: Send) -> dict[Link, int]:
+        """``send.wire_bytes`` split between this node's links and other nodes' (Note [bytes by link])."""
+        if not send.wire_bytes or not send.destinations:
+            return {}
+        if self.topology is None:
+            return {"intra_node": send.wire_bytes}
+        me = dist.get_rank()
+        inside = sum(self.topology.link(me, d) == "intra_node" for d in send.destinations)
+        intra = send.wire_bytes * inside // len(send.destinations)
+        return {"intra_node": intra, "inter_node": send.wire_bytes - intra}
 
     def end_step(self) -> None:
         self.last_step = dict(self.current)
@@ -37,7 +70,14 @@ class CommLedger:
             self.total[kind] = self.total.get(kind, 0) + nbytes
         self.current.clear()
         self.last_step_sends, self.current_sends = self.current_sends, []
+        self.last_step_by_link, self.current_by_link = self.current_by_link, {}
         self.steps += 1
 
-    def last_step_bytes(self) -> dict[str, int]:
-        return {kind.value: nbytes for kind, nbytes in self.last_step.items()}
+    def last_step_bytes(self, link: Link | None = None) -> dict[str, int]:
+        """Bytes sent in the last step per collective: in all (``link=None``), or only to ranks on this rank's node
+        (``"intra_node"``) or on other nodes (``"inter_node"``)."""
+        if link is None:
+            return {kind.value: nbytes for kind, nbytes in self.last_step.items()}
+        if link not in LINKS:
+            raise ValueError(f"Invalid link: {link!r}. Expected None, 'intra_node' or 'inter_node'.")
+        return {kind.value: self.last_step_by_link.get((kind, link), 0) for kind in self.last_step}

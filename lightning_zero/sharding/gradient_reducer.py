@@ -106,6 +106,9 @@ class GradientReducer:
         """Pooled buffers an in-flight bucket's collective uses; back to the pool when it completes."""
         self.stream = CollectiveStream(self.buckets[0].device if self.buckets else torch.device("cpu"))
         """The reduce-scatters' side stream (Note [collective streams]); inert on the CPU."""
+        self.reduce_scatter: Callable[..., PendingCollective] = reduce_scatter
+        """Issues a bucket's reduce-scatter, with ``collectives.reduce_scatter``'s signature; ZeRO++'s qgZ swaps in
+        ``comm.hierarchical_reduce.HierarchicalReduceScatter``."""
         self._handles: list[RemovableHandle] = []
         for bucket in self.buckets:
             for slot, param in bucket.slots_and_params():
@@ -257,7 +260,7 @@ class GradientReducer:
         if needs_receive_buffer(input, self.group):
             scratch = self.pool.take(input.numel(), input.dtype, input.device)
             self._lent[bucket.index].append(scratch)
-        return reduce_scatter(output, input, self.group, scratch=scratch, stream=self.stream)
+        return self.reduce_scatter(output, input, self.group, scratch=scratch, stream=self.stream)
 
     def _wait_oldest(self) -> None:
         bucket, pending = self._in_flight.popleft()

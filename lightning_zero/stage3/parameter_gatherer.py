@@ -42,7 +42,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from lightning_zero.comm.collectives import ProcessGroup, all_gather
+from lightning_zero.comm.collectives import ProcessGroup
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.flat_bucket import FlatBucket
@@ -277,7 +277,7 @@ class ParameterGatherer:
                     member.wait()
                     for bucket in member.buckets:
                         assert bucket.data is not None
-                        self.ledger.record(all_gather(bucket.data, bucket.param_shard, self.gather_group)).wait()
+                        self.ledger.record(member.gather_comm.gather(bucket, bucket.data, self.gather_group)).wait()
         return asked
 
     def _end_of_pass(self) -> None:

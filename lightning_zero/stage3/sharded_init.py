@@ -36,6 +36,7 @@ from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 from lightning_zero.stage3.sharded_unit import ShardedUnit
 from lightning_zero.stage3.wrap_policy import assign_parameters, find_unit_roots
+from lightning_zero.stage3.zeropp import install_zeropp
 
 ParamInitFn = Callable[[nn.Module], None]
 
@@ -159,4 +160,5 @@ def shard_module(
                 build(i + 1)
     build(0)
     assert all(u is not None for u in units)
-    return ParameterGatherer(root, [u for u in units if u is not None], resident, group, config, device)
+    gatherer = ParameterGatherer(root, [u for u in units if u is not None], resident, group, config, device)
+    return install_zeropp(gatherer, config, group)  # Note [ZeRO++ on a node topology]

@@ -6,10 +6,11 @@ import enum
 
 from torch import Tensor, nn
 
-from lightning_zero.comm.collectives import PendingCollective, ProcessGroup, all_gather
+from lightning_zero.comm.collectives import PendingCollective, ProcessGroup
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.comm.streams import CollectiveStream
 from lightning_zero.sharding.flat_bucket import FlatBucket
+from lightning_zero.stage3.secondary_shard import PlainGather
 
 
 class UnitState(enum.Enum):
@@ -45,6 +46,8 @@ class ShardedUnit:
         self.stream = stream
         """The all-gather stream every unit of the model shares (Note [collective streams]); None: the current one."""
         self._pending: list[tuple[FlatBucket, Tensor, PendingCollective]] = []
+        self.gather_comm = PlainGather()
+        """How the buckets are all-gathered: plainly, or ZeRO++'s way (``stage3/zeropp.py``)."""
 
     @property
     def trainable_buckets(self) -> list[FlatBucket]:
@@ -57,7 +60,7 @@ class ShardedUnit:
         for bucket in self.buckets:
             # Allocated on the compute stream, which frees it again in release(): Note [collective streams].
             flat = bucket.allocate_full()
-            pending = all_gather(flat, bucket.param_shard, group, stream=self.stream)
+            pending = self.gather_comm.gather(bucket, flat, group, self.stream)
             self._pending.append((bucket, flat, ledger.record(pending)))
         self.state = UnitState.GATHERING
 

@@ -1,0 +1,99 @@
+"""Functions run inside the ranks of ``tests/test_zeropp.py`` (``tests.harness.run_distributed``): ZeRO++'s
+collectives on their own, and stage-3 training with each switch, metered by link."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_zero import ZeroConfig, ZeroOptimizer
+from lightning_zero.comm.collectives import all_gather, reduce_scatter
+from lightning_zero.comm.hierarchical_reduce import HierarchicalReduceScatter
+from lightning_zero.comm.ledger import CommLedger
+from lightning_zero.comm.quantized_all_gather import quantized_all_gather
+from lightning_zero.comm.topology import NodeTopology, build_node_groups
+from lightning_zero.stage3.sharded_init import shard_module
+from tests.parity import batch, build_model, build_optimizer, full_weights, loss_fn, native_collectives_on
+
+RANKS_PER_NODE = 2
+
+
+def quantized_gather(shard: int, block: int) -> dict[str, torch.Tensor]:
+    """Every rank's random shard, gathered exactly and quantized."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    mine = torch.randn(shard, generator=g) * (10.0**rank)
+    exact = torch.empty(world * shard)
+    all_gather(exact, mine, dist.group.WORLD).wait()
+    quantized = torch.empty(world * shard)
+    quantized_all_gather(quantized, mine, dist.group.WORLD, block).wait()
+    return {"exact": exact, "quantized": quantized}
+
+
+def hierarchical_reduce(shard: int, block: int, bits: int) -> dict[str, Any]:
+    """This rank's input, its exact average shard and the hierarchical one, and the bytes each hop sent by link."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nodes = build_node_groups(list(range(world)), RANKS_PER_NODE, timedelta(seconds=30), with_inter=True)
+    assert nodes.inter is not None
+    g = torch.Generator().manual_seed(100 + rank)
+    data = torch.randn(world * shard, generator=g).to(torch.bfloat16)
+    exact = torch.empty(shard, dtype=torch.bfloat16)
+    reduce_scatter(exact, data.clone(), dist.group.WORLD).wait()
+    exact32 = torch.empty(shard)
+    reduce_scatter(exact32, data.float(), dist.group.WORLD).wait()
+    ledger = CommLedger(topology=NodeTopology(world, RANKS_PER_NODE))
+    hierarchical = torch.empty(shard, dtype=torch.bfloat16)
+    comm = HierarchicalReduceScatter(nodes.intra, nodes.inter, bits, block)  # type: ignore[arg-type]
+    ledger.record(comm(hierarchical, data, dist.group.WORLD)).wait()
+    ledger.end_step()
+    return {
+        "input": data,
+        "exact": exact32,
+        "hierarchical": hierarchical,
+        "intra": ledger.last_step_bytes("intra_node"),
+        "inter": ledger.last_step_bytes("inter_node"),
+    }
+
+
+def train_metered(config: ZeroConfig, steps: int, native: bool = False) -> dict[str, Any]:
+    """Stage-3 training of the parity GPT; per step the bytes sent by link, and those of the backward all-gathers."""
+    with native_collectives_on() if native else nullcontext():
+        rank = dist.get_rank()
+        model = build_model("gpt")
+        optimizer = build_optimizer("adamw", model)
+        gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu"))
+        zero = ZeroOptimizer(model, optimizer, dist.group.WORLD, config, gatherer=gatherer)
+        ledger = zero.ledger
+        losses: list[float] = []
+        backward_gathers: list[dict[str, int]] = []
+        links: list[dict[str, dict[str, int]]] = []
+        for step in range(steps):
+            zero.zero_grad()
+            loss = loss_fn("gpt", model, batch("gpt", rank, step, 0))
+            before = dict(ledger.current_by_link)
+            loss.backward()
+            after = ledger.current_by_link
+            backward_gathers.append(
+                {
+                    link: after.get((kind, link), 0) - before.get((kind, link), 0)
+                    for (kind, link) in after
+                    if kind.value == "all_gather"
+                }
+            )
+            zero.step()
+            losses.append(loss.item())
+            links.append(
+                {"intra_node": ledger.last_step_bytes("intra_node"), "inter_node": ledger.last_step_bytes("inter_node")}
+            )
+        return {
+            "losses": losses,
+            "weights": full_weights(model, zero),
+            "backward_gathers": backward_gathers,
+            "links": links,
+            "total": ledger.last_step_bytes(),
+            "shards": [b.param_shard.clone() for b in gatherer.all_buckets()],
+        }
