@@ -46,7 +46,7 @@ def _compose(*overrides: str) -> DictConfig:
 
 
 def test_config_groups_have_the_documented_options():
-    assert _options("strategy") == ["ddp", "zero1", "zero2", "zero3"]
+    assert _options("strategy") == ["ddp", "zero1", "zero2", "zero3", "zero3pp"]
     assert {"tiny", "small"} <= set(_options("model"))
     assert _options("data") == ["fables", "synthetic"]
     assert _options("trainer") == ["cpu", "gpu", "slurm"]
@@ -103,6 +103,15 @@ def test_zero_strategy_configs_instantiate_the_strategy(conf_dir, stage):
     strategy = instantiate(cfg.strategy, _convert_="all")
     assert isinstance(strategy, ZeroStrategy)
     assert strategy.config == ZeroConfig(stage=stage, bucket_numel=1000)
+
+
+def test_zero3pp_config_turns_every_zeropp_switch_on_over_zero3(conf_dir):
+    if reason := stage3_unavailable_reason():
+        pytest.skip(reason)
+    strategy = instantiate(_compose("strategy=zero3pp").strategy, _convert_="all")
+    assert isinstance(strategy, ZeroStrategy)
+    expected = ZeroConfig(stage=3, quantize_weights=True, hpz_partition_size=2, quantize_gradients=True)
+    assert strategy.config == expected
 
 
 def test_ddp_strategy_config_instantiates_ddp(conf_dir):

@@ -4,6 +4,8 @@
 - ``sharded_unit``: ``ShardedUnit``, one unit's buckets and their ``SHARDED / GATHERING / GATHERED`` lifecycle.
 - ``parameter_gatherer``: ``ParameterGatherer``, the module and autograd hooks that gather, free and prefetch units.
 - ``sharded_init``: meta-device models materialized, initialized and sharded one unit at a time.
+- ``secondary_shard``: how a unit's buckets are all-gathered: plainly, or ZeRO++'s way (qwZ, hpZ).
+- ``zeropp``: ZeRO++ on a sharded model: topology, groups, and the communicators of each switch.
 
 Stage 3 = stage 2 + parameter gathering: the units' buckets are reduced by ``sharding``'s stage-2 reducer and
 stepped by the same ``ZeroOptimizer``.
