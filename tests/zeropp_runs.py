@@ -3,23 +3,31 @@ collectives on their own, and stage-3 training with each switch, metered by link
 
 from __future__ import annotations
 
+import os
+import time
 from contextlib import nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from typing_extensions import override
 
-from lightning_zero import ZeroConfig, ZeroOptimizer
+from lightning_zero import ZeroConfig, ZeroOptimizer, ZeroStrategy
 from lightning_zero.comm.collectives import all_gather, reduce_scatter
 from lightning_zero.comm.hierarchical_reduce import HierarchicalReduceScatter
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.comm.quantized_all_gather import quantized_all_gather
-from lightning_zero.comm.topology import NodeTopology, build_node_groups
+from lightning_zero.comm.topology import LINKS, NodeTopology, build_node_groups
+from lightning_zero.models import GPTConfig, LitGPT
+from lightning_zero.models.data import ByteCorpusDataModule
 from lightning_zero.stage3.sharded_init import shard_module
 from tests.parity import batch, build_model, build_optimizer, full_weights, loss_fn, native_collectives_on
 
 RANKS_PER_NODE = 2
+CORPUS = Path(__file__).resolve().parent.parent / "data" / "fables.txt"
 
 
 def quantized_gather(shard: int, block: int) -> dict[str, torch.Tensor]:
@@ -97,3 +105,58 @@ def train_metered(config: ZeroConfig, steps: int, native: bool = False) -> dict[
             "total": ledger.last_step_bytes(),
             "shards": [b.param_shard.clone() for b in gatherer.all_buckets()],
         }
+
+
+class StepRecorder(pl.Callback):
+    """Per optimizer step: the training loss, the bytes this rank sent by link, and the wall time since the last."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.sent: list[dict[str, int]] = []
+        self.seconds: list[float] = []
+        self._last = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        now = time.perf_counter()
+        self.seconds.append(now - self._last)
+        self._last = now
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+        strategy = trainer.strategy
+        assert isinstance(strategy, ZeroStrategy)
+        by_link = {link: sum(strategy.communication_per_step(link).values()) for link in LINKS}
+        self.sent.append({"all": sum(strategy.communication_per_step().values()), **by_link})
+
+
+def fit_gpt(zero: dict[str, Any], steps: int, root: str, model: str = "small") -> dict[str, Any]:
+    """The example GPT on the shipped corpus, through the Trainer with stage 3 and ``zero``'s fields, bf16-mixed,
+    on the ranks of ``run_distributed(..., init_process_group=False)``; every rank's per-step record."""
+    pl.seed_everything(0)
+    config = GPTConfig.small() if model == "small" else GPTConfig.tiny(vocab_size=256, block_size=64)
+    lit = LitGPT(config, lr=3e-3)
+    data = ByteCorpusDataModule(path=CORPUS, seq_len=config.block_size, batch_size=8)
+    recorder = StepRecorder()
+    trainer = pl.Trainer(
+        strategy=ZeroStrategy(stage=3, **zero),
+        accelerator="cpu",
+        devices=dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"]),
+        precision="bf16-mixed",
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+        default_root_dir=root,
+    )
+    trainer.fit(lit, data)
+    strategy = trainer.strategy
+    assert isinstance(strategy, ZeroStrategy)
+    return {
+        "losses": recorder.losses,
+        "sent": recorder.sent,
+        "seconds": recorder.seconds,
+        "model_state": strategy.model_state_bytes()._asdict(),
+    }

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
+from lightning_zero.stage3.zeropp import secondary_shard_bytes
 
 
 class ModelStateBytes(NamedTuple):
@@ -26,10 +27,13 @@ class ModelStateBytes(NamedTuple):
     """fp32 master shards that are separate tensors (0 when parameters are fp32: they are their own master)."""
     optimizer_state: int
     """Optimizer state tensors (e.g. Adam's two moments) for this rank's shard."""
+    secondary_shards: int = 0
+    """ZeRO++ hpZ: the secondary shards a rank holds between the units' forward and their backward, the sharded
+    parameters / ``hpz_partition_size`` (Note [secondary shards] in ``stage3/secondary_shard.py``); 0 without hpZ."""
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.master_weights + self.optimizer_state
+        return self.parameters + self.gradients + self.master_weights + self.optimizer_state + self.secondary_shards
 
 
 def _nbytes(tensors: Iterable[Tensor]) -> int:
@@ -77,7 +81,8 @@ def model_state_bytes(
         for v in per_param.values()
         if isinstance(v, Tensor) and v.dim() > 0
     )
-    return ModelStateBytes(params, grads, masters, state)
+    secondary = 0 if gatherer is None else secondary_shard_bytes(gatherer, gatherer.config)
+    return ModelStateBytes(params, grads, masters, state, secondary)
 
 
 def expected_model_state_bytes(
@@ -87,12 +92,14 @@ def expected_model_state_bytes(
     param_bytes: int = 2,
     master_bytes: int = 4,
     optimizer_state_bytes: int = 8,
+    hpz_partition_size: int = 1,
 ) -> ModelStateBytes:
     """The ZeRO paper's per-rank model state for ``num_params`` (Ψ) parameters on ``world_size`` (N) ranks.
 
     With bf16 parameters and gradients (2 bytes) and Adam in fp32 (4 master + 8 moments: K = 12) this is 16Ψ for DDP
     (stage 0), 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N for stages 1, 2 and 3. For fp32 training pass ``master_bytes=0``:
-    the parameters are their own master weights.
+    the parameters are their own master weights. ZeRO++'s hpZ (stage 3, ``hpz_partition_size`` k > 1) adds
+    secondary shards of 2Ψ/k.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"Invalid stage: {stage!r}. Expected 0 (DDP), 1, 2 or 3.")
@@ -102,4 +109,5 @@ def expected_model_state_bytes(
     grads = psi * param_bytes // (n if stage >= 2 else 1)
     masters = psi * master_bytes // (n if stage >= 1 else 1)
     state = psi * optimizer_state_bytes // (n if stage >= 1 else 1)
-    return ModelStateBytes(params, grads, masters, state)
+    secondary = psi * param_bytes // hpz_partition_size if stage >= 3 and hpz_partition_size > 1 else 0
+    return ModelStateBytes(params, grads, masters, state, secondary)

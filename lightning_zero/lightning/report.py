@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_zero.comm.collectives import Collective
+from lightning_zero.comm.topology import LINKS
 from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes
 from lightning_zero.lightning.strategy import ZeroStrategy
 
@@ -54,10 +55,18 @@ class RankReport:
     (libraries included; in a Hydra sweep, over the jobs it has run so far)."""
     sent: dict[str, int]
     """Bytes sent in the last optimizer step, per collective."""
+    secondary_shards: int = 0
+    """ZeRO++ hpZ secondary shards (``ModelStateBytes.secondary_shards``)."""
+    intra_node: int = 0
+    """Of the bytes sent in the last optimizer step, those to ranks on this rank's node."""
+    inter_node: int = 0
+    """... and those to ranks on other nodes (Note [bytes by link] in ``comm/ledger.py``)."""
 
     @property
     def model_state(self) -> ModelStateBytes:
-        return ModelStateBytes(self.parameters, self.gradients, self.master_weights, self.optimizer_state)
+        return ModelStateBytes(
+            self.parameters, self.gradients, self.master_weights, self.optimizer_state, self.secondary_shards
+        )
 
 
 @dataclass(frozen=True)
@@ -185,7 +194,7 @@ def step_metrics(ranks: Iterable[RankReport]) -> dict[str, float]:
 
 
 # -- measuring -------------------------------------------------------------------------------------------------------
-_FIELDS = 5  # parameters, gradients, master_weights, optimizer_state, peak_memory; then one per collective
+_FIELDS = 8  # the model state's 5, peak_memory, intra_node, inter_node; then one per collective
 
 
 def _measure(trainer: pl.Trainer, module: pl.LightningModule) -> Tensor:
@@ -193,14 +202,16 @@ def _measure(trainer: pl.Trainer, module: pl.LightningModule) -> Tensor:
     if isinstance(strategy, ZeroStrategy):
         state = strategy.model_state_bytes()
         sent = strategy.communication_per_step()
+        links = [sum(strategy.communication_per_step(link).values()) for link in LINKS]
     else:
         state = _count_model_state(module, trainer.optimizers)
         sent = {}
+        links = [0, 0]
         if trainer.world_size > 1 and isinstance(strategy, DDPStrategy):
             # DDP all-reduces every gradient once per step; bandwidth-optimal bytes sent: 2 * size * (N-1) / N.
             n = trainer.world_size
             sent = {Collective.ALL_REDUCE.value: 2 * state.gradients * (n - 1) // n}
-    values = [*state, _peak_memory(strategy.root_device), *(sent.get(c, 0) for c in COLLECTIVES)]
+    values = [*state, _peak_memory(strategy.root_device), *links, *(sent.get(c, 0) for c in COLLECTIVES)]
     return torch.tensor(values, dtype=torch.int64)
 
 
@@ -214,8 +225,9 @@ def _gather_rows(local: Tensor) -> Tensor:
 
 
 def _row_to_report(rank: int, row: Sequence[int]) -> RankReport:
-    params, grads, masters, state, peak = row[:_FIELDS]
-    return RankReport(rank, params, grads, masters, state, peak, dict(zip(COLLECTIVES, row[_FIELDS:], strict=True)))
+    params, grads, masters, state, secondary, peak, intra, inter = row[:_FIELDS]
+    sent = dict(zip(COLLECTIVES, row[_FIELDS:], strict=True))
+    return RankReport(rank, params, grads, masters, state, peak, sent, secondary, intra, inter)
 
 
 def _num_params(trainer: pl.Trainer, params: Sequence[Tensor]) -> int:
@@ -269,17 +281,22 @@ def format_bytes(nbytes: float) -> str:
 
 def format_report(report: FitReport) -> str:
     what = STAGE_NAMES.get(report.stage, report.strategy) if report.stage is not None else report.strategy
-    header = ["rank", "params", "grads", "fp32 master", "optim state", "model state", report.peak_memory_kind]
+    secondary = any(r.secondary_shards for r in report.ranks)
+    header = ["rank", "params", "grads", "fp32 master", "optim state", *(["hpZ secondary"] if secondary else [])]
+    header += ["model state", report.peak_memory_kind]
     sent_columns = [c for c in COLLECTIVES if any(r.sent.get(c, 0) for r in report.ranks)]
     mark = "*" if report.sent_is_estimate else ""
     header += [f"{c}{mark}" for c in sent_columns]
+    by_link = any(r.inter_node for r in report.ranks)
+    header += ["to own node", "to other nodes"] if by_link else []
     rows = [
         [
             str(r.rank),
-            *(format_bytes(v) for v in r.model_state),
+            *(format_bytes(v) for v in r.model_state[: 5 if secondary else 4]),
             format_bytes(r.model_state.total),
             format_bytes(r.peak_memory),
             *(format_bytes(r.sent[c]) for c in sent_columns),
+            *([format_bytes(r.intra_node), format_bytes(r.inter_node)] if by_link else []),
         ]
         for r in report.ranks
     ]
@@ -294,6 +311,7 @@ def format_report(report: FitReport) -> str:
         lines.append(
             "collective columns: bytes this rank sent in the last optimizer step"
             + (" (* DDP's bandwidth-optimal all-reduce, 2Ψ(N-1)/N, not measured)" if mark else "")
+            + ("; to own node / to other nodes: the same bytes by where they went" if by_link else "")
         )
     return "\n".join(lines)
 

@@ -27,6 +27,7 @@ coalesced broadcast of every buffer, as DDP does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Generator
@@ -57,6 +58,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.comm.fault_monitor import FaultMonitor
+from lightning_zero.comm.topology import Link, ranks_per_node_from_environment
 from lightning_zero.config import ZeroConfig
 from lightning_zero.lightning.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
@@ -64,6 +66,7 @@ from lightning_zero.lightning.strategy_checkpoint import ShardedCheckpointing, a
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 from lightning_zero.stage3.sharded_init import ParamInitFn, shard_module
+from lightning_zero.stage3.zeropp import metering_topology
 
 log = logging.getLogger(__name__)
 
@@ -240,8 +243,10 @@ class ZeroStrategy(ShardedCheckpointing):
         assert self.lightning_module is not None
         if not any(t.is_meta for t in (*self.lightning_module.parameters(), *self.lightning_module.buffers())):
             self.model_to_device()
+        # ZeRO++ and the metering by link need the ranks per node; Lightning knows them when the environment does not.
+        config = dataclasses.replace(self.config, ranks_per_node=self._ranks_per_node())
         self._gatherer = shard_module(
-            self.lightning_module, self.config, self.process_group, self.root_device, self._param_init_fn
+            self.lightning_module, config, self.process_group, self.root_device, self._param_init_fn
         )
 
     @override
@@ -263,6 +268,18 @@ class ZeroStrategy(ShardedCheckpointing):
             )
             for optimizer, scaler in zip(self.optimizers, scalers, strict=True)
         ]
+        if self._gatherer is None:  # stage 3's ledger has its topology from shard_module
+            topology = metering_topology(
+                dataclasses.replace(self.config, ranks_per_node=self._ranks_per_node()), self.process_group
+            )
+            for zero_optimizer in iter_zero_optimizers(self.optimizers):
+                zero_optimizer.ledger.topology = topology
+
+    def _ranks_per_node(self) -> int | None:
+        """``ZeroConfig.ranks_per_node``, else the launcher's (Note [node topology] in ``comm/topology.py``), else
+        Lightning's processes per node; None on a single node."""
+        per_node = self.config.ranks_per_node or ranks_per_node_from_environment() or self.num_processes
+        return per_node if 0 < per_node < self.world_size else None
 
     @contextmanager
     @override
@@ -374,12 +391,14 @@ class ZeroStrategy(ShardedCheckpointing):
         assert self.lightning_module is not None
         return model_state_bytes(self.lightning_module, iter_zero_optimizers(self.optimizers), self._gatherer)
 
-    def communication_per_step(self) -> dict[str, int]:
-        """Bytes this rank sent in the last optimizer step of each optimizer, per collective."""
+    def communication_per_step(self, link: Link | None = None) -> dict[str, int]:
+        """Bytes this rank sent in the last optimizer step of each optimizer, per collective: in all, or with
+        ``link="intra_node"`` / ``"inter_node"`` only those to ranks on its own node / on other nodes (Note [bytes
+        by link] in ``comm/ledger.py``)."""
         total: dict[str, int] = {}
         ledgers = {id(o.ledger): o.ledger for o in iter_zero_optimizers(self.optimizers)}  # stage 3 shares one
         for ledger in ledgers.values():
-            for kind, nbytes in ledger.last_step_bytes().items():
+            for kind, nbytes in ledger.last_step_bytes(link).items():
                 total[kind] = total.get(kind, 0) + nbytes
         return total
 

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm.collectives import PendingCollective, ProcessGroup, all_gather
+from lightning_zero.comm.quantization import PackedLayout
 from lightning_zero.comm.quantized_all_gather import quantized_all_gather
 from lightning_zero.comm.streams import CollectiveStream
 from lightning_zero.sharding.flat_bucket import FlatBucket
@@ -57,7 +58,9 @@ class _Secondary:
 
 class ZeroppGather(PlainGather):
     """qwZ and/or hpZ gathers (Note [secondary shards]). ``hpz_group``: this rank's k consecutive ranks of its node,
-    None without hpZ; ``block``: elements per int8 scale, None without qwZ."""
+    None without hpZ; ``block``: elements per int8 scale, None without qwZ. A bucket whose int8 shard would not be
+    smaller than its exact one (a shard of fewer elements than about a block, padded to a whole block) is gathered
+    exactly."""
 
     def __init__(self, hpz_group: ProcessGroup | None, block: int | None) -> None:
         self.hpz_group = hpz_group
@@ -71,7 +74,7 @@ class ZeroppGather(PlainGather):
         if secondary is not None and self._valid(bucket, secondary):
             assert self.hpz_group is not None
             return all_gather(flat, secondary.values, self.hpz_group, stream=stream)
-        if self.block is not None:
+        if self.block is not None and self._quantizing_pays(bucket):
             pending = quantized_all_gather(flat, bucket.param_shard, group, self.block, stream=stream)
         else:
             pending = all_gather(flat, bucket.param_shard, group, stream=stream)
@@ -93,6 +96,13 @@ class ZeroppGather(PlainGather):
             self._secondary[id(bucket)] = _Secondary(shard, version, values)
 
         pending.finish = finish
+
+    def _quantizing_pays(self, bucket: FlatBucket) -> bool:
+        """Whether the packed int8 shard is smaller than the exact one: a shard much smaller than a block, padded to
+        whole blocks, is not (the same answer on every rank: it depends on the bucket's size only)."""
+        assert self.block is not None
+        exact = bucket.shard_numel * bucket.param_shard.element_size()
+        return PackedLayout(bucket.shard_numel, self.block, 8).row_bytes < exact
 
     @staticmethod
     def _valid(bucket: FlatBucket, secondary: _Secondary) -> bool:
