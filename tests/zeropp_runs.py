@@ -107,6 +107,11 @@ def train_metered(config: ZeroConfig, steps: int, native: bool = False) -> dict[
         }
 
 
+def _world_size() -> int:
+    # A Trainer's teardown removes WORLD_SIZE from the environment; the process group outlives it.
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+
+
 class StepRecorder(pl.Callback):
     """Per optimizer step: the training loss, the bytes this rank sent by link, and the wall time since the last."""
 
@@ -140,7 +145,7 @@ def fit_gpt(zero: dict[str, Any], steps: int, root: str, model: str = "small") -
     trainer = pl.Trainer(
         strategy=ZeroStrategy(stage=3, **zero),
         accelerator="cpu",
-        devices=dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"]),
+        devices=_world_size(),
         precision="bf16-mixed",
         max_steps=steps,
         limit_val_batches=0,
@@ -160,3 +165,55 @@ def fit_gpt(zero: dict[str, Any], steps: int, root: str, model: str = "small") -
         "seconds": recorder.seconds,
         "model_state": strategy.model_state_bytes()._asdict(),
     }
+
+
+def fit_gpt_pair(zeros: list[dict[str, Any]], steps: int, root: str, model: str) -> list[dict[str, Any]]:
+    """``fit_gpt`` for each of ``zeros`` in turn, in the same ranks (one process start for several runs)."""
+    return [fit_gpt(zero, steps, root, model) for zero in zeros]
+
+
+def _trainer(zero: dict[str, Any], steps: int, root: str) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=ZeroStrategy(stage=3, **zero),
+        accelerator="cpu",
+        devices=_world_size(),
+        precision="bf16-mixed",
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+
+
+def _exact_state(trainer: pl.Trainer) -> list[torch.Tensor]:
+    """This rank's parameter shards and fp32 masters: what a checkpoint saves."""
+    strategy = trainer.strategy
+    assert isinstance(strategy, ZeroStrategy)
+    assert strategy._gatherer is not None
+    zero = strategy.optimizers[0]
+    assert isinstance(zero, ZeroOptimizer)
+    return [b.param_shard.clone() for b in strategy._gatherer.all_buckets()] + [m.clone() for m in zero.masters]
+
+
+def checkpoint_into_plain(zero: dict[str, Any], root: str) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+    """Train 2 steps with ``zero``'s ZeRO++ switches and save; load that checkpoint into plain stage 3 and train on.
+    Returns this rank's exact state as saved and as loaded, and the loss of the step after the load."""
+    pl.seed_everything(0)
+    config = GPTConfig.tiny(vocab_size=256, block_size=64)
+    data = ByteCorpusDataModule(path=CORPUS, seq_len=config.block_size, batch_size=8)
+    trainer = _trainer(zero, 2, root)
+    trainer.fit(LitGPT(config, lr=3e-3), data)
+    trainer.save_checkpoint(f"{root}/zeropp.ckpt")
+    saved = _exact_state(trainer)
+    plain = {"ranks_per_node": zero["ranks_per_node"]}
+    loading = _trainer(plain, 2, root)  # already at step 2: fit only restores
+    loading.fit(LitGPT(config, lr=3e-3), data, ckpt_path=f"{root}/zeropp.ckpt")
+    loaded = _exact_state(loading)
+    recorder = StepRecorder()
+    resumed = _trainer(plain, 3, root)
+    resumed.callbacks.append(recorder)  # type: ignore[attr-defined]
+    resumed.fit(LitGPT(config, lr=3e-3), data, ckpt_path=f"{root}/zeropp.ckpt")
+    return saved, loaded, recorder.losses[-1]
