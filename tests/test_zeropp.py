@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from lightning_zero import ZeroConfig
+from lightning_zero.cli.estimate import main as estimate_main
+from lightning_zero.cli.estimate_zeropp import stage3_link_bytes, zeropp_link_bytes
 from lightning_zero.comm.quantization import PackedLayout, dequantize_rows, max_error, quantize_rows
 from lightning_zero.comm.topology import NodeTopology, ranks_per_node_from_environment
 from tests import zeropp_runs
@@ -251,3 +253,26 @@ def test_a_zeropp_checkpoint_holds_the_exact_state_and_loads_into_plain_stage3(t
         for before, after in zip(saved, loaded, strict=True):
             assert torch.equal(before, after)
         assert math.isfinite(loss)
+
+
+# -- estimate --------------------------------------------------------------------------------------------------------
+
+
+def test_estimate_formulas_put_no_backward_bytes_across_nodes_and_a_fraction_of_the_rest():
+    psi, world, per_node = 10**9, 64, 8
+    plain = stage3_link_bytes(psi, world, per_node, 2)
+    zeropp = zeropp_link_bytes(psi, world, per_node, 2, 2048, 4)
+    assert sum(r.intra_node + r.inter_node for r in plain) == pytest.approx(3 * psi * 2 * (world - 1) / world)
+    assert zeropp[1].inter_node == 0  # hpZ
+    assert zeropp[0].inter_node == pytest.approx(plain[0].inter_node / 2, rel=0.01)  # int8 vs bf16, + scales
+    assert zeropp[2].inter_node < plain[2].inter_node / 4  # int4, and only 1/R of the chunks cross
+    assert sum(r.inter_node for r in zeropp) <= 0.25 * sum(r.inter_node for r in plain)
+
+
+def test_estimate_prints_zeropp_with_hpz_memory_and_refuses_a_topology_that_does_not_divide(capsys):
+    assert estimate_main(["--params", "1e9", "--gpus", "16", "--ranks-per-node", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO++ at stage 3 with 4 ranks per node (4 nodes)" in out
+    assert "hpZ's secondary shards: 0.500 GB per rank" in out  # 2 bytes x 1e9 / 4
+    assert estimate_main(["--params", "1e9", "--gpus", "16", "--ranks-per-node", "3"]) == 2
+    assert "--ranks-per-node: 3 for N = 16" in capsys.readouterr().err

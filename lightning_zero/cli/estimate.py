@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero.cli.estimate_zeropp import format_zeropp
 from lightning_zero.config import ZeroConfig
 from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes
 from lightning_zero.models.lightning_gpt import LitGPT
@@ -370,6 +371,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="CLASS",
         help="ZeroConfig.wrap_module_classes (default: None, the repeated layers; the flag alone: no class)",
     )
+    parser.add_argument(
+        "--ranks-per-node", type=int, default=None, help="also show ZeRO++ at stage 3 on nodes of this many ranks"
+    )
     parser.add_argument("--config-dir", type=Path, default=DEFAULT_CONF_DIR, help="the conf/ directory")
     parser.add_argument("--plot", type=Path, default=None, help="also write a PNG bar chart (needs matplotlib)")
     return parser
@@ -414,6 +418,12 @@ def main(argv: list[str]) -> int:
     print(format_traffic(estimates, exact))
     if exact:
         print("\n" + textwrap.fill(format_units(estimates[3], precisions.param), width=WIDTH))
+    if args.ranks_per_node is not None:
+        try:
+            print("\n" + format_zeropp(num_params, n, args.ranks_per_node, precisions.param))
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     if args.plot is not None:
         from lightning_zero.lightning.report import plot_memory_by_stage
 
