@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/zeropp_gpt.py --steps 300 --out benchmarks/results/zeropp_gpt.json
 
-Runs ``tests.zeropp_runs.fit_gpt`` (``GPTConfig.small()``, ``data/fables.txt``, ``precision="bf16-mixed"``, batch 8
-per rank, lr 3e-3, seed 0) twice on 4 gloo processes on this machine, ``ranks_per_node=2``: plain stage 3, then
+Runs ``tests.zeropp_runs.fit_gpt`` (``GPTConfig.small()`` or ``--model tiny``, ``data/fables.txt``,
+``precision="bf16-mixed"``, batch 8 per rank, lr 3e-3, seed 0) twice on 4 gloo processes on this machine,
+``ranks_per_node=2``: plain stage 3, then
 every ZeRO++ switch on (qwZ int8, hpZ over the 2 ranks of a node, qgZ int4, ``quantization_block`` 2048). Both runs
 see the same initial weights and the same batches. Reported per run:
 
@@ -66,7 +67,7 @@ def main() -> None:
     for name, zero in RUNS.items():
         with tempfile.TemporaryDirectory() as root:
             ranks = run_distributed(
-                zeropp_runs.fit_gpt, 4, zero, args.steps, root, args.model,
+                zeropp_runs.fit_gpt, 4, zero, args.steps, root, args.model, 25,
                 init_process_group=False, timeout=args.timeout, collective_timeout=600,
             )  # fmt: skip
         raw[name] = ranks

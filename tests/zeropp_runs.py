@@ -115,7 +115,8 @@ def _world_size() -> int:
 class StepRecorder(pl.Callback):
     """Per optimizer step: the training loss, the bytes this rank sent by link, and the wall time since the last."""
 
-    def __init__(self) -> None:
+    def __init__(self, progress_every: int | None = None) -> None:
+        self.progress_every = progress_every
         self.losses: list[float] = []
         self.sent: list[dict[str, int]] = []
         self.seconds: list[float] = []
@@ -132,16 +133,21 @@ class StepRecorder(pl.Callback):
         assert isinstance(strategy, ZeroStrategy)
         by_link = {link: sum(strategy.communication_per_step(link).values()) for link in LINKS}
         self.sent.append({"all": sum(strategy.communication_per_step().values()), **by_link})
+        steps = len(self.losses)
+        if self.progress_every and trainer.is_global_zero and steps % self.progress_every == 0:
+            print(f"step {steps}: loss {self.losses[-1]:.4f}, {self.seconds[-1]:.2f} s", flush=True)
 
 
-def fit_gpt(zero: dict[str, Any], steps: int, root: str, model: str = "small") -> dict[str, Any]:
+def fit_gpt(
+    zero: dict[str, Any], steps: int, root: str, model: str = "small", progress_every: int | None = None
+) -> dict[str, Any]:
     """The example GPT on the shipped corpus, through the Trainer with stage 3 and ``zero``'s fields, bf16-mixed,
     on the ranks of ``run_distributed(..., init_process_group=False)``; every rank's per-step record."""
     pl.seed_everything(0)
     config = GPTConfig.small() if model == "small" else GPTConfig.tiny(vocab_size=256, block_size=64)
     lit = LitGPT(config, lr=3e-3)
     data = ByteCorpusDataModule(path=CORPUS, seq_len=config.block_size, batch_size=8)
-    recorder = StepRecorder()
+    recorder = StepRecorder(progress_every)
     trainer = pl.Trainer(
         strategy=ZeroStrategy(stage=3, **zero),
         accelerator="cpu",

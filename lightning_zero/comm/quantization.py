@@ -60,12 +60,10 @@ def quantize_rows(x: Tensor, block: int, bits: Bits, out: Tensor | None = None) 
     rows, numel = x.shape
     layout = PackedLayout(numel, block, bits)
     qmax = _QMAX[bits]
-    padded = torch.zeros(rows, layout.blocks * block, dtype=torch.float32, device=x.device)
-    padded[:, :numel] = x
-    blocks = padded.view(rows, layout.blocks, block)
-    scales = blocks.abs().amax(dim=2) / qmax  # (rows, blocks)
+    blocks = _as_blocks(x, layout)  # (rows, blocks, block) fp32
+    scales = blocks.abs().amax(dim=2).div_(qmax)  # (rows, blocks)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(blocks / safe.unsqueeze(2)).clamp_(-qmax, qmax).to(torch.int8).view(rows, -1)
+    codes = blocks.div_(safe.unsqueeze(2)).round_().clamp_(-qmax, qmax).to(torch.int8).view(rows, -1)
     if out is None:
         out = torch.empty(rows, layout.row_bytes, dtype=torch.uint8, device=x.device)
     assert out.shape == (rows, layout.row_bytes), (out.shape, rows, layout)
@@ -83,6 +81,15 @@ def quantize_rows(x: Tensor, block: int, bits: Bits, out: Tensor | None = None) 
     return out
 
 
+def _as_blocks(x: Tensor, layout: PackedLayout) -> Tensor:
+    """A fresh fp32 copy of ``x`` (rows, numel), zero-padded to whole blocks, as (rows, blocks, block)."""
+    rows, numel = x.shape
+    padded = torch.empty(rows, layout.blocks * layout.block, dtype=torch.float32, device=x.device)
+    padded[:, :numel] = x
+    padded[:, numel:] = 0
+    return padded.view(rows, layout.blocks, layout.block)
+
+
 def dequantize_rows(packed: Tensor, numel: int, block: int, bits: Bits, dtype: torch.dtype) -> Tensor:
     """The inverse of ``quantize_rows``: (rows, row_bytes) ``uint8`` to (rows, numel) of ``dtype``."""
     rows = packed.shape[0]
@@ -95,7 +102,7 @@ def dequantize_rows(packed: Tensor, numel: int, block: int, bits: Bits, dtype: t
         low = (code_region & 0x0F).to(torch.int8) - 8
         high = (code_region >> 4).to(torch.int8) - 8
         codes = torch.stack((low, high), dim=2).view(rows, -1)[:, : layout.blocks * block].to(torch.float32)
-    values = codes.view(rows, layout.blocks, block) * scales.unsqueeze(2)
+    values = codes.view(rows, layout.blocks, block).mul_(scales.unsqueeze(2))
     return values.view(rows, -1)[:, :numel].to(dtype)
 
 
@@ -103,7 +110,5 @@ def max_error(x: Tensor, block: int, bits: Bits) -> Tensor:
     """Per element, the bound on its quantization error: half its block's scale (Note [block quantization])."""
     rows, numel = x.shape
     layout = PackedLayout(numel, block, bits)
-    padded = torch.zeros(rows, layout.blocks * block, dtype=torch.float32, device=x.device)
-    padded[:, :numel] = x
-    scales = padded.view(rows, layout.blocks, block).abs().amax(dim=2, keepdim=True) / _QMAX[bits]
+    scales = _as_blocks(x, layout).abs().amax(dim=2, keepdim=True) / _QMAX[bits]
     return (scales / 2).expand(rows, layout.blocks, block).reshape(rows, -1)[:, :numel]
