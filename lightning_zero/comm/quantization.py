@@ -11,9 +11,10 @@ block)``, so one ``amax`` gives every scale and one division every code, with no
 are stored offset by 8 (0..15), two per byte: element ``2i`` in the low nibble, ``2i + 1`` in the high one.
 
 A row travels as one ``uint8`` buffer, ``[scales as bytes | codes | padding to 4 bytes]``, so that a collective
-sends a row (a rank's shard, or its chunk for one peer) as a single tensor: on gloo one broadcast per rank of the
-packed row took 8.5 ms per 1M-element int8 shard on 4 ranks against 15.6 ms for separate code and scale
-broadcasts (``benchmarks/zeropp_collectives.py``). The scales come first so that their bytes are 4-aligned.
+sends a row (a rank's shard, or its chunk for one peer) as a single tensor: on gloo, 4 ranks, 1M-element int8
+shards, the gathers alone took 8.5 ms as one broadcast per rank of the packed row against 15.6 ms as separate code
+and scale broadcasts (a quiet machine; ``benchmarks/zeropp_collectives.py`` times both end to end, quantization
+included, and ``benchmarks/README.md`` has its figures). The scales come first so that their bytes are 4-aligned.
 """
 
 from __future__ import annotations
