@@ -5,6 +5,10 @@
       .metadata                     DCP's index: every tensor, its chunks, and which file and byte range holds each
       lightning_state.pt            rank 0: Lightning's own state + the table of contents ("lightning_zero" key)
 
+On a remote URL the DCP files (``.distcp`` and ``.metadata``) are in a subdirectory ``data-<token>/`` that the table
+of contents names, and ``lightning_state.pt`` beside it is written last: Note [commit on an object store] in
+``storage.py``. A local checkpoint copied to a remote URL as it is (no ``data`` entry) loads too.
+
 Every tensor is stored under a *storage key* (``model_key``, ``master_key``, ``optimizer_key``). A parameter, its
 fp32 master and each element-wise optimizer state are stored *flattened*: a 1-D tensor of ``numel`` elements, to
 which each rank contributes the contiguous range it owns as one DCP chunk (``FlatChunk``). Ranges are arbitrary (a
@@ -20,13 +24,13 @@ The table of contents (``lightning_state.pt["lightning_zero"]``):
     optimizers      [{parameter FQN: {optimizer state name: storage key}}], one per optimizer
     files           {shard file name: CRC-32}, checked before a file is first read
     saved_with      {"world_size": int, "stage": int}, for people reading the file
+    data            (remote checkpoints only) the name of the subdirectory holding the DCP files
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +46,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, WriteItem, WriteItemType
 
 from lightning_zero.checkpoint.files import DCP_METADATA_FILE, LIGHTNING_STATE_FILE, CheckpointError
+from lightning_zero.checkpoint.storage import DATA_PREFIX, Location
 
 FORMAT_VERSION = 1
 TOC_KEY = "lightning_zero"
@@ -209,17 +214,29 @@ def merge_tocs(tocs: list[Toc], saved_with: Mapping[str, int]) -> Toc:
     return merged
 
 
-def checked_toc(toc: object, origin: Path) -> Toc:
+def checked_toc(toc: object, origin: Location) -> Toc:
     if not isinstance(toc, dict) or toc.get("format_version") != FORMAT_VERSION:
         found = toc.get("format_version") if isinstance(toc, dict) else None
         raise CheckpointError(
             f"{origin} has no lightning_zero table of contents of format version {FORMAT_VERSION} (found "
             f"{found!r}). HINT: pass a checkpoint directory written by ZeroStrategy, or a single .ckpt file."
         )
+    data = toc.get("data")
+    if data is not None and (not isinstance(data, str) or not data.startswith(DATA_PREFIX) or "/" in data):
+        raise CheckpointError(
+            f"{origin} names {data!r} as its data directory; expected a name {DATA_PREFIX}<token> inside the "
+            "checkpoint. HINT: the file was modified; use another checkpoint."
+        )
     return toc
 
 
-def check_toc_against_metadata(toc: Toc, metadata: Metadata, directory: Path) -> None:
+def data_directory(toc: Toc, checkpoint: Location) -> Location:
+    """Where the DCP files of ``checkpoint`` are: the directory itself, or the data directory its commit named."""
+    data = toc.get("data")
+    return checkpoint if data is None else checkpoint / data
+
+
+def check_toc_against_metadata(toc: Toc, metadata: Metadata, directory: Location) -> None:
     """Both index files must describe the same tensors, or they come from different saves."""
     for key, info in toc["tensors"].items():
         entry = metadata.state_dict_metadata.get(key)
@@ -227,7 +244,7 @@ def check_toc_against_metadata(toc: Toc, metadata: Metadata, directory: Path) ->
         if not isinstance(entry, TensorStorageMetadata) or entry.size != expected:
             found = "missing" if entry is None else f"{type(entry).__name__} {getattr(entry, 'size', '')}"
             raise CheckpointError(
-                f"Checkpoint entry {key!r} is {found} in {directory / DCP_METADATA_FILE}, but "
-                f"{directory / LIGHTNING_STATE_FILE} expects a tensor of size {tuple(expected)}. HINT: the files of "
+                f"Checkpoint entry {key!r} is {found} in {directory / DCP_METADATA_FILE}, but the "
+                f"{LIGHTNING_STATE_FILE} beside it expects a tensor of size {tuple(expected)}. HINT: the files of "
                 "this directory come from different saves or were modified; use a complete checkpoint."
             )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -22,6 +21,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from lightning_zero.checkpoint.files import CheckpointError, SafeReader
 from lightning_zero.checkpoint.format import FlatChunk, SafeLoadPlanner, Toc, info_dtype
+from lightning_zero.checkpoint.storage import Location
 from lightning_zero.sharding.sharded_optimizer import ShardedParameters, ZeroOptimizer
 
 Read = tuple[Tensor, int | None]
@@ -91,7 +91,7 @@ class LoadPlan:
     """Every destination this rank fills, keyed by the storage key it is read from, and what to do afterwards."""
 
     def __init__(
-        self, module: nn.Module, slices: list[OwnedSlice], toc: Toc, *, strict: bool, origin: Path, prefix: str = ""
+        self, module: nn.Module, slices: list[OwnedSlice], toc: Toc, *, strict: bool, origin: Location, prefix: str = ""
     ) -> None:
         self.slices = slices
         self.toc = toc
@@ -196,7 +196,7 @@ class LoadPlan:
 
         return load
 
-    def read_dcp(self, directory: Path, metadata: Metadata, process_group: dist.ProcessGroup | None) -> None:
+    def read_dcp(self, directory: Location, metadata: Metadata, process_group: dist.ProcessGroup | None) -> None:
         request: dict[str, FlatChunk | Tensor] = {}
         for key, (destination, start) in self.reads.items():
             shape = torch.Size(self.toc["tensors"][key]["shape"])
@@ -229,7 +229,7 @@ class LoadPlan:
             zero.gather_parameters()
 
 
-def _check_keys(model: str, expected: set[str], saved: set[str], strict: bool, origin: Path) -> None:
+def _check_keys(model: str, expected: set[str], saved: set[str], strict: bool, origin: Location) -> None:
     missing, unexpected = sorted(expected - saved), sorted(saved - expected)
     if strict and (missing or unexpected):
         raise CheckpointError(
