@@ -23,6 +23,8 @@ The table of contents (``lightning_state.pt["lightning_zero"]``):
     masters         {model storage key: master storage key}, for low-precision parameters with fp32 masters
     optimizers      [{parameter FQN: {optimizer state name: storage key}}], one per optimizer
     files           {shard file name: CRC-32}, checked before a file is first read
+    averaged        {state_dict key: storage key} of a full averaged copy of the model kept by Lightning's
+                    ``WeightAveraging`` callbacks (stages 1 and 2), stored whole (not flat); absent or empty otherwise
     saved_with      {"world_size": int, "stage": int}, for people reading the file
     data            (remote checkpoints only) the name of the subdirectory holding the DCP files
 """
@@ -67,6 +69,10 @@ def optimizer_key(optimizer_index: int, fqn: str, state_name: str) -> str:
     return f"optim/{optimizer_index}/{fqn}/{state_name}"
 
 
+def averaged_key(state_dict_key: str) -> str:
+    return f"averaged/{state_dict_key}"
+
+
 def empty_toc() -> Toc:
     return {
         "format_version": FORMAT_VERSION,
@@ -75,6 +81,7 @@ def empty_toc() -> Toc:
         "masters": {},
         "optimizers": [],
         "files": {},
+        "averaged": {},
     }
 
 
@@ -164,9 +171,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 # -- the table of contents -------------------------------------------------------------------------------------------
 def build_toc(
-    model_state: Mapping[str, FlatChunk | Tensor], optimizer_states: list[dict[str, Any]]
+    model_state: Mapping[str, FlatChunk | Tensor],
+    optimizer_states: list[dict[str, Any]],
+    averaged: Mapping[str, Tensor] | None = None,
 ) -> tuple[dict[str, FlatChunk | Tensor], Toc]:
-    """What this rank hands DCP (storage key -> chunk or replicated tensor) and its part of the table of contents."""
+    """What this rank hands DCP (storage key -> chunk or replicated tensor) and its part of the table of contents.
+
+    ``averaged``: the full state dict of a ``WeightAveraging`` callback's averaged model, the same on every rank."""
     tensors: dict[str, FlatChunk | Tensor] = {}
     toc = empty_toc()
 
@@ -193,6 +204,12 @@ def build_toc(
                 add(optimizer_key(i, fqn, name), entry, flat=isinstance(entry, FlatChunk))
                 names.setdefault(fqn, {})[name] = optimizer_key(i, fqn, name)
         toc["optimizers"].append(names)
+    stored: dict[int, str] = {}
+    for key, value in (averaged or {}).items():
+        if id(value) not in stored:  # tied weights: stored once
+            stored[id(value)] = averaged_key(key)
+            add(averaged_key(key), value.detach(), flat=False)
+        toc["averaged"][key] = stored[id(value)]
     return tensors, toc
 
 
@@ -205,6 +222,7 @@ def merge_tocs(tocs: list[Toc], saved_with: Mapping[str, int]) -> Toc:
         merged["tensors"].update(toc["tensors"])
         merged["masters"].update(toc["masters"])
         merged["files"].update(toc["files"])
+        merged["averaged"].update(toc["averaged"])
         for i, names in enumerate(toc["optimizers"]):
             if i == len(merged["optimizers"]):
                 merged["optimizers"].append({})

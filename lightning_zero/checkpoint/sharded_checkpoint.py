@@ -52,7 +52,7 @@ from lightning_zero.checkpoint.format import (
     merge_tocs,
 )
 from lightning_zero.checkpoint.full import full_checkpoint_sources, state_dict_sources
-from lightning_zero.checkpoint.slices import LoadPlan, owned_parameter_slices
+from lightning_zero.checkpoint.slices import LoadPlan, owned_parameter_slices, read_whole
 from lightning_zero.checkpoint.storage import ChecksummingWriter, Location, locate
 from lightning_zero.sharding.sharded_optimizer import ShardedParameters, ZeroOptimizer
 
@@ -124,9 +124,11 @@ def save_sharded_checkpoint(
     path: str | PathLike[str],
     process_group: dist.ProcessGroup | None,
     saved_with: Mapping[str, int],
+    averaged: Mapping[str, Tensor] | None = None,
 ) -> None:
     """Write ``checkpoint`` (with sharded ``state_dict`` / ``optimizer_states``) as the directory ``path``, a local
-    path or an fsspec URL.
+    path or an fsspec URL. ``averaged``: a full averaged copy of the model's state dict, the same on every rank (a
+    ``WeightAveraging`` callback's), stored whole once and given back by ``load_checkpoint`` as ``state_dict``.
 
     Collective: every rank of ``process_group`` calls it with the same path. See Note [atomic commit] (local) and
     Note [commit on an object store] (remote URLs).
@@ -134,7 +136,7 @@ def save_sharded_checkpoint(
     target = locate(path)
     rank = 0 if process_group is None else process_group.rank()
     optimizer_states = checkpoint.pop("optimizer_states", None)
-    tensors, toc = build_toc(checkpoint.pop("state_dict", {}), optimizer_states or [])
+    tensors, toc = build_toc(checkpoint.pop("state_dict", {}), optimizer_states or [], averaged)
     if optimizer_states is not None:  # Lightning checks it is there; the tensors themselves live in DCP
         checkpoint["optimizer_states"] = [{"param_groups": s["param_groups"]} for s in optimizer_states]
     staged: list[Location | None] = [stage_save(target) if rank == 0 else None]
@@ -187,7 +189,8 @@ def load_checkpoint(
     """Load a sharded checkpoint directory (any world size, stage or bucket size) or a full ``.ckpt`` file.
 
     Collective. Weights, masters and (``load_optimizer``) optimizer state land directly in this rank's shards;
-    returns the rest of Lightning's state (loops, callbacks, LR schedulers, param-group hyper-parameters, ...).
+    returns the rest of Lightning's state (loops, callbacks, LR schedulers, param-group hyper-parameters, ...), and as
+    ``state_dict`` the full averaged copy of the model if the save had one (``save_sharded_checkpoint(averaged=)``).
     """
     checkpoint = locate(path)
     checkpoint.forget_listings()
@@ -220,6 +223,8 @@ def load_checkpoint(
     plan.read_dcp(data, metadata, process_group)
     plan.finish(zero_optimizers)
     _refresh(gatherer)
+    if toc.get("averaged"):
+        state["state_dict"] = read_whole(data, metadata, toc, toc["averaged"], process_group)
     return state
 
 

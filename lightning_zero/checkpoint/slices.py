@@ -201,19 +201,7 @@ class LoadPlan:
         for key, (destination, start) in self.reads.items():
             shape = torch.Size(self.toc["tensors"][key]["shape"])
             request[key] = destination if start is None else FlatChunk(destination, start, shape)
-        try:
-            dcp_load(
-                request,
-                storage_reader=SafeReader(directory, metadata, self.toc["files"]),
-                planner=SafeLoadPlanner(),
-                process_group=process_group,
-                no_dist=process_group is None,
-            )
-        except CheckpointException as error:  # DCP gathers every rank's failure; ours already say what to do
-            first = next(f[0] if isinstance(f, tuple) else f for f in error.failures.values())
-            if isinstance(first, CheckpointError):
-                raise first from error
-            raise CheckpointError(f"Loading {directory} failed: {first}") from error
+        _dcp_read(request, directory, metadata, self.toc, process_group)
 
     def read_from(self, sources: Mapping[str, Tensor]) -> None:
         with torch.no_grad():
@@ -227,6 +215,40 @@ class LoadPlan:
                 step()
         for zero in zero_optimizers:
             zero.gather_parameters()
+
+
+def read_whole(
+    directory: Location, metadata: Metadata, toc: Toc, keys: Mapping[str, str], process_group: dist.ProcessGroup | None
+) -> dict[str, Tensor]:
+    """{name: storage key} -> {name: the whole stored tensor}, read on every rank (tied names share one tensor)."""
+    request = {
+        storage: torch.empty(toc["tensors"][storage]["shape"], dtype=info_dtype(toc["tensors"][storage]))
+        for storage in set(keys.values())
+    }
+    _dcp_read(dict(request), directory, metadata, toc, process_group)
+    return {name: request[storage] for name, storage in keys.items()}
+
+
+def _dcp_read(
+    request: dict[str, Any],
+    directory: Location,
+    metadata: Metadata,
+    toc: Toc,
+    process_group: dist.ProcessGroup | None,
+) -> None:
+    try:
+        dcp_load(
+            request,
+            storage_reader=SafeReader(directory, metadata, toc["files"]),
+            planner=SafeLoadPlanner(),
+            process_group=process_group,
+            no_dist=process_group is None,
+        )
+    except CheckpointException as error:  # DCP gathers every rank's failure; ours already say what to do
+        first = next(f[0] if isinstance(f, tuple) else f for f in error.failures.values())
+        if isinstance(first, CheckpointError):
+            raise first from error
+        raise CheckpointError(f"Loading {directory} failed: {first}") from error
 
 
 def _check_keys(model: str, expected: set[str], saved: set[str], strict: bool, origin: Location) -> None:

@@ -51,8 +51,9 @@ from lightning_zero.checkpoint.format import (
 )
 from lightning_zero.checkpoint.storage import Location, locate, put_atomically, serialized
 
-# Lightning state that only makes sense next to the optimizer tensors this file leaves out.
-_DROPPED = ("optimizer_states", "lr_schedulers")
+# Lightning state that only makes sense next to the optimizer tensors this file leaves out, and WeightAveraging's
+# averaged-model counters, which belong with the averaged copy that is either exported or left out.
+_DROPPED = ("optimizer_states", "lr_schedulers", "averaging_state")
 # The optimizer state entry ShardedEMA keeps its average in (lightning_zero.lightning.ema.EMA_KEY; cli may not import
 # lightning, so the name is repeated here and a test checks they agree).
 EMA_STATE = "ema"
@@ -90,9 +91,11 @@ def consolidate_checkpoint(
             source = averages.get(storage) or toc["masters"].get(storage, storage)
             shape = torch.Size(toc["tensors"][storage]["shape"])
             flat = torch.empty(shape.numel(), dtype=info_dtype(toc["tensors"][source]))
+            # Flat sources are read as one chunk spanning all the saved ones; a WeightAveraging copy is stored whole.
+            request = FlatChunk(flat, 0, shape) if toc["tensors"][source]["flat"] else flat.view(shape)
             with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the point
                 warnings.simplefilter("ignore", UserWarning)
-                dcp_load({source: FlatChunk(flat, 0, shape)}, storage_reader=reader, planner=SafeLoadPlanner())
+                dcp_load({source: request}, storage_reader=reader, planner=SafeLoadPlanner())
             tensor = flat.view(shape)
             by_storage[storage] = tensor.float() if tensor.is_floating_point() else tensor
         full[key] = by_storage[storage]
@@ -112,17 +115,22 @@ def consolidate_checkpoint(
 
 
 def _ema_storage(toc: Toc, directory: Location) -> dict[str, str]:
-    """Model storage key -> storage key of its saved average, for every parameter with one."""
+    """Model storage key -> storage key of its saved average, for every parameter (or, from Lightning's
+    ``WeightAveraging``, every entry) with one."""
     averages = {
         toc["state_dict"].get(fqn, model_key(fqn)): entries[EMA_STATE]
         for names in toc["optimizers"]
         for fqn, entries in names.items()
         if EMA_STATE in entries
     }
+    # Lightning's WeightAveraging callbacks at stages 1 and 2 (Note [Lightning's WeightAveraging]).
+    named = toc["state_dict"]
+    averages.update({named[key]: storage for key, storage in toc.get("averaged", {}).items() if key in named})
     if not averages:
         raise CheckpointError(
             f"{directory} holds no moving average of the weights. HINT: train with the `lightning_zero.ShardedEMA` "
-            "callback (the average is saved after its first update), or export the trained weights with "
+            "callback (or Lightning's `EMAWeightAveraging` at stages 1 and 2; the average is saved after its first "
+            "update), or export the trained weights with "
             "`--weights live`."
         )
     return averages
