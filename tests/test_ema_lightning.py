@@ -1,6 +1,6 @@
 """Lightning's own ``EMAWeightAveraging`` under ZeRO (Note [Lightning's WeightAveraging]): at stages 1 and 2 it matches
-DDP step for step, its checkpoints resume exactly and consolidate either set of weights; at stage 3 the strategy
-refuses it and names ``ShardedEMA``."""
+DDP step for step, its checkpoints (and DDP's) resume exactly and consolidate either set of weights; at stage 3 the
+strategy refuses it and names ``ShardedEMA``."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _zero(stage: int) -> ZeroStrategy:
 
 def _run(root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    reference = AtStep(None)
+    reference = AtStep(f"{root}/ddp-step{SAVE_AT}.ckpt")  # a single file with the average and the weights
     ddp = _fit("ddp", _ema(), root, reference)
     out["ddp"] = (ddp.train_losses, ddp.val_losses, trainer_weights(ddp), reference.live, reference.average)
     for stage in (1, 2):
@@ -38,6 +38,8 @@ def _run(root: str) -> dict[str, Any]:
         out[f"zero{stage}"] = (module.train_losses, module.val_losses, trainer_weights(module), at.live, at.average)
     resumed = _fit(_zero(2), _ema(), root, AtStep(None), ckpt=f"{root}/zero2-step{SAVE_AT}")
     out["resumed"] = (resumed.train_losses, resumed.val_losses, trainer_weights(resumed))
+    from_ddp = _fit(_zero(1), _ema(), root, AtStep(None), ckpt=f"{root}/ddp-step{SAVE_AT}.ckpt")
+    out["from_ddp"] = (from_ddp.train_losses, from_ddp.val_losses, trainer_weights(from_ddp))
     return out
 
 
@@ -70,6 +72,12 @@ def test_lightnings_ema_matches_ddp_at_stages_1_and_2_resumes_exactly_and_consol
             assert resumed_train == train[SAVE_AT:]  # the live weights continue exactly
             assert resumed_val == val[-len(resumed_val) :]  # and so does the average validation sees
             _close(resumed_final, final, exact=True)
+            # DDP's checkpoint file, average included, continues under ZeRO as DDP did.
+            ddp_train, ddp_val, ddp_final, _, _ = rank["ddp"]
+            from_ddp_train, from_ddp_val, from_ddp_final = rank["from_ddp"]
+            assert from_ddp_train == pytest.approx(ddp_train[SAVE_AT:], rel=1e-5)
+            assert from_ddp_val == pytest.approx(ddp_val[-len(from_ddp_val) :], rel=1e-5)
+            _close(from_ddp_final, ddp_final)
 
 
 def _fit_stage_3_with(callback: str) -> str:

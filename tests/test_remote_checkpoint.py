@@ -188,14 +188,17 @@ def test_saving_again_replaces_the_remote_checkpoint_and_removes_the_previous_da
     (first,) = [n for n in _names(fs, path) if n.startswith("data-")]
     fs.makedirs(f"{path}/data-000000000000")  # what an interrupted save left
     fs.pipe_file(f"{path}/data-000000000000/__0_0.distcp", b"partial")
+    fs.pipe_file(f"{path}/notes.txt", b"not the checkpoint's: left alone")
     other = _mlp(hidden=16)
     with torch.no_grad():
         for p in other.parameters():
             p.add_(1.0)
     _save(other, url)
     listing = _names(fs, path)
-    assert len(listing) == 2
+    assert len(listing) == 3
     assert listing[0] not in (first, "data-000000000000")
+    assert listing[0].startswith("data-")
+    assert listing[1:] == ["lightning_state.pt", "notes.txt"]
     loaded = _mlp()
     _load(loaded, url)
     assert_same(dict(loaded.state_dict()), dict(other.state_dict()))

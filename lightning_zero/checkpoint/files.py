@@ -46,7 +46,7 @@ from lightning_zero.checkpoint.storage import (
     locate,
     new_data_directory,
     put_atomically,
-    remove_all_but,
+    remove_stale_data,
     serialized,
 )
 
@@ -246,7 +246,7 @@ def commit_save(state: dict[str, Any], staged: Location, target: Location) -> No
     ``lightning_state.pt`` and make the save the checkpoint ``target``."""
     if target.remote:
         put_atomically(serialized(lambda stream: torch.save(state, stream)), target / LIGHTNING_STATE_FILE)
-        remove_all_but(target, {LIGHTNING_STATE_FILE, staged.name})  # the previous save, interrupted ones
+        remove_stale_data(target, committed=staged.name)  # the previous save's data, interrupted saves' data
     else:
         write_synced(state, staged.local / LIGHTNING_STATE_FILE)
         commit(staged.local, target.local)

@@ -44,9 +44,13 @@ def full_checkpoint_sources(
     state by parameter name.
 
     ``checkpoint`` keeps Lightning's other state; its ``state_dict`` is taken out and its ``optimizer_states`` keep
-    only the param-group hyper-parameters, as in a sharded checkpoint.
+    only the param-group hyper-parameters, as in a sharded checkpoint. A ``WeightAveraging`` callback's checkpoint
+    keeps its average as ``state_dict``, as ``load_checkpoint`` returns a sharded one's.
     """
     state_dict = checkpoint.pop("state_dict", None)
+    live = checkpoint.pop("current_model_state", None)
+    if isinstance(live, Mapping):  # Lightning's WeightAveraging saved the average as "state_dict", the weights here
+        checkpoint["state_dict"], state_dict = state_dict, live
     if not isinstance(state_dict, Mapping):
         raise CheckpointError(
             f"{origin} has no 'state_dict' mapping, so it is not a Lightning checkpoint. HINT: for plain weights, "

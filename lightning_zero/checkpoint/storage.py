@@ -173,10 +173,13 @@ def serialized(save: Any) -> bytes:
     return buffer.getvalue()
 
 
-def remove_all_but(directory: Location, keep: set[str]) -> None:
-    """Delete every entry of a remote ``directory`` whose name is not in ``keep``."""
-    directory.forget_listings()
+def remove_stale_data(checkpoint: Location, committed: str) -> None:
+    """Delete the data of a remote ``checkpoint``'s earlier and interrupted saves: every ``data-*`` directory but
+    ``committed``, and the DCP files of a local-layout checkpoint copied there. Nothing else in it is touched."""
+    checkpoint.forget_listings()
     with contextlib.suppress(FileNotFoundError):
-        for entry in directory.fs.ls(directory.path, detail=False):
-            if str(entry).rstrip("/").rsplit("/", 1)[-1] not in keep:
-                directory.fs.rm(entry, recursive=True)
+        for entry in checkpoint.fs.ls(checkpoint.path, detail=False):
+            name = str(entry).rstrip("/").rsplit("/", 1)[-1]
+            ours = name.startswith(DATA_PREFIX) or name.startswith(".metadata") or name.endswith(".distcp")
+            if ours and name != committed:
+                checkpoint.fs.rm(entry, recursive=True)
