@@ -82,7 +82,8 @@ def _memory_round_trip(stage: int) -> dict[str, Any]:
     root = f"memory://run-{uuid.uuid4().hex[:8]}"  # ModelCheckpoint without dirpath saves under default_root_dir
     at_save = Snapshot(at="save")
     saves = ModelCheckpoint(every_n_train_steps=SAVE_AT, save_top_k=-1)
-    uninterrupted = _fit(stage, 1, STEPS, root, callbacks=[at_save, saves])
+    best = ModelCheckpoint(dirpath=f"{root}/best", monitor="step", mode="max", save_top_k=1, every_n_train_steps=5)
+    uninterrupted = _fit(stage, 1, STEPS, root, callbacks=[at_save, saves, best])
     ckpt = f"{root}/checkpoints/epoch=0-step={SAVE_AT}.ckpt"
     resumed = _fit(stage, 1, STEPS, root, ckpt=ckpt)
     assert cli(["consolidate", ckpt, f"{root}/plain.ckpt"]) == 0
@@ -90,6 +91,7 @@ def _memory_round_trip(stage: int) -> dict[str, Any]:
     fs = fsspec.filesystem("memory")
     return {
         "listing": _names(fs, root.removeprefix("memory://") + "/checkpoints"),
+        "best": _names(fs, root.removeprefix("memory://") + "/best"),
         "inside": _names(fs, ckpt.removeprefix("memory://")),
         "uninterrupted": (uninterrupted.losses, weights(uninterrupted)),
         "resumed": (resumed.losses, weights(resumed)),
@@ -103,6 +105,7 @@ def _memory_round_trip(stage: int) -> dict[str, Any]:
 def test_memory_url_saves_resumes_exactly_and_consolidates(stage):
     (result,) = run_distributed(_memory_round_trip, 1, stage, init_process_group=False)
     assert result["listing"] == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"]
+    assert result["best"] == ["epoch=0-step=10.ckpt"]  # top-1: the save of step 5 was removed
     assert result["inside"][-1] == "lightning_state.pt"
     assert len(result["inside"]) == 2
     assert result["inside"][0].startswith("data-")
