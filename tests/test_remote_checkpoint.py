@@ -172,6 +172,24 @@ def test_remote_directory_without_its_commit_is_refused():
         _load(_mlp(), url + "-never-saved")
 
 
+def test_file_url_is_a_local_path_with_the_rename_commit(tmp_path):
+    url = f"file://{tmp_path}/a.ckpt"
+    saved = _mlp()
+    _save(saved, url)
+    assert sorted(os.listdir(tmp_path / "a.ckpt")) == [".metadata", "__0_0.distcp", "lightning_state.pt"]
+    loaded = _mlp()
+    with torch.no_grad():
+        for p in loaded.parameters():
+            p.zero_()
+    _load(loaded, url)
+    assert_same(dict(loaded.state_dict()), dict(saved.state_dict()))
+
+
+def test_unknown_protocol_names_the_path_and_the_fix():
+    with pytest.raises(ValueError, match=r"Invalid checkpoint path: 'nosuchfs://bucket/a.ckpt'.*HINT: install"):
+        _load(_mlp(), "nosuchfs://bucket/a.ckpt")
+
+
 def test_corrupted_remote_shard_file_is_refused_by_its_checksum():
     url = f"memory://corrupt-{uuid.uuid4().hex[:8]}/a.ckpt"
     _save(_mlp(), url)

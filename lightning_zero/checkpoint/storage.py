@@ -98,7 +98,14 @@ def locate(path: str | os.PathLike[str]) -> Location:
     if "://" not in text or text.startswith("file://"):
         local = Path(text.removeprefix("file://"))
         return Location(LocalFileSystem(), str(local), str(local))
-    fs, stripped = url_to_fs(text)
+    try:
+        fs, stripped = url_to_fs(text)
+    except (ImportError, ValueError) as error:  # an unknown protocol, or its package is not installed
+        raise ValueError(
+            f"Invalid checkpoint path: {text!r} ({error}). Expected a local path or an fsspec URL whose filesystem "
+            "is installed. HINT: install the package of its protocol (s3fs for s3://, gcsfs for gs://, adlfs for "
+            "az://)."
+        ) from error
     return Location(fs, stripped, text.rstrip("/"))
 
 
