@@ -56,11 +56,14 @@ class PhaseTimer:
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         self.phase = phase
+        self.current[f"{phase} RSS at start MiB"] = _rss_mib("VmRSS")
+        _reset_peak_rss()
         wall, cpu = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
             self._charge(phase, wall, cpu)
+            self.current[f"{phase} peak RSS MiB"] = _rss_mib("VmHWM")
             self.phase = "idle"
 
     def wrap(self, obj: object, method: str, label: str | None = None) -> None:
@@ -80,6 +83,17 @@ class PhaseTimer:
         return step
 
 
+def _reset_peak_rss() -> None:
+    """Start a new peak-RSS window: ``VmHWM`` restarts from the current RSS (Linux ``clear_refs`` value 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _rss_mib(key: str) -> float:
+    """``VmRSS`` or ``VmHWM`` in MiB. Phase rows ``... MiB`` are memory, not milliseconds."""
+    return bench.memory_status()[key] / 2**20
+
+
 def profile_rank(rank: int, world: int, variant: str, args: BenchArgs, zero: dict[str, Any]) -> list[dict[str, float]]:
     config = GPTConfig.bench25m()
     torch.manual_seed(args.seed)
@@ -92,10 +106,20 @@ def profile_rank(rank: int, world: int, variant: str, args: BenchArgs, zero: dic
     step_opt: torch.optim.Optimizer = opt
     if variant == "ddp":
         forward = DistributedDataParallel(model)
+    elif variant == "fsdp2":  # as step_time.py: one unit per block plus the root
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(args.device, (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = step_opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     else:
         stage = int(variant[-1])
         gatherer = None
         if stage == 3:  # as step_time.py: built on meta and sharded, one unit per block plus the root
+            torch.manual_seed(args.seed)  # the same initial weights as the other variants
             with torch.device("meta"):
                 model = GPT(config)
             gatherer = shard_module(model, ZeroConfig(stage=3, **zero), dist.group.WORLD, device)
@@ -104,7 +128,6 @@ def profile_rank(rank: int, world: int, variant: str, args: BenchArgs, zero: dic
             for unit in gatherer.units:
                 for method in ("gather", "wait"):
                     timer.wrap(unit, method, f"unit.{method}")
-            timer.wrap(gatherer, "_check_same_unit")
         zopt = ZeroOptimizer(model, opt, dist.group.WORLD, ZeroConfig(stage=stage, **zero), gatherer)
         for obj, method in [(zopt, "reduce_gradients"), (opt, "step"), (zopt, "gather_parameters")]:
             timer.wrap(obj, method)
@@ -146,6 +169,13 @@ def main() -> None:
     parser.add_argument("--max-inflight-buckets", type=int, default=None)
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--no-divergence-check", action="store_true", help="stage 3: check_rank_divergence=False")
+    parser.add_argument(
+        "--zero-option",
+        action="append",
+        default=[],
+        metavar="FIELD=JSON",
+        help="any other ZeroConfig field for our stages, e.g. reshard_root_after_forward=false (repeatable)",
+    )
     parser.add_argument("--idle-wait", type=float, default=120.0, help="max seconds to wait for an idle machine")
     parser.add_argument("--max-other-cores", type=float, default=0.25, help="rerun a run others disturbed more")
     parser.add_argument("--attempts", type=int, default=3, help="runs at most, per measurement, see above")
@@ -160,6 +190,9 @@ def main() -> None:
         zero["bucket_numel"] = ns.bucket_numel
     if ns.max_inflight_buckets:
         zero["max_inflight_buckets"] = ns.max_inflight_buckets
+    for option in ns.zero_option:
+        field, _, value = option.partition("=")
+        zero[field] = json.loads(value)
     env = {"MALLOC_MMAP_THRESHOLD_": str(ns.mmap_threshold) if ns.mmap_threshold else None}
     variants = ns.variants.split(",")
     medians: dict[str, dict[str, float]] = {}
@@ -186,7 +219,13 @@ def main() -> None:
         }
     phases = list(dict.fromkeys(k for m in medians.values() for k in m))
     phases.sort(key=lambda k: (k.startswith("total"), _ORDER.get(k.strip().split("/")[0].split()[0], 9), k.strip()))
-    rows = [[k] + [f"{medians[v][k] * 1e3:.1f}" if k in medians[v] else "" for v in variants] for k in phases]
+
+    def cell(v: str, k: str) -> str:
+        if k not in medians[v]:
+            return ""
+        return f"{medians[v][k]:.0f}" if k.endswith("MiB") else f"{medians[v][k] * 1e3:.1f}"  # memory rows, ms rows
+
+    rows = [[k] + [cell(v, k) for v in variants] for k in phases]
     rows.append(["loss at the last step (mean over ranks)"] + [f"{losses[v]:.6f}" for v in variants])
     text = bench.markdown_table(["ms (median over steps, mean over ranks)", *variants], rows)
     text += f"\n\nZeroConfig overrides: {zero}; MALLOC_MMAP_THRESHOLD_={env['MALLOC_MMAP_THRESHOLD_']}"

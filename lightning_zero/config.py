@@ -74,6 +74,14 @@ class ZeroConfig:
     issued ahead only if the gathered elements, counting units in use and the prefetched one, stay at or below this.
     None: always prefetch one unit ahead. 0: never prefetch."""
 
+    reshard_root_after_forward: bool = True
+    """Stage 3: whether the root unit (the parameters outside every unit: embeddings, final norm, an output head)
+    is freed when the forward ends and gathered again when backward starts. True: every unit is gathered twice per
+    step, the ZeRO paper's 3Ψ(N-1)/N bytes per rank. False (FSDP2's behaviour for its root): a forward whose output
+    will be differentiated keeps the root gathered into backward, which needs it first; that saves the root's
+    second all-gather, exposed at the start of every backward, but holds the full root through the loss and its
+    gradient, which is often where a step's memory peaks (measured in ``benchmarks/README.md``)."""
+
     persistence_threshold: int = 0
     """Stage 3: parameters with fewer elements than this are not partitioned: every rank keeps them gathered (like
     stage 2), saving their gathers at the cost of their full size on every rank. Norm weights and biases are the
@@ -164,7 +172,7 @@ class ZeroConfig:
             raise TypeError(
                 f"Invalid ZeroConfig.keep_reduce_buffers: {self.keep_reduce_buffers!r}. Expected True, False or None."
             )
-        for name in ("overlap_comm", "broadcast_buffers"):
+        for name in ("overlap_comm", "broadcast_buffers", "reshard_root_after_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Invalid ZeroConfig.{name}: {getattr(self, name)!r}. Expected True or False.")
         if self.check_rank_divergence is not None and not isinstance(self.check_rank_divergence, bool):

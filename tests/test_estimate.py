@@ -124,9 +124,9 @@ def _meta_gpt() -> tuple[GPT, torch.optim.Optimizer]:
 
 def _real_step(model: GPT, optimizer: ZeroOptimizer) -> tuple[ModelStateBytes, dict[str, int]]:
     tokens = torch.randint(0, TINY.vocab_size, (2, 9))
-    model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
-    optimizer.step()
     optimizer.zero_grad()
+    model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    optimizer.step()  # measured here, with the gradients a step holds (zero_grad frees stage 2-3's shards)
     gatherer = optimizer.gatherer
     assert gatherer is None or isinstance(gatherer, ParameterGatherer)
     # The model's traffic; the few bytes of the per-step "got a gradient" all-reduce (Note [unused parameters]) are

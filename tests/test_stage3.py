@@ -40,8 +40,9 @@ def test_stage3_matches_ddp(world_size, model, optimizer):
         ZeroConfig(stage=3, wrap_module_classes=(), wrap_min_numel=500),  # size policy; never splits attention
         ZeroConfig(stage=3, persistence_threshold=100, check_rank_divergence=False),
         ZeroConfig(stage=3, overlap_comm=False, max_inflight_buckets=1),
+        ZeroConfig(stage=3, reshard_root_after_forward=False),
     ],
-    ids=["no-prefetch", "size-policy", "persistent-small-params", "no-overlap"],
+    ids=["no-prefetch", "size-policy", "persistent-small-params", "no-overlap", "root-kept-into-backward"],
 )
 def test_stage3_options_match_ddp(config):
     for model in ("transformer", "gpt"):
@@ -74,20 +75,22 @@ def test_sharded_init_gives_the_weights_and_rng_state_of_direct_construction():
         assert same_rng
 
 
-def _state_and_bytes(world_size: int) -> tuple[int, object, object, int, dict[str, int], list[str]]:
+def _state_and_bytes(
+    world_size: int, config: ZeroConfig | None = None
+) -> tuple[int, object, object, int, dict[str, int], list[str]]:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(GPTConfig.tiny(n_layer=4, n_embd=64, vocab_size=128))
-    config = ZeroConfig(stage=3)
+    config = config or ZeroConfig(stage=3)
     gatherer = shard_module(model, config, dist.group.WORLD, CPU)
     optimizer = ZeroOptimizer(model, torch.optim.AdamW(model.parameters()), dist.group.WORLD, config, gatherer)
     num_params = sum(b.numel for u in gatherer.units for b in u.buckets)
     padding = sum(b.padded_numel - b.numel for u in gatherer.units for b in u.buckets)
     for _ in range(2):
+        optimizer.zero_grad()  # frees the gradient shards until the next reduction (as torch frees .grad)
         tokens = torch.randint(0, 128, (2, 17))
         model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
         optimizer.step()
-        optimizer.zero_grad()
     states = [u.state.value for u in gatherer.units]
     measured = model_state_bytes(model, [optimizer], gatherer)
     expected = expected_model_state_bytes(num_params, world_size, 3, param_bytes=4, master_bytes=0)
@@ -112,6 +115,60 @@ def test_stage3_model_state_is_16_psi_over_n_and_traffic_is_3_psi(world_size):
         assert 0 < sent.pop("all_reduce") < one_way // 100
         assert sent == {"all_gather": 2 * one_way, "reduce_scatter": one_way}
         assert set(states) == {"sharded"}  # nothing stays gathered between steps
+
+
+def _root_numel_and_bytes() -> tuple[int, int, dict[str, int], dict[str, int], list[str]]:
+    """Bytes of a step with the root resharded after forward and with it kept into backward, same model."""
+    sent = {}
+    for reshard in (True, False):
+        *_, last, states = _state_and_bytes(
+            dist.get_world_size(), ZeroConfig(stage=3, reshard_root_after_forward=reshard)
+        )
+        sent[reshard] = last
+    with torch.device("meta"):
+        model = GPT(GPTConfig.tiny(n_layer=4, n_embd=64, vocab_size=128))
+    root = shard_module(model, ZeroConfig(stage=3), dist.group.WORLD, CPU).units[0]
+    return root.numel, dist.get_world_size(), sent[True], sent[False], states
+
+
+@pytest.mark.timeout(120)
+def test_keeping_the_root_gathered_into_backward_saves_exactly_its_second_gather():
+    for root_numel, world_size, resharded, kept, states in run_distributed(_root_numel_and_bytes, 2):
+        root_gather = 4 * root_numel * (world_size - 1) // world_size
+        assert root_gather > 0
+        assert kept["reduce_scatter"] == resharded["reduce_scatter"]
+        assert kept["all_gather"] == resharded["all_gather"] - root_gather
+        assert set(states) == {"sharded"}  # kept only into backward: freed when it ends
+
+
+def _shard_bytes_around_zero_grad(stage: int) -> tuple[int, int, int, int]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny(n_layer=2, n_embd=64, vocab_size=128))
+    config = ZeroConfig(stage=stage)
+    gatherer = shard_module(model, config, dist.group.WORLD, CPU) if stage == 3 else None
+    optimizer = ZeroOptimizer(model, torch.optim.AdamW(model.parameters()), dist.group.WORLD, config, gatherer)
+    tokens = torch.randint(0, 128, (2, 17))
+    model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    optimizer.step()
+    after_step = optimizer.reducer.state_bytes()
+    optimizer.zero_grad(set_to_none=False)
+    kept = optimizer.reducer.state_bytes()
+    optimizer.zero_grad()
+    freed = optimizer.reducer.state_bytes()
+    model.loss(tokens[:, :-1], tokens[:, 1:]).backward()  # the next reduction allocates them again
+    optimizer.step()
+    return after_step, kept, freed, optimizer.reducer.state_bytes()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_grad_frees_gradient_shards_as_torch_frees_grads(stage):
+    # Note [gradient shards between steps]: the forward runs without them.
+    for after_step, kept, freed, next_step in run_distributed(_shard_bytes_around_zero_grad, 2, stage):
+        assert after_step > 0
+        assert kept == after_step
+        assert freed == 0
+        assert next_step == after_step
 
 
 class _Branching(nn.Module):

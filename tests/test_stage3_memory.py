@@ -38,7 +38,9 @@ def _train_sharded(n_layer: int, optimizer_cls: type[torch.optim.Optimizer], ste
         memory_probe.reset_peak()
         before = memory_probe.rss_bytes()
         model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
-        transient = (memory_probe.peak_rss_bytes() - before) / 1e6
+        # The gradient shards are model state the backward allocates (zero_grad freed them): not transient.
+        grad_shards = optimizer.reducer.state_bytes()
+        transient = (memory_probe.peak_rss_bytes() - before - grad_shards) / 1e6
         optimizer.step()
         optimizer.zero_grad()
     unit_bytes = max(sum(b.padded_numel for b in u.buckets) for u in gatherer.units) * 4

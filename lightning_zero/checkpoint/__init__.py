@@ -4,6 +4,7 @@
 - ``slices``: which flat range of each parameter (and its optimizer state) this rank owns; the load plan.
 - ``format``: the on-disk layout over ``torch.distributed.checkpoint`` (flat chunks, the table of contents).
 - ``files``: safe reading (no code runs on load), integrity checks and the atomic commit.
+- ``storage``: local paths and fsspec URLs (``s3://``, ``gs://``, ``memory://``); the commit on an object store.
 - ``full``: DDP / full checkpoints and plain state dicts as input.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3

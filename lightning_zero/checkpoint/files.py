@@ -10,13 +10,13 @@ present and long enough). DCP also stores non-tensor values as pickles that ``De
 with ``weights_only=False``; we never write those and ``SafeLoadPlanner`` refuses to read them.
 
 Note [atomic commit]
-A save writes into a hidden sibling ``.<name>.partial-<token>`` (never matched by Lightning's ``*.ckpt`` / ``last*``
-lookups). Rank 0 writes ``lightning_state.pt`` only after DCP has finished every rank's files and ``.metadata`` (all
-fsynced), then commits with one rename. Replacing an existing checkpoint (``last.ckpt`` is saved over and over)
-swaps the two directories atomically with ``renameat2(RENAME_EXCHANGE)`` and deletes the old one afterwards, so at
-every instant ``<name>`` is either the old complete checkpoint or the new complete one. A crash leaves at most a
-hidden partial directory, removed by the next save of the same name. Removal renames before deleting, for the same
-reason.
+On a local filesystem (remote URLs: Note [commit on an object store] in ``storage.py``), a save writes into a hidden
+sibling ``.<name>.partial-<token>`` (never matched by Lightning's ``*.ckpt`` / ``last*`` lookups). Rank 0 writes
+``lightning_state.pt`` only after DCP has finished every rank's files and ``.metadata`` (all fsynced), then commits
+with one rename. Replacing an existing checkpoint (``last.ckpt`` is saved over and over) swaps the two directories
+atomically with ``renameat2(RENAME_EXCHANGE)`` and deletes the old one afterwards, so at every instant ``<name>`` is
+either the old complete checkpoint or the new complete one. A crash leaves at most a hidden partial directory,
+removed by the next save of the same name. Removal renames before deleting, for the same reason.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import io
 import os
 import pickle
 import shutil
@@ -34,10 +35,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # DCP does not re-export it (2.13)
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
+
+from lightning_zero.checkpoint.storage import (
+    Location,
+    locate,
+    new_data_directory,
+    put_atomically,
+    remove_stale_data,
+    serialized,
+)
 
 LIGHTNING_STATE_FILE = "lightning_state.pt"
 """Rank 0's file in a checkpoint directory: Lightning's state and the table of contents; written last."""
@@ -79,11 +90,11 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global '{module}.{name}' is not part of DCP checkpoint metadata")
 
 
-def read_metadata(directory: Path) -> Metadata:
+def read_metadata(directory: Location) -> Metadata:
     """DCP's ``.metadata`` of ``directory``, unpickled with an allow-list and validated (Note [safe loading])."""
     path = directory / DCP_METADATA_FILE
     try:
-        with open(path, "rb") as f:
+        with path.open("rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except FileNotFoundError:
         raise CheckpointError(
@@ -115,9 +126,9 @@ def read_metadata(directory: Path) -> Metadata:
     return metadata
 
 
-def _check_shard_file(path: Path, nbytes: int, listed_in: Path) -> None:
+def _check_shard_file(path: Location, nbytes: int, listed_in: Location) -> None:
     try:
-        size = path.stat().st_size
+        size = path.size()
     except FileNotFoundError:
         raise CheckpointError(
             f"Checkpoint shard file {path} is missing (listed in {listed_in}). HINT: a checkpoint is usable only "
@@ -130,12 +141,14 @@ def _check_shard_file(path: Path, nbytes: int, listed_in: Path) -> None:
         )
 
 
-class SafeReader(FileSystemReader):
-    """A ``FileSystemReader`` over already validated metadata that checks each file's CRC-32 (``checksums``, recorded
-    when saving) before its first read and names the file behind any read error."""
+class SafeReader(FsspecReader):
+    """DCP's fsspec reader (local paths and remote URLs alike) over already validated metadata that checks each file's
+    CRC-32 (``checksums``, recorded when saving) before its first read and names the file behind any read error.
 
-    def __init__(self, directory: Path, metadata: Metadata, checksums: Mapping[str, int]) -> None:
-        super().__init__(directory)
+    On a remote URL, checking a file's CRC-32 reads it once in full before DCP reads the ranges it needs from it."""
+
+    def __init__(self, directory: Location, metadata: Metadata, checksums: Mapping[str, int]) -> None:
+        super().__init__(directory.url)
         self._directory = directory
         self._metadata = metadata
         self._checksums = checksums
@@ -180,22 +193,27 @@ class SafeReader(FileSystemReader):
         self._verified.add(name)
 
 
-def file_crc32(path: Path, block: int = 1 << 24) -> int:
+def file_crc32(path: Location, block: int = 1 << 24) -> int:
     crc = 0
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         while chunk := f.read(block):
             crc = zlib.crc32(chunk, crc)
     return crc
 
 
-def load_lightning_state(path: Path, mmap: bool = False) -> dict[str, Any]:
+def load_lightning_state(path: Location, mmap: bool = False) -> dict[str, Any]:
     """``torch.load(weights_only=True)`` of a Lightning state file, with errors that name it.
 
     ``mmap``: map the tensors' bytes instead of reading them, so that a full checkpoint is paged in piece by piece as
-    the slices this rank owns are copied out of it.
+    the slices this rank owns are copied out of it (local files only; a remote file is read into memory).
     """
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        if path.remote:
+            source: Path | io.BytesIO = io.BytesIO(path.fs.cat_file(path.path))
+            mmap = False
+        else:
+            source = path.local
+        state = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"Checkpoint file {path} does not exist.") from None
     except pickle.UnpicklingError as error:
@@ -211,7 +229,38 @@ def load_lightning_state(path: Path, mmap: bool = False) -> dict[str, Any]:
     return state
 
 
-# -- atomic commit and removal (Note [atomic commit]) ----------------------------------------------------------------
+# -- a save's commit, local (Note [atomic commit]) or remote (Note [commit on an object store]) ---------------------
+def stage_save(target: Location) -> Location:
+    """Rank 0: the directory every rank writes this save's DCP files into before the commit."""
+    if target.remote:
+        return new_data_directory(target)
+    target.local.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_siblings(target.local)
+    staged = partial_sibling(target.local)
+    staged.mkdir()
+    return Location(target.fs, str(staged), str(staged))
+
+
+def commit_save(state: dict[str, Any], staged: Location, target: Location) -> None:
+    """Rank 0, once every rank's files and DCP's ``.metadata`` are written: write ``state`` as
+    ``lightning_state.pt`` and make the save the checkpoint ``target``."""
+    if target.remote:
+        put_atomically(serialized(lambda stream: torch.save(state, stream)), target / LIGHTNING_STATE_FILE)
+        remove_stale_data(target, committed=staged.name)  # the previous save's data, interrupted saves' data
+    else:
+        write_synced(state, staged.local / LIGHTNING_STATE_FILE)
+        commit(staged.local, target.local)
+
+
+def abandon_save(staged: Location, target: Location) -> None:
+    """Rank 0, after a failed save: delete its files; the checkpoint ``target`` was never touched."""
+    if target.remote:
+        with contextlib.suppress(FileNotFoundError):
+            staged.fs.rm(staged.path, recursive=True)
+    else:
+        remove_stale_siblings(target.local)
+
+
 def partial_sibling(path: Path) -> Path:
     return path.with_name(f".{path.name}.partial-{uuid.uuid4().hex[:12]}")
 
@@ -248,9 +297,19 @@ def commit(staged: Path, final: Path) -> None:
         _delete(previous)
 
 
-def remove(path: str | os.PathLike[str]) -> None:
-    """Remove a checkpoint file, directory or link; a directory is renamed away first, then deleted."""
-    path = Path(path)
+def remove(checkpoint: str | os.PathLike[str]) -> None:
+    """Remove a checkpoint file, directory or link; a directory is renamed away first, then deleted.
+
+    On a remote URL, ``lightning_state.pt`` goes first: without it what is left is never taken for a checkpoint."""
+    target = locate(checkpoint)
+    if target.remote:
+        target.forget_listings()
+        with contextlib.suppress(FileNotFoundError):
+            target.fs.rm_file((target / LIGHTNING_STATE_FILE).path)
+        with contextlib.suppress(FileNotFoundError):
+            target.fs.rm(target.path, recursive=True)
+        return
+    path = target.local
     if path.is_symlink() or path.is_file():
         path.unlink()
     elif path.is_dir():

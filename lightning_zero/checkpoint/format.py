@@ -5,6 +5,10 @@
       .metadata                     DCP's index: every tensor, its chunks, and which file and byte range holds each
       lightning_state.pt            rank 0: Lightning's own state + the table of contents ("lightning_zero" key)
 
+On a remote URL the DCP files (``.distcp`` and ``.metadata``) are in a subdirectory ``data-<token>/`` that the table
+of contents names, and ``lightning_state.pt`` beside it is written last: Note [commit on an object store] in
+``storage.py``. A local checkpoint copied to a remote URL as it is (no ``data`` entry) loads too.
+
 Every tensor is stored under a *storage key* (``model_key``, ``master_key``, ``optimizer_key``). A parameter, its
 fp32 master and each element-wise optimizer state are stored *flattened*: a 1-D tensor of ``numel`` elements, to
 which each rank contributes the contiguous range it owns as one DCP chunk (``FlatChunk``). Ranges are arbitrary (a
@@ -19,14 +23,16 @@ The table of contents (``lightning_state.pt["lightning_zero"]``):
     masters         {model storage key: master storage key}, for low-precision parameters with fp32 masters
     optimizers      [{parameter FQN: {optimizer state name: storage key}}], one per optimizer
     files           {shard file name: CRC-32}, checked before a file is first read
+    averaged        {state_dict key: storage key} of a full averaged copy of the model kept by Lightning's
+                    ``WeightAveraging`` callbacks (stages 1 and 2), stored whole (not flat); absent or empty otherwise
     saved_with      {"world_size": int, "stage": int}, for people reading the file
+    data            (remote checkpoints only) the name of the subdirectory holding the DCP files
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +48,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, WriteItem, WriteItemType
 
 from lightning_zero.checkpoint.files import DCP_METADATA_FILE, LIGHTNING_STATE_FILE, CheckpointError
+from lightning_zero.checkpoint.storage import DATA_PREFIX, Location
 
 FORMAT_VERSION = 1
 TOC_KEY = "lightning_zero"
@@ -62,6 +69,10 @@ def optimizer_key(optimizer_index: int, fqn: str, state_name: str) -> str:
     return f"optim/{optimizer_index}/{fqn}/{state_name}"
 
 
+def averaged_key(state_dict_key: str) -> str:
+    return f"averaged/{state_dict_key}"
+
+
 def empty_toc() -> Toc:
     return {
         "format_version": FORMAT_VERSION,
@@ -70,6 +81,7 @@ def empty_toc() -> Toc:
         "masters": {},
         "optimizers": [],
         "files": {},
+        "averaged": {},
     }
 
 
@@ -159,9 +171,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 # -- the table of contents -------------------------------------------------------------------------------------------
 def build_toc(
-    model_state: Mapping[str, FlatChunk | Tensor], optimizer_states: list[dict[str, Any]]
+    model_state: Mapping[str, FlatChunk | Tensor],
+    optimizer_states: list[dict[str, Any]],
+    averaged: Mapping[str, Tensor] | None = None,
 ) -> tuple[dict[str, FlatChunk | Tensor], Toc]:
-    """What this rank hands DCP (storage key -> chunk or replicated tensor) and its part of the table of contents."""
+    """What this rank hands DCP (storage key -> chunk or replicated tensor) and its part of the table of contents.
+
+    ``averaged``: the full state dict of a ``WeightAveraging`` callback's averaged model, the same on every rank."""
     tensors: dict[str, FlatChunk | Tensor] = {}
     toc = empty_toc()
 
@@ -188,6 +204,12 @@ def build_toc(
                 add(optimizer_key(i, fqn, name), entry, flat=isinstance(entry, FlatChunk))
                 names.setdefault(fqn, {})[name] = optimizer_key(i, fqn, name)
         toc["optimizers"].append(names)
+    stored: dict[int, str] = {}
+    for key, value in (averaged or {}).items():
+        if id(value) not in stored:  # tied weights: stored once
+            stored[id(value)] = averaged_key(key)
+            add(averaged_key(key), value.detach(), flat=False)
+        toc["averaged"][key] = stored[id(value)]
     return tensors, toc
 
 
@@ -200,6 +222,7 @@ def merge_tocs(tocs: list[Toc], saved_with: Mapping[str, int]) -> Toc:
         merged["tensors"].update(toc["tensors"])
         merged["masters"].update(toc["masters"])
         merged["files"].update(toc["files"])
+        merged["averaged"].update(toc["averaged"])
         for i, names in enumerate(toc["optimizers"]):
             if i == len(merged["optimizers"]):
                 merged["optimizers"].append({})
@@ -209,17 +232,29 @@ def merge_tocs(tocs: list[Toc], saved_with: Mapping[str, int]) -> Toc:
     return merged
 
 
-def checked_toc(toc: object, origin: Path) -> Toc:
+def checked_toc(toc: object, origin: Location) -> Toc:
     if not isinstance(toc, dict) or toc.get("format_version") != FORMAT_VERSION:
         found = toc.get("format_version") if isinstance(toc, dict) else None
         raise CheckpointError(
             f"{origin} has no lightning_zero table of contents of format version {FORMAT_VERSION} (found "
             f"{found!r}). HINT: pass a checkpoint directory written by ZeroStrategy, or a single .ckpt file."
         )
+    data = toc.get("data")
+    if data is not None and (not isinstance(data, str) or not data.startswith(DATA_PREFIX) or "/" in data):
+        raise CheckpointError(
+            f"{origin} names {data!r} as its data directory; expected a name {DATA_PREFIX}<token> inside the "
+            "checkpoint. HINT: the file was modified; use another checkpoint."
+        )
     return toc
 
 
-def check_toc_against_metadata(toc: Toc, metadata: Metadata, directory: Path) -> None:
+def data_directory(toc: Toc, checkpoint: Location) -> Location:
+    """Where the DCP files of ``checkpoint`` are: the directory itself, or the data directory its commit named."""
+    data = toc.get("data")
+    return checkpoint if data is None else checkpoint / data
+
+
+def check_toc_against_metadata(toc: Toc, metadata: Metadata, directory: Location) -> None:
     """Both index files must describe the same tensors, or they come from different saves."""
     for key, info in toc["tensors"].items():
         entry = metadata.state_dict_metadata.get(key)
@@ -227,7 +262,7 @@ def check_toc_against_metadata(toc: Toc, metadata: Metadata, directory: Path) ->
         if not isinstance(entry, TensorStorageMetadata) or entry.size != expected:
             found = "missing" if entry is None else f"{type(entry).__name__} {getattr(entry, 'size', '')}"
             raise CheckpointError(
-                f"Checkpoint entry {key!r} is {found} in {directory / DCP_METADATA_FILE}, but "
-                f"{directory / LIGHTNING_STATE_FILE} expects a tensor of size {tuple(expected)}. HINT: the files of "
+                f"Checkpoint entry {key!r} is {found} in {directory / DCP_METADATA_FILE}, but the "
+                f"{LIGHTNING_STATE_FILE} beside it expects a tensor of size {tuple(expected)}. HINT: the files of "
                 "this directory come from different saves or were modified; use a complete checkpoint."
             )

@@ -10,17 +10,17 @@ parameters as ``configure_optimizers`` built them, in the order of the run that 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from torch import Tensor, nn
 
 from lightning_zero.checkpoint.files import CheckpointError
 from lightning_zero.checkpoint.format import Toc, empty_toc, model_key, optimizer_key, tensor_info
+from lightning_zero.checkpoint.storage import Location
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
 
-def state_dict_sources(state_dict: Mapping[str, Any], prefix: str, origin: Path) -> tuple[dict[str, Tensor], Toc]:
+def state_dict_sources(state_dict: Mapping[str, Any], prefix: str, origin: Location) -> tuple[dict[str, Tensor], Toc]:
     """A full ``state_dict`` (keys relative to ``prefix``) as sources and a table of contents."""
     sources: dict[str, Tensor] = {}
     toc = empty_toc()
@@ -38,15 +38,19 @@ def state_dict_sources(state_dict: Mapping[str, Any], prefix: str, origin: Path)
 
 
 def full_checkpoint_sources(
-    checkpoint: dict[str, Any], module: nn.Module, zero_optimizers: Sequence[ZeroOptimizer], origin: Path
+    checkpoint: dict[str, Any], module: nn.Module, zero_optimizers: Sequence[ZeroOptimizer], origin: Location
 ) -> tuple[dict[str, Tensor], Toc]:
     """A full Lightning checkpoint's model state and, for each of ``zero_optimizers`` (none: skip), its optimizer
     state by parameter name.
 
     ``checkpoint`` keeps Lightning's other state; its ``state_dict`` is taken out and its ``optimizer_states`` keep
-    only the param-group hyper-parameters, as in a sharded checkpoint.
+    only the param-group hyper-parameters, as in a sharded checkpoint. A ``WeightAveraging`` callback's checkpoint
+    keeps its average as ``state_dict``, as ``load_checkpoint`` returns a sharded one's.
     """
     state_dict = checkpoint.pop("state_dict", None)
+    live = checkpoint.pop("current_model_state", None)
+    if isinstance(live, Mapping):  # Lightning's WeightAveraging saved the average as "state_dict", the weights here
+        checkpoint["state_dict"], state_dict = state_dict, live
     if not isinstance(state_dict, Mapping):
         raise CheckpointError(
             f"{origin} has no 'state_dict' mapping, so it is not a Lightning checkpoint. HINT: for plain weights, "
@@ -78,7 +82,7 @@ def _optimizer_sources(
     shapes: Mapping[str, Any],
     sources: dict[str, Tensor],
     toc: Toc,
-    origin: Path,
+    origin: Location,
 ) -> dict[str, dict[str, str]]:
     """One torch optimizer ``state_dict()`` (state keyed by position) as sources keyed by parameter name."""
     saved_groups = saved["param_groups"]

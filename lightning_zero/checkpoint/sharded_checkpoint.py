@@ -23,25 +23,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from os import PathLike
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch.strategies import Strategy
 from torch import Tensor, nn
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from lightning_zero.checkpoint.files import (
     LIGHTNING_STATE_FILE,
     CheckpointError,
-    commit,
-    file_crc32,
+    abandon_save,
+    commit_save,
     load_lightning_state,
-    partial_sibling,
     read_metadata,
-    remove_stale_siblings,
-    write_synced,
+    stage_save,
 )
 from lightning_zero.checkpoint.format import (
     TOC_KEY,
@@ -51,10 +48,12 @@ from lightning_zero.checkpoint.format import (
     build_toc,
     check_toc_against_metadata,
     checked_toc,
+    data_directory,
     merge_tocs,
 )
 from lightning_zero.checkpoint.full import full_checkpoint_sources, state_dict_sources
-from lightning_zero.checkpoint.slices import LoadPlan, owned_parameter_slices
+from lightning_zero.checkpoint.slices import LoadPlan, owned_parameter_slices, read_whole
+from lightning_zero.checkpoint.storage import ChecksummingWriter, Location, locate
 from lightning_zero.sharding.sharded_optimizer import ShardedParameters, ZeroOptimizer
 
 __all__ = [
@@ -122,33 +121,41 @@ def sharded_optimizer_state(zero_optimizers: Sequence[ZeroOptimizer], index: int
 
 def save_sharded_checkpoint(
     checkpoint: dict[str, Any],
-    path: str | Path,
+    path: str | PathLike[str],
     process_group: dist.ProcessGroup | None,
     saved_with: Mapping[str, int],
+    averaged: Mapping[str, Tensor] | None = None,
 ) -> None:
-    """Write ``checkpoint`` (with sharded ``state_dict`` / ``optimizer_states``) as the directory ``path``.
+    """Write ``checkpoint`` (with sharded ``state_dict`` / ``optimizer_states``) as the directory ``path``, a local
+    path or an fsspec URL. ``averaged``: a full averaged copy of the model's state dict, the same on every rank (a
+    ``WeightAveraging`` callback's), stored whole once and given back by ``load_checkpoint`` as ``state_dict``.
 
-    Collective: every rank of ``process_group`` calls it with the same path. See Note [atomic commit].
+    Collective: every rank of ``process_group`` calls it with the same path. See Note [atomic commit] (local) and
+    Note [commit on an object store] (remote URLs).
     """
-    path = Path(path)
+    target = locate(path)
     rank = 0 if process_group is None else process_group.rank()
     optimizer_states = checkpoint.pop("optimizer_states", None)
-    tensors, toc = build_toc(checkpoint.pop("state_dict", {}), optimizer_states or [])
+    tensors, toc = build_toc(checkpoint.pop("state_dict", {}), optimizer_states or [], averaged)
     if optimizer_states is not None:  # Lightning checks it is there; the tensors themselves live in DCP
         checkpoint["optimizer_states"] = [{"param_groups": s["param_groups"]} for s in optimizer_states]
-    staged = [partial_sibling(path)]
-    if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_siblings(path)
-        staged[0].mkdir()
+    staged: list[Location | None] = [stage_save(target) if rank == 0 else None]
     if process_group is not None:
         dist.broadcast_object_list(staged, src=dist.get_global_rank(process_group, 0), group=process_group)
+    directory = staged[0]
+    assert directory is not None, "rank 0 chose the directory"
     try:
-        writer = FileSystemWriter(staged[0], single_file_per_rank=True, sync_files=True)
-        dcp_save(tensors, storage_writer=writer, planner=SavePlanner(), process_group=process_group)
+        writer = ChecksummingWriter(directory)
+        try:
+            dcp_save(tensors, storage_writer=writer, planner=SavePlanner(), process_group=process_group)
+        except CheckpointException as error:  # DCP gathers every rank's failure: name the first and the checkpoint
+            first = next(f[0] if isinstance(f, tuple) else f for f in error.failures.values())
+            raise CheckpointError(
+                f"Saving checkpoint {target} failed: {type(first).__name__}: {first}. Nothing was committed; a "
+                "previous checkpoint of that name is intact. HINT: check that the location is writable and has room."
+            ) from error
+        toc["files"] = writer.shard_checksums()
         world = 1 if process_group is None else process_group.size()
-        files = sorted({info.relative_path for info in read_metadata(staged[0]).storage_data.values()})
-        toc["files"] = {name: file_crc32(staged[0] / name) for name in files[rank::world]}  # read back from cache
         tocs: list[Toc | None] = [None] * world
         if process_group is None:
             tocs[0] = toc
@@ -157,11 +164,12 @@ def save_sharded_checkpoint(
             dist.gather_object(toc, tocs if rank == 0 else None, dst=dst, group=process_group)
         if rank == 0:
             merged = merge_tocs([t for t in tocs if t is not None], saved_with)
-            write_synced({**checkpoint, TOC_KEY: merged}, staged[0] / LIGHTNING_STATE_FILE)
-            commit(staged[0], path)
+            if target.remote:
+                merged["data"] = directory.name
+            commit_save({**checkpoint, TOC_KEY: merged}, directory, target)
     except BaseException:
         if rank == 0:
-            remove_stale_siblings(path)
+            abandon_save(directory, target)
         raise
     if process_group is not None:  # nobody returns before the checkpoint exists under its final name
         dist.barrier(group=process_group)
@@ -169,7 +177,7 @@ def save_sharded_checkpoint(
 
 # -- load ------------------------------------------------------------------------------------------------------------
 def load_checkpoint(
-    path: str | Path,
+    path: str | PathLike[str],
     module: nn.Module,
     zero_optimizers: Sequence[ZeroOptimizer],
     process_group: dist.ProcessGroup | None,
@@ -181,36 +189,42 @@ def load_checkpoint(
     """Load a sharded checkpoint directory (any world size, stage or bucket size) or a full ``.ckpt`` file.
 
     Collective. Weights, masters and (``load_optimizer``) optimizer state land directly in this rank's shards;
-    returns the rest of Lightning's state (loops, callbacks, LR schedulers, param-group hyper-parameters, ...).
+    returns the rest of Lightning's state (loops, callbacks, LR schedulers, param-group hyper-parameters, ...), and as
+    ``state_dict`` the full averaged copy of the model if the save had one (``save_sharded_checkpoint(averaged=)``).
     """
-    path = Path(path)
+    checkpoint = locate(path)
+    checkpoint.forget_listings()
     slices = owned_parameter_slices(zero_optimizers, gatherer)
-    if path.is_file():  # e.g. a DDP run's checkpoint: full tensors, sliced here
-        state = load_lightning_state(path, mmap=True)
-        sources, toc = full_checkpoint_sources(state, module, zero_optimizers if load_optimizer else (), path)
-        plan = LoadPlan(module, slices, toc, strict=strict, origin=path)
+    if checkpoint.isfile():  # e.g. a DDP run's checkpoint: full tensors, sliced here
+        state = load_lightning_state(checkpoint, mmap=True)
+        sources, toc = full_checkpoint_sources(state, module, zero_optimizers if load_optimizer else (), checkpoint)
+        plan = LoadPlan(module, slices, toc, strict=strict, origin=checkpoint)
         if load_optimizer and toc["optimizers"]:
             plan.add_optimizers(zero_optimizers, state.get("optimizer_states"))
         plan.read_from(sources)
         plan.finish(zero_optimizers)
         _refresh(gatherer)
         return state
-    if not (path / LIGHTNING_STATE_FILE).is_file():
-        what = "does not exist" if not path.exists() else f"has no {LIGHTNING_STATE_FILE}, so it is not a checkpoint"
+    if not (checkpoint / LIGHTNING_STATE_FILE).isfile():
+        missing = f"has no {LIGHTNING_STATE_FILE}, so it is not a checkpoint"
+        what = "does not exist" if not checkpoint.exists() else missing
         raise CheckpointError(
-            f"Checkpoint path {path} {what}. HINT: pass a directory written by ZeroStrategy (an interrupted save "
-            "never leaves one under its final name) or a single .ckpt file."
+            f"Checkpoint path {checkpoint} {what}. HINT: pass a directory written by ZeroStrategy (an interrupted "
+            "save never leaves one under its final name, nor commits one on a remote URL) or a single .ckpt file."
         )
-    state = load_lightning_state(path / LIGHTNING_STATE_FILE)
-    toc = checked_toc(state.pop(TOC_KEY, None), path / LIGHTNING_STATE_FILE)
-    metadata = read_metadata(path)
-    check_toc_against_metadata(toc, metadata, path)
-    plan = LoadPlan(module, slices, toc, strict=strict, origin=path)
+    state = load_lightning_state(checkpoint / LIGHTNING_STATE_FILE)
+    toc = checked_toc(state.pop(TOC_KEY, None), checkpoint / LIGHTNING_STATE_FILE)
+    data = data_directory(toc, checkpoint)
+    metadata = read_metadata(data)
+    check_toc_against_metadata(toc, metadata, data)
+    plan = LoadPlan(module, slices, toc, strict=strict, origin=checkpoint)
     if load_optimizer and toc["optimizers"]:
         plan.add_optimizers(zero_optimizers, state.get("optimizer_states"))
-    plan.read_dcp(path, metadata, process_group)
+    plan.read_dcp(data, metadata, process_group)
     plan.finish(zero_optimizers)
     _refresh(gatherer)
+    if toc.get("averaged"):
+        state["state_dict"] = read_whole(data, metadata, toc, toc["averaged"], process_group)
     return state
 
 
@@ -246,7 +260,7 @@ def load_full_state_dict(
         ]
     else:
         module = target
-    origin = Path(state_dict) if isinstance(state_dict, str | PathLike) else Path("<state_dict>")
+    origin = locate(state_dict if isinstance(state_dict, str | PathLike) else "<state_dict>")
     if not isinstance(state_dict, Mapping):
         state_dict = load_lightning_state(origin, mmap=True)
         nested = state_dict.get("state_dict")

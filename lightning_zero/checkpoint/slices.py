@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -22,6 +21,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from lightning_zero.checkpoint.files import CheckpointError, SafeReader
 from lightning_zero.checkpoint.format import FlatChunk, SafeLoadPlanner, Toc, info_dtype
+from lightning_zero.checkpoint.storage import Location
 from lightning_zero.sharding.sharded_optimizer import ShardedParameters, ZeroOptimizer
 
 Read = tuple[Tensor, int | None]
@@ -91,7 +91,7 @@ class LoadPlan:
     """Every destination this rank fills, keyed by the storage key it is read from, and what to do afterwards."""
 
     def __init__(
-        self, module: nn.Module, slices: list[OwnedSlice], toc: Toc, *, strict: bool, origin: Path, prefix: str = ""
+        self, module: nn.Module, slices: list[OwnedSlice], toc: Toc, *, strict: bool, origin: Location, prefix: str = ""
     ) -> None:
         self.slices = slices
         self.toc = toc
@@ -196,24 +196,12 @@ class LoadPlan:
 
         return load
 
-    def read_dcp(self, directory: Path, metadata: Metadata, process_group: dist.ProcessGroup | None) -> None:
+    def read_dcp(self, directory: Location, metadata: Metadata, process_group: dist.ProcessGroup | None) -> None:
         request: dict[str, FlatChunk | Tensor] = {}
         for key, (destination, start) in self.reads.items():
             shape = torch.Size(self.toc["tensors"][key]["shape"])
             request[key] = destination if start is None else FlatChunk(destination, start, shape)
-        try:
-            dcp_load(
-                request,
-                storage_reader=SafeReader(directory, metadata, self.toc["files"]),
-                planner=SafeLoadPlanner(),
-                process_group=process_group,
-                no_dist=process_group is None,
-            )
-        except CheckpointException as error:  # DCP gathers every rank's failure; ours already say what to do
-            first = next(f[0] if isinstance(f, tuple) else f for f in error.failures.values())
-            if isinstance(first, CheckpointError):
-                raise first from error
-            raise CheckpointError(f"Loading {directory} failed: {first}") from error
+        _dcp_read(request, directory, metadata, self.toc, process_group)
 
     def read_from(self, sources: Mapping[str, Tensor]) -> None:
         with torch.no_grad():
@@ -229,7 +217,41 @@ class LoadPlan:
             zero.gather_parameters()
 
 
-def _check_keys(model: str, expected: set[str], saved: set[str], strict: bool, origin: Path) -> None:
+def read_whole(
+    directory: Location, metadata: Metadata, toc: Toc, keys: Mapping[str, str], process_group: dist.ProcessGroup | None
+) -> dict[str, Tensor]:
+    """{name: storage key} -> {name: the whole stored tensor}, read on every rank (tied names share one tensor)."""
+    request = {
+        storage: torch.empty(toc["tensors"][storage]["shape"], dtype=info_dtype(toc["tensors"][storage]))
+        for storage in set(keys.values())
+    }
+    _dcp_read(dict(request), directory, metadata, toc, process_group)
+    return {name: request[storage] for name, storage in keys.items()}
+
+
+def _dcp_read(
+    request: dict[str, Any],
+    directory: Location,
+    metadata: Metadata,
+    toc: Toc,
+    process_group: dist.ProcessGroup | None,
+) -> None:
+    try:
+        dcp_load(
+            request,
+            storage_reader=SafeReader(directory, metadata, toc["files"]),
+            planner=SafeLoadPlanner(),
+            process_group=process_group,
+            no_dist=process_group is None,
+        )
+    except CheckpointException as error:  # DCP gathers every rank's failure; ours already say what to do
+        first = next(f[0] if isinstance(f, tuple) else f for f in error.failures.values())
+        if isinstance(first, CheckpointError):
+            raise first from error
+        raise CheckpointError(f"Loading {directory} failed: {first}") from error
+
+
+def _check_keys(model: str, expected: set[str], saved: set[str], strict: bool, origin: Location) -> None:
     missing, unexpected = sorted(expected - saved), sorted(saved - expected)
     if strict and (missing or unexpected):
         raise CheckpointError(

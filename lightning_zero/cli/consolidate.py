@@ -2,6 +2,8 @@
 
     python -m lightning_zero consolidate CKPT_DIR OUT_FILE [--weights live|ema]
 
+Either path may be an fsspec URL (``s3://bucket/run/last.ckpt``, ``gs://...``, ``memory://...``).
+
 The output holds the full fp32 ``state_dict`` under the LightningModule's own key names (tied parameters share one
 tensor, as ``state_dict()`` has them) plus Lightning's fields (epoch, global step, loops, hyper-parameters, ...), so
 ``MyModule.load_from_checkpoint(OUT_FILE)`` and ``nn.Module.load_state_dict(torch.load(OUT_FILE)["state_dict"])``
@@ -43,12 +45,15 @@ from lightning_zero.checkpoint.format import (
     Toc,
     check_toc_against_metadata,
     checked_toc,
+    data_directory,
     info_dtype,
     model_key,
 )
+from lightning_zero.checkpoint.storage import Location, locate, put_atomically, serialized
 
-# Lightning state that only makes sense next to the optimizer tensors this file leaves out.
-_DROPPED = ("optimizer_states", "lr_schedulers")
+# Lightning state that only makes sense next to the optimizer tensors this file leaves out, and WeightAveraging's
+# averaged-model counters, which belong with the averaged copy that is either exported or left out.
+_DROPPED = ("optimizer_states", "lr_schedulers", "averaging_state")
 # The optimizer state entry ShardedEMA keeps its average in (lightning_zero.lightning.ema.EMA_KEY; cli may not import
 # lightning, so the name is repeated here and a test checks they agree).
 EMA_STATE = "ema"
@@ -56,18 +61,27 @@ EMA_STATE = "ema"
 
 def consolidate_checkpoint(
     ckpt_dir: str | os.PathLike[str], out_file: str | os.PathLike[str], weights: Literal["live", "ema"] = "live"
-) -> Path:
-    """Write the checkpoint directory ``ckpt_dir`` as the single file ``out_file`` (replaced atomically).
+) -> Path | str:
+    """Write the checkpoint directory ``ckpt_dir`` as the single file ``out_file`` (replaced atomically); either may be
+    a local path or an fsspec URL. Returns the file written: a ``Path``, or the URL.
 
     ``weights="ema"`` writes ``ShardedEMA``'s average instead of the trained weights."""
     if weights not in ("live", "ema"):
         raise ValueError(f"Invalid weights: {weights!r}. Expected 'live' (the trained weights) or 'ema'.")
-    directory, out = Path(ckpt_dir), Path(out_file)
+    directory, out = locate(ckpt_dir), locate(out_file)
+    directory.forget_listings()
+    if not (directory / LIGHTNING_STATE_FILE).isfile():
+        what = "does not exist" if not directory.exists() else f"has no {LIGHTNING_STATE_FILE}"
+        raise CheckpointError(
+            f"Checkpoint directory {directory} {what}, so it is not a complete checkpoint. HINT: pass a directory "
+            "written by ZeroStrategy; an interrupted save never commits one."
+        )
     state = load_lightning_state(directory / LIGHTNING_STATE_FILE)
     toc = checked_toc(state.pop(TOC_KEY, None), directory / LIGHTNING_STATE_FILE)
-    metadata = read_metadata(directory)
-    check_toc_against_metadata(toc, metadata, directory)
-    reader = SafeReader(directory, metadata, toc["files"])
+    data = data_directory(toc, directory)
+    metadata = read_metadata(data)
+    check_toc_against_metadata(toc, metadata, data)
+    reader = SafeReader(data, metadata, toc["files"])
     averages = _ema_storage(toc, directory) if weights == "ema" else {}
     full: dict[str, Tensor] = {}
     by_storage: dict[str, Tensor] = {}
@@ -77,36 +91,46 @@ def consolidate_checkpoint(
             source = averages.get(storage) or toc["masters"].get(storage, storage)
             shape = torch.Size(toc["tensors"][storage]["shape"])
             flat = torch.empty(shape.numel(), dtype=info_dtype(toc["tensors"][source]))
+            # Flat sources are read as one chunk spanning all the saved ones; a WeightAveraging copy is stored whole.
+            request = FlatChunk(flat, 0, shape) if toc["tensors"][source]["flat"] else flat.view(shape)
             with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the point
                 warnings.simplefilter("ignore", UserWarning)
-                dcp_load({source: FlatChunk(flat, 0, shape)}, storage_reader=reader, planner=SafeLoadPlanner())
+                dcp_load({source: request}, storage_reader=reader, planner=SafeLoadPlanner())
             tensor = flat.view(shape)
             by_storage[storage] = tensor.float() if tensor.is_floating_point() else tensor
         full[key] = by_storage[storage]
     consolidated = {k: v for k, v in state.items() if k not in _DROPPED}
     consolidated["state_dict"] = full
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staged = partial_sibling(out)
+    if out.remote:  # one object write: the old file or the new one (Note [commit on an object store])
+        put_atomically(serialized(lambda stream: torch.save(consolidated, stream)), out)
+        return out.url
+    out.local.parent.mkdir(parents=True, exist_ok=True)
+    staged = partial_sibling(out.local)
     try:
         write_synced(consolidated, staged)
-        os.replace(staged, out)
+        os.replace(staged, out.local)
     finally:
         staged.unlink(missing_ok=True)
-    return out
+    return out.local
 
 
-def _ema_storage(toc: Toc, directory: Path) -> dict[str, str]:
-    """Model storage key -> storage key of its saved average, for every parameter with one."""
+def _ema_storage(toc: Toc, directory: Location) -> dict[str, str]:
+    """Model storage key -> storage key of its saved average, for every parameter (or, from Lightning's
+    ``WeightAveraging``, every entry) with one."""
     averages = {
         toc["state_dict"].get(fqn, model_key(fqn)): entries[EMA_STATE]
         for names in toc["optimizers"]
         for fqn, entries in names.items()
         if EMA_STATE in entries
     }
+    # Lightning's WeightAveraging callbacks at stages 1 and 2 (Note [Lightning's WeightAveraging]).
+    named = toc["state_dict"]
+    averages.update({named[key]: storage for key, storage in toc.get("averaged", {}).items() if key in named})
     if not averages:
         raise CheckpointError(
             f"{directory} holds no moving average of the weights. HINT: train with the `lightning_zero.ShardedEMA` "
-            "callback (the average is saved after its first update), or export the trained weights with "
+            "callback (or Lightning's `EMAWeightAveraging` at stages 1 and 2; the average is saved after its first "
+            "update), or export the trained weights with "
             "`--weights live`."
         )
     return averages
@@ -131,5 +155,5 @@ def main(argv: list[str]) -> int:
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    print(f"wrote {out} ({locate(out).size() / 2**20:.1f} MiB)")
     return 0

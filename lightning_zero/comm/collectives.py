@@ -205,9 +205,9 @@ def reduce_scatter(
             work = dist.all_to_all_single(received, input, group=group, async_op=True)
 
         def finish() -> None:
-            torch.sum(received.view(world, -1), dim=0, out=output.view(-1))
-            if not divide_first:
-                output.div_(world)
+            # One pass: mean is the sum then the division, bit for bit, without a second sweep over the shard.
+            reduce = torch.sum if divide_first else torch.mean
+            reduce(received.view(world, -1), dim=0, out=output.view(-1))
 
         send = make_send(dist.all_to_all_single, input, wire_bytes, group)
         return PendingCollective(Collective.REDUCE_SCATTER, (work,), (received, input, output), (send,), finish, stream)

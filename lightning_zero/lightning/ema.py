@@ -1,7 +1,8 @@
 """``ShardedEMA``: an exponential moving average of the weights that lives on the shards.
 
-Lightning's ``EMAWeightAveraging`` keeps a second full model (an ``AveragedModel``) on every rank; under ZeRO that
-copy is neither sharded nor checkpointed with the shards, and under stage 3 there are no full parameters to average.
+Lightning's ``EMAWeightAveraging`` keeps a second full model (an ``AveragedModel``) on every rank: at stages 1 and 2
+it works under ZeRO at that cost (Note [Lightning's WeightAveraging] in ``strategy_checkpoint.py``), and under stage
+3 there are no full parameters to average.
 ``ShardedEMA`` takes the same arguments and keeps the same schedule, but each rank averages only the fp32 slice it
 owns (its ``ZeroOptimizer``'s masters): 4Ψ/N bytes per rank and no communication per step, under every stage.
 

@@ -2,6 +2,19 @@
 
 ``ShardedCheckpointing`` routes Lightning's checkpoint hooks to ``lightning_zero.checkpoint``; ``ZeroStrategy``
 (``strategy.py``) inherits them and adds everything else.
+
+Note [Lightning's WeightAveraging]
+Lightning's ``WeightAveraging`` callbacks (``EMAWeightAveraging``, SWA) deep-copy the module into an
+``AveragedModel`` when fit starts, update it from ``pl_module.parameters()`` after steps and swap values with the
+parameters around validation. At stages 1 and 2 every rank holds full parameters between steps, and the next step
+starts from parameters edited there, so all of that works unchanged, with the callback's own full copy per rank. Its
+checkpoint protocol does not: ``on_save_checkpoint`` moves the strategy's state dict (this rank's shards) to
+``current_model_state`` and puts the full average in ``state_dict``. ``save_checkpoint`` puts them back where the
+sharded format expects them and stores the average whole, once (``save_sharded_checkpoint(averaged=)``);
+``load_checkpoint`` returns it as ``state_dict`` and the loaded live weights as ``current_model_state``, which is what
+the callback's ``on_load_checkpoint`` reads; ``consolidate --weights ema`` exports it. At stage 3 a parameter holds no
+data outside its unit's forward: the average would be built from empty parameters and the swap writes into them, so
+the strategy refuses the callback when it connects, before the callback copies anything, and names ``ShardedEMA``.
 """
 
 from __future__ import annotations
@@ -9,7 +22,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.pytorch import callbacks
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
@@ -40,6 +55,11 @@ class ShardedCheckpointing(ParallelStrategy):
         assert group is not None, "the process group is created in setup_environment()"
         return group
 
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        refuse_weight_averaging_at_stage_3(model.trainer.callbacks, self.config.stage)  # type: ignore[attr-defined]
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -64,7 +84,11 @@ class ShardedCheckpointing(ParallelStrategy):
                 "checkpoints are written by every rank, not through a CheckpointIO plugin. HINT: drop storage_options."
             )
         saved_with = {"world_size": self.world_size, "stage": self.config.stage}
-        save_sharded_checkpoint(checkpoint, self.broadcast(filepath), self.process_group, saved_with)
+        averaged = None
+        if _WEIGHT_AVERAGING_LIVE in checkpoint:  # Note [Lightning's WeightAveraging]
+            averaged = checkpoint.pop("state_dict")
+            checkpoint["state_dict"] = checkpoint.pop(_WEIGHT_AVERAGING_LIVE)
+        save_sharded_checkpoint(checkpoint, self.broadcast(filepath), self.process_group, saved_with, averaged)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -74,7 +98,7 @@ class ShardedCheckpointing(ParallelStrategy):
         """
         module = self.lightning_module
         assert module is not None
-        return load_checkpoint(
+        state = load_checkpoint(
             self.broadcast(checkpoint_path),
             module,
             list(iter_zero_optimizers(self.optimizers)),
@@ -83,6 +107,10 @@ class ShardedCheckpointing(ParallelStrategy):
             strict=module.strict_loading,
             gatherer=self._gatherer,
         )
+        if "state_dict" in state:  # a WeightAveraging average: Note [Lightning's WeightAveraging]
+            # The live weights are in place already; loading them into the module again changes nothing.
+            state[_WEIGHT_AVERAGING_LIVE] = module.state_dict()
+        return state
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -96,6 +124,26 @@ class ShardedCheckpointing(ParallelStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             remove(filepath)
+
+
+_WEIGHT_AVERAGING_LIVE = "current_model_state"
+"""Where ``WeightAveraging.on_save_checkpoint`` moves the live state dict (Note [Lightning's WeightAveraging])."""
+
+
+def refuse_weight_averaging_at_stage_3(trainer_callbacks: list[pl.Callback], stage: int) -> None:
+    weight_averaging = getattr(callbacks, "WeightAveraging", None)  # Lightning >= 2.5
+    if stage != 3 or weight_averaging is None:
+        return
+    for callback in trainer_callbacks:
+        if isinstance(callback, weight_averaging):
+            raise ValueError(
+                f"Lightning's {type(callback).__name__} callback cannot run under ZeroStrategy(stage=3): it copies "
+                "the whole model and reads and writes full parameters between steps, and at stage 3 a parameter "
+                "holds no data outside its unit's forward (Note [Lightning's WeightAveraging]). HINT: use "
+                "`lightning_zero.ShardedEMA(decay=..., update_every_n_steps=..., update_starting_at_step=..., "
+                "update_starting_at_epoch=...)`, which takes EMAWeightAveraging's arguments and averages each rank's "
+                "shard at every stage, or train with stage 1 or 2."
+            )
 
 
 def as_zero_optimizer(optimizer: Any) -> ZeroOptimizer:

@@ -115,7 +115,8 @@ class FullGradReducer(GradientReducer):
         self._in_place = [False] * len(self.buckets)
         self._reduced = [None] * len(self.buckets)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # The flat buffers stay allocated either way: they are autograd's accumulation target (``.grad`` views).
         self.wait()
         for bucket, flat in zip(self.buckets, self.grads, strict=True):
             if self.state[bucket.index] is not BucketState.REDUCED:  # a reduced bucket's buffer is already zero

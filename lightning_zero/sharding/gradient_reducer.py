@@ -137,7 +137,8 @@ class GradientReducer:
         """The optimizer step has used the reduced shards: the next reduction starts from zero."""
         raise NotImplementedError
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start the next accumulation from zero; ``set_to_none`` may free gradient storage until it is needed."""
         raise NotImplementedError
 
     def state_bytes(self) -> int:

@@ -368,10 +368,11 @@ class ZeroOptimizer(Optimizer):
             p.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients of the whole flattened model (``set_to_none`` is accepted for API compatibility:
-        stage 1 keeps its flat gradient buffers allocated, stage 2 frees parameters' gradients either way). A
-        parameter without gradient until the next step is then skipped, as after torch's ``zero_grad()``."""
-        self.reducer.zero_grad()
+        """Zero the gradients of the whole flattened model. Stage 1 keeps its flat gradient buffers allocated (they
+        are autograd's accumulation target); stages 2 and 3 free their gradient shards when ``set_to_none`` (Note
+        [gradient shards between steps]). A parameter without gradient until the next step is then skipped, as
+        after torch's ``zero_grad()``."""
+        self.reducer.zero_grad(set_to_none)
         self._forget_gradients()
 
     def _forget_gradients(self) -> None:

@@ -189,18 +189,22 @@ class ParameterGatherer:
             return
         if not self._order_frozen and unit.index not in self._finish_order:
             self._finish_order.insert(0, unit.index)  # reversed: the backward order
+        differentiated = False
         if torch.is_grad_enabled():
             tensors = [t for t in tensors_in(output) if t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, partial(self._pre_backward, unit), mode="any")
                 self._reached_in_backward.add(unit.index)
+                differentiated = True
         if unit.index == 0:
             self._end_of_pass()
-        self._release(unit)
+        keep = unit.index == 0 and differentiated and not self.config.reshard_root_after_forward and self._order_frozen
+        if not keep:  # the root kept gathered into backward: ZeroConfig.reshard_root_after_forward
+            self._release(unit)
         if unit.index == 0:
             # The whole forward is over: a unit prefetched for it but never called (a branch not taken, a step
             # that only read some weights) is freed now rather than held until the next backward or step.
-            self.release_all()
+            self.release_all(keep=unit if keep else None)
 
     # -- backward -------------------------------------------------------------------------------------------------
     @torch.compiler.disable  # Note [placeholders under compile]
@@ -215,9 +219,6 @@ class ParameterGatherer:
         # complete (a unit called several times still computes input gradients for every call).
         self._gather(unit)
         self._wait(unit)
-        for member in (unit, *self._children[unit.index]):
-            for bucket in member.trainable_buckets:
-                self.reducer.accumulate_into_staging(bucket)
         self._prefetch(unit, self._finish_order, only=self._reached_in_backward)
 
     @torch.compiler.disable  # Note [placeholders under compile]
@@ -360,10 +361,10 @@ class ParameterGatherer:
             for unit in newly:
                 self._release(unit)
 
-    def release_all(self) -> None:
-        """Free every unit that is not inside its forward."""
+    def release_all(self, keep: ShardedUnit | None = None) -> None:
+        """Free every unit that is not inside its forward (except ``keep``)."""
         for unit in self.units:
-            if self._owner(unit) is unit and self._depth[unit.index] == 0:
+            if self._owner(unit) is unit and self._depth[unit.index] == 0 and unit is not keep:
                 self._release(unit)
 
     def refresh_gathered(self) -> None:
