@@ -60,7 +60,9 @@ from lightning_zero.comm.fault_monitor import FaultMonitor
 from lightning_zero.config import ZeroConfig
 from lightning_zero.lightning.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.lightning.offload_setup import build_memory_tiers, check_optimizer_space
 from lightning_zero.lightning.strategy_checkpoint import ShardedCheckpointing, as_zero_optimizer, iter_zero_optimizers
+from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 from lightning_zero.stage3.sharded_init import ParamInitFn, shard_module
@@ -127,6 +129,8 @@ class ZeroStrategy(ShardedCheckpointing):
         self._fault_monitor: FaultMonitor | None = None
         self._broadcast_next_forward = True  # Note [buffers follow rank 0]
         self._accumulating = False  # inside block_backward_sync
+        self._tiers: MemoryTiers | None = None
+        """This rank's memory tiers (``ZeroConfig.offload_*``), built in ``setup``."""
 
     # -- precision: ZeRO's own mixed precision (see ``precision.py``) -----------------------------------------------
     @property
@@ -221,6 +225,11 @@ class ZeroStrategy(ShardedCheckpointing):
         assert self.model is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
+        if self._tiers is None:
+            assert self.lightning_module is not None
+            self._tiers = build_memory_tiers(
+                self.config, self.lightning_module, trainer, self.root_device, self.world_size
+            )
         if self.config.stage == 3:
             self._shard_model()
             self._broadcast_buffers()  # what _sync_module_states does for stages 1 and 2 (parameters are sharded)
@@ -241,7 +250,7 @@ class ZeroStrategy(ShardedCheckpointing):
         if not any(t.is_meta for t in (*self.lightning_module.parameters(), *self.lightning_module.buffers())):
             self.model_to_device()
         self._gatherer = shard_module(
-            self.lightning_module, self.config, self.process_group, self.root_device, self._param_init_fn
+            self.lightning_module, self.config, self.process_group, self.root_device, self._param_init_fn, self._tiers
         )
 
     @override
@@ -260,9 +269,12 @@ class ZeroStrategy(ShardedCheckpointing):
                 self._gatherer,
                 fp32_masters=precision.fp32_masters,
                 loss_scaler=scaler,
+                tiers=self._tiers.for_optimizer() if self._tiers is not None else None,
             )
             for optimizer, scaler in zip(self.optimizers, scalers, strict=True)
         ]
+        if self._tiers is not None:
+            check_optimizer_space(self._tiers, list(iter_zero_optimizers(self.optimizers)))
 
     @contextmanager
     @override
@@ -411,6 +423,13 @@ class ZeroStrategy(ShardedCheckpointing):
     def on_exception(self, exception: BaseException) -> None:
         if self._fault_monitor is not None:
             self._fault_monitor.on_exception(exception)
+        self._close_tiers()
+
+    def _close_tiers(self) -> None:
+        """Stop the tiers' IO and remove this rank's tier files (Note [tier directories])."""
+        if self._tiers is not None:
+            self._tiers.close()
+            self._tiers = None
 
     @override
     def teardown(self) -> None:
@@ -428,6 +447,9 @@ class ZeroStrategy(ShardedCheckpointing):
         if self._fault_monitor is not None:
             self._fault_monitor.stop()
             self._fault_monitor = None
+        if self._tiers is not None:
+            self._tiers.restore()
+        self._close_tiers()
         module = self.lightning_module
         on_meta = module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers()))
         if self._gatherer is None and not on_meta:
@@ -463,4 +485,19 @@ class ZeroStrategy(ShardedCheckpointing):
                 override=True,
                 stage=stage,
                 start_method="spawn",
+            )
+        # As Lightning's "deepspeed_stage_2_offload" / "deepspeed_stage_3_offload(_nvme)" presets.
+        offload_presets: dict[str, dict[str, Any]] = {
+            "zero2_offload": {"stage": 2, "offload_optimizer": "cpu"},
+            "zero3_offload": {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+            "zero3_offload_disk": {
+                "stage": 3,
+                "offload_optimizer": "disk",
+                "offload_params": "disk",
+                "offload_dir": "offload",  # relative: under the Trainer's default_root_dir
+            },
+        }
+        for name, fields in offload_presets.items():
+            strategy_registry.register(
+                name, cls, description=f"ZeRO with memory tiers: {fields}", override=True, **fields
             )

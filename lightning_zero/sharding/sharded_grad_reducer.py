@@ -34,12 +34,16 @@ class ShardedGradReducer(GradientReducer):
         on_complete: Callable[[FlatBucket], None] | None = None,
     ) -> None:
         super().__init__(buckets, group, config, ledger, on_complete)
-        self.shards = [torch.zeros(b.shard_numel, dtype=self._reduce_dtype(b), device=b.device) for b in self.buckets]
+        self.shards = [self._new_shard(b) for b in self.buckets]
         """(shard_numel,) per bucket: this rank's accumulated, averaged gradient."""
         self._shard_is_zero = [True] * len(self.buckets)
         self._staging: list[Tensor | None] = [None] * len(self.buckets)
         self._stale: list[set[int]] = [set() for _ in self.buckets]
         """Offsets of the slots of each staging buffer not yet written this round: Note [staging without memset]."""
+
+    def _new_shard(self, bucket: FlatBucket) -> Tensor:
+        """The tensor the bucket's averaged gradient shard is kept in (a subclass may keep it elsewhere)."""
+        return torch.zeros(bucket.shard_numel, dtype=self._reduce_dtype(bucket), device=bucket.device)
 
     def _communicates_now(self) -> bool:
         # Inside no_sync(), "local" accumulation keeps adding into the staging buffers until the last micro-batch.

@@ -1,0 +1,72 @@
+"""``OffloadDirectory``: where one rank's tier files live, checked before anything is written and always removed.
+
+Note [tier directories]
+``ZeroConfig.offload_dir`` may be shared by many jobs (a scratch disk). Each rank of each job creates its own
+sub-directory with ``mkdtemp`` (a fresh, unique name created atomically, mode 0700) and its tier file inside it with
+``O_EXCL``, so two jobs given the same ``offload_dir`` never open each other's files, and a job never reuses files
+left by a crashed one. The sub-directory is removed when the strategy tears down, when the job fails
+(``on_exception``) and, as a last resort, at interpreter exit; a process killed with SIGKILL leaves it behind, named
+``lightning_zero-<host>-<pid>-rank<r>-*`` so that it can be traced to its job.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+
+class OffloadDirectoryError(ValueError):
+    """``offload_dir`` cannot hold the tiers: missing, not writable, or too small."""
+
+
+def resolve_offload_dir(offload_dir: str, root_dir: str | os.PathLike[str]) -> Path:
+    """An absolute ``offload_dir`` must exist and be writable; a relative one is created under ``root_dir``."""
+    path = Path(offload_dir)
+    if not path.is_absolute():
+        path = Path(root_dir) / path
+        path.mkdir(parents=True, exist_ok=True)
+    if not path.is_dir():
+        raise OffloadDirectoryError(
+            f"Invalid ZeroConfig.offload_dir: {offload_dir!r}. {path} does not exist or is not a directory. HINT: "
+            "create it first, or give a path relative to the Trainer's default_root_dir, which is created."
+        )
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise OffloadDirectoryError(
+            f"Invalid ZeroConfig.offload_dir: {offload_dir!r}. {path} is not writable by this process. HINT: "
+            "choose a directory you can write to."
+        )
+    return path
+
+
+def check_free_space(path: Path, needed: int, what: str) -> None:
+    """Refuse to start when the disk under ``path`` has less than ``needed`` bytes free (this rank's share)."""
+    stat = os.statvfs(path)
+    free = stat.f_bavail * stat.f_frsize
+    if needed > free:
+        raise OffloadDirectoryError(
+            f"Not enough free space for the disk tier in {path}: {what} needs {needed:,} bytes "
+            f"({needed / 1e9:.2f} GB) on this rank, and the disk has {free:,} bytes ({free / 1e9:.2f} GB) free (shared "
+            "by every rank on this machine). HINT: free space, point offload_dir at a larger disk, lower "
+            "offload_ratio, or use more ranks."
+        )
+
+
+class OffloadDirectory:
+    """This rank's private sub-directory of ``offload_dir`` (Note [tier directories])."""
+
+    def __init__(self, base: Path, rank: int) -> None:
+        self.base = base
+        prefix = f"lightning_zero-{socket.gethostname()}-{os.getpid()}-rank{rank}-"
+        self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+        atexit.register(self.remove)
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        atexit.unregister(self.remove)

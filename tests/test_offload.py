@@ -1,0 +1,73 @@
+"""Memory tiers (``lightning_zero.offload``): the optimizer state, masters, gradients and parameter shards in host
+memory or on disk train exactly as DDP does, resume across tiers, and leave nothing behind."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+from tests.offload_runs import compare, resume_across_tiers
+
+DISK = {"offload_dir": "offload"}  # relative: under the Trainer's default_root_dir
+
+
+def _assert_matches_ddp(runs: list[dict[str, Any]], labels: list[str]) -> None:
+    ddp, *tiered = runs
+    for label, run in zip(labels, tiered, strict=True):
+        assert len(run["losses"]) == len(ddp["losses"]) > 0, label
+        torch.testing.assert_close(run["losses"], ddp["losses"], rtol=1e-5, atol=0, msg=label)
+        for name, value in ddp["weights"].items():
+            torch.testing.assert_close(run["weights"][name], value, rtol=1e-5, atol=1e-6, msg=f"{label}: {name}")
+        assert run["left"] == [], f"{label} left tier files behind: {run['left']}"
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "stage1_cpu": {"stage": 1, "offload_optimizer": "cpu"},
+    "stage1_disk": {"stage": 1, "offload_optimizer": "disk", **DISK},
+    "stage2_disk": {"stage": 2, "offload_optimizer": "disk", **DISK},
+    "stage2_disk_half": {"stage": 2, "offload_optimizer": "disk", "offload_ratio": 0.5, **DISK},
+    "stage3_cpu": {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+    "stage3_disk": {"stage": 3, "offload_optimizer": "disk", **DISK},
+    "stage3_params_disk": {"stage": 3, "offload_params": "disk", **DISK},
+    "stage3_both_disk": {"stage": 3, "offload_optimizer": "disk", "offload_params": "disk", **DISK},
+    "stage3_both_disk_half": {
+        "stage": 3,
+        "offload_optimizer": "disk",
+        "offload_params": "disk",
+        "offload_ratio": 0.5,
+        **DISK,
+    },
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("clip", "accumulate"), [(0.05, 2)])
+def test_tiers_match_ddp_at_every_step_with_clipping_and_accumulation(clip, accumulate):
+    variants = [{**v, "bucket_numel": 3_000} for v in VARIANTS.values()]
+    with tempfile.TemporaryDirectory() as root:
+        runs = run_distributed(compare, 2, root, variants, clip, accumulate, init_process_group=False, timeout=280)
+    for rank_runs in runs:
+        _assert_matches_ddp(rank_runs, list(VARIANTS))
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ({"stage": 3, "offload_optimizer": "disk", "offload_params": "disk", **DISK}, {"stage": 3}),
+        ({"stage": 2}, {"stage": 3, "offload_optimizer": "disk", "offload_params": "disk", **DISK}),
+        ({"stage": 1, "offload_optimizer": "disk", **DISK}, {"stage": 3, "offload_params": "disk", **DISK}),
+    ],
+)
+def test_resume_from_a_tiered_checkpoint_into_another_tier_and_back(first, second):
+    with tempfile.TemporaryDirectory() as root:
+        for straight, resumed in run_distributed(
+            resume_across_tiers, 2, root, first, second, init_process_group=False, timeout=180
+        ):
+            torch.testing.assert_close(resumed["losses"][-2:], straight["losses"][-2:], rtol=1e-5, atol=0)
+            for name, value in straight["weights"].items():
+                torch.testing.assert_close(resumed["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
