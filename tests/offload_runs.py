@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 from torch import Tensor
 
@@ -38,22 +39,24 @@ def train(
     """Train ``steps`` steps; ``strategy``: "ddp" or ``ZeroStrategy`` keywords. Returns losses, weights and what the
     tier directory holds after the run."""
     module = RecordingGPT()
+    callbacks = []
+    if save_to is not None:  # saved during fit, where the tiers hold the optimizer state
+        callbacks.append(ModelCheckpoint(dirpath=save_to, every_n_train_steps=steps, save_top_k=-1))
     trainer = pl.Trainer(
+        callbacks=callbacks,
         strategy=strategy if isinstance(strategy, str) else ZeroStrategy(**strategy),
         accelerator="cpu",
         devices=2,
         max_steps=steps,
         gradient_clip_val=clip,
         accumulate_grad_batches=accumulate,
-        enable_checkpointing=False,
+        enable_checkpointing=save_to is not None,
         default_root_dir=root,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     trainer.fit(module, ckpt_path=ckpt_path)
-    if save_to is not None:
-        trainer.save_checkpoint(save_to)
     offload = Path(root, "offload")
     mine = f"-rank{trainer.global_rank}-"  # this rank's; another rank may still be tearing down
     left = sorted(n for n in os.listdir(offload) if mine in n) if offload.exists() else []
@@ -69,8 +72,7 @@ def compare(root: str, variants: list[dict[str, Any]], clip: float | None, accum
 
 def resume_across_tiers(root: str, first: dict[str, Any], second: dict[str, Any]) -> list[dict[str, Any]]:
     """``first`` trains 2 steps and saves; ``second`` resumes to step 4; a run of ``first`` straight to 4 steps."""
-    ckpt = f"{root}/mid.ckpt"
-    train(first, root, steps=2, save_to=ckpt)
-    resumed = train(second, root, steps=4, ckpt_path=ckpt)
+    train(first, root, steps=2, save_to=f"{root}/mid")
+    resumed = train(second, root, steps=4, ckpt_path=f"{root}/mid/epoch=0-step=2.ckpt")
     straight = train(first, root, steps=4)
     return [straight, resumed]

@@ -23,6 +23,7 @@ from lightning_zero.checkpoint.sharded_checkpoint import (
     sharded_optimizer_state,
 )
 from lightning_zero.config import ZeroConfig
+from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 
@@ -31,6 +32,8 @@ class ShardedCheckpointing(ParallelStrategy):
     """Lightning's checkpoint hooks for a strategy whose optimizers are ``ZeroOptimizer``s."""
 
     config: ZeroConfig
+    _tiers: MemoryTiers | None
+    """The memory tiers; a save or load brings every shard of this rank into memory for its duration."""
     _gatherer: ParameterGatherer | None
     """Stage 3's sharded model; None for stages 1 and 2."""
 
@@ -48,6 +51,8 @@ class ShardedCheckpointing(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
+        if self._tiers is not None:
+            self._tiers.load_all()  # until save_checkpoint() has written them
         return sharded_model_state(self.lightning_module, list(iter_zero_optimizers(self.optimizers)), self._gatherer)
 
     @override
@@ -64,7 +69,11 @@ class ShardedCheckpointing(ParallelStrategy):
                 "checkpoints are written by every rank, not through a CheckpointIO plugin. HINT: drop storage_options."
             )
         saved_with = {"world_size": self.world_size, "stage": self.config.stage}
-        save_sharded_checkpoint(checkpoint, self.broadcast(filepath), self.process_group, saved_with)
+        try:
+            save_sharded_checkpoint(checkpoint, self.broadcast(filepath), self.process_group, saved_with)
+        finally:
+            if self._tiers is not None:
+                self._tiers.unload_all()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -74,15 +83,21 @@ class ShardedCheckpointing(ParallelStrategy):
         """
         module = self.lightning_module
         assert module is not None
-        return load_checkpoint(
-            self.broadcast(checkpoint_path),
-            module,
-            list(iter_zero_optimizers(self.optimizers)),
-            self.process_group,
-            load_optimizer=module.trainer.state.fn == TrainerFn.FITTING,
-            strict=module.strict_loading,
-            gatherer=self._gatherer,
-        )
+        if self._tiers is not None:
+            self._tiers.load_all()
+        try:
+            return load_checkpoint(
+                self.broadcast(checkpoint_path),
+                module,
+                list(iter_zero_optimizers(self.optimizers)),
+                self.process_group,
+                load_optimizer=module.trainer.state.fn == TrainerFn.FITTING,
+                strict=module.strict_loading,
+                gatherer=self._gatherer,
+            )
+        finally:
+            if self._tiers is not None:
+                self._tiers.unload_all()  # what was loaded goes to its tier
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
