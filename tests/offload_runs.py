@@ -9,7 +9,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
-import torch
 from torch import Tensor
 
 from lightning_zero import ZeroStrategy

@@ -59,8 +59,8 @@ from typing_extensions import override
 from lightning_zero.comm.fault_monitor import FaultMonitor
 from lightning_zero.config import ZeroConfig
 from lightning_zero.lightning.memory import ModelStateBytes, model_state_bytes
-from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.lightning.offload_setup import build_memory_tiers, check_optimizer_space
+from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.lightning.strategy_checkpoint import ShardedCheckpointing, as_zero_optimizer, iter_zero_optimizers
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer

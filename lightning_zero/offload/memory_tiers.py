@@ -72,7 +72,7 @@ class MemoryTiers:
     def optimizer_on_disk(self) -> bool:
         return self.config.offload_optimizer == "disk" and self.swapper is not None
 
-    # -- stage 3: UnitTiers and ShardSource -----------------------------------------------------------------------------
+    # -- stage 3: UnitTiers and ShardSource ---------------------------------------------------------------------------
     def attach(self, unit: ShardedUnit) -> None:
         """A freshly sharded unit: its shards go to the parameter tier now (the unit's full parameters are already
         freed), so a model larger than memory is never in memory."""
@@ -111,7 +111,7 @@ class MemoryTiers:
             buckets, group, config, ledger, on_complete, swapper=self.swapper, on_disk=lambda b: id(b) in placed
         )
 
-    # -- optimizers ------------------------------------------------------------------------------------------------------
+    # -- optimizers ----------------------------------------------------------------------------------------------------
     def for_optimizer(self) -> OptimizerTiers:
         """The ``StateTiers`` of one more optimizer; its buckets are placed when it attaches."""
         tiers = OptimizerTiers(self.swapper if self.optimizer_on_disk or self.params_on_disk else None, self._place)
@@ -125,7 +125,7 @@ class MemoryTiers:
             return {id(b) for b in buckets if id(b) in self._disk_buckets}
         return place_by_ratio(buckets, self.config.offload_ratio)
 
-    # -- whole-state access (checkpoints) and accounting -------------------------------------------------------------
+    # -- whole-state access (checkpoints) and accounting -----------------------------------------------------------
     def load_all(self) -> None:
         """Every shard of this rank resident, for a checkpoint save or load (not bounded by the tiers' memory)."""
         for unit in self._units:

@@ -174,7 +174,7 @@ class OptimizerTiers:
         if self.swapper is not None:
             self.swapper.end_step()
 
-    # -- outside the step -----------------------------------------------------------------------------------------------
+    # -- outside the step ---------------------------------------------------------------------------------------------
     def load_all(self) -> None:
         """Every tiered bucket resident (a checkpoint save or load reads or writes all of this rank's state)."""
         for bucket in self._opt.buckets:

@@ -6,8 +6,10 @@ rather than by copying from/to an ``np.memmap`` of the file: the call copies onc
 GIL for its whole length, so a background thread overlaps it with compute, while a memmap copy runs in the calling
 thread, faults page by page and leaves dirty pages for the kernel to write back when it likes (neither the timing nor
 the page cache charged to the job is then under our control). Each rank has one reader and one writer thread; calls
-move at most ``_IO_CHUNK`` bytes (Linux moves at most ~2 GiB per call), and the pages read or written are dropped
-from the page cache (``posix_fadvise(DONTNEED)``) so the cache does not grow with the model.
+move at most ``_IO_CHUNK`` bytes (Linux moves at most ~2 GiB per call). Pages read are dropped from the page cache
+(``posix_fadvise(DONTNEED)``: they are clean, so this is free), so the cache does not fill with a model larger than
+memory; pages written are left to the kernel's writeback, because dropping them right after the write makes the
+writer wait for the disk (measured on this machine with 32 MiB regions: 0.33 GB/s instead of 1.1 GB/s).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class TierIOError(OSError):
 def _bytes_of(tensor: Tensor) -> memoryview:
     """The tensor's memory as a writable byte buffer (no copy): what ``preadv``/``pwritev`` fill or drain. Built from
     the data pointer, not ``Tensor.numpy()``, which would pin the storage's size (it must stay resizable)."""
-    assert tensor.device.type == "cpu" and tensor.is_contiguous()
+    assert tensor.device.type == "cpu", "tier IO moves host memory"
+    assert tensor.is_contiguous(), "tier IO moves contiguous tensors"
     nbytes = tensor.numel() * tensor.element_size()
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
@@ -83,7 +86,6 @@ class SwapFile:
                 f"Writing {data.nbytes:,} bytes of {key} to the tier file {self.path} failed: {what}. The file already "
                 f"holds {self._end:,} bytes. HINT: free space on that disk or point offload_dir elsewhere.",
             ) from error
-        os.posix_fadvise(self._fd, offset, data.nbytes, os.POSIX_FADV_DONTNEED)
         with self._lock:
             self.bytes_written += data.nbytes
 
@@ -102,6 +104,14 @@ class SwapFile:
         os.posix_fadvise(self._fd, placed[0], data.nbytes, os.POSIX_FADV_DONTNEED)
         with self._lock:
             self.bytes_read += data.nbytes
+
+    def sync(self) -> None:
+        """Wait until everything written is on the disk."""
+        os.fsync(self._fd)
+
+    def drop_cache(self) -> None:
+        """Drop the file's clean pages from the page cache (after ``sync``: the next reads come from the disk)."""
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
         if self._fd >= 0:

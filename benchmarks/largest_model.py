@@ -1,0 +1,166 @@
+"""The largest GPT that trains on this machine, per strategy: 2 ranks, fp32 AdamW, seq 128, batch 1, 3 steps.
+
+    MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python benchmarks/largest_model.py --strategy zero3_disk \
+        --n-layer 40 --n-embd 2560 --offload-dir /work/offload-bench
+
+Runs one configuration (``--strategy`` ddp | zero1 | zero2 | zero3 | zero3_disk) and appends a record to
+``benchmarks/results/largest_model.json``: parameters, loss per step, step times, peak RSS per rank (read at the end
+of training, before teardown), and for the disk tiers the bytes read and written per step and the disk bandwidth
+measured in the same run (a 1 GiB write and read through the same ``preadv``/``pwritev`` path in ``offload_dir``
+before training). The tier files and the bandwidth probe are removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+import lightning_zero  # noqa: F401  (registers the presets)
+from lightning_zero import ZeroStrategy
+from lightning_zero.models import GPTConfig, LitGPT
+from lightning_zero.models.lightning_gpt import SyntheticTokenDataset
+from lightning_zero.offload.swap_file import SwapFile
+
+RESULTS = Path(__file__).parent / "results" / "largest_model.json"
+SEQ, VOCAB, STEPS = 128, 8192, 3
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def disk_bandwidth(directory: Path, nbytes: int = 1 << 30) -> tuple[float, float]:
+    """(write, read) bytes per second of the tier IO path on ``directory``."""
+    probe = directory / f"bandwidth-probe-{os.getpid()}"
+    file = SwapFile(probe)
+    data = torch.ones(nbytes // 4)
+    try:
+        start = time.perf_counter()
+        file.write("probe", data)
+        file.sync()
+        write = nbytes / (time.perf_counter() - start)
+        file.drop_cache()  # the read below comes from the disk, not from the page cache
+        start = time.perf_counter()
+        file.read("probe", data)
+        read = nbytes / (time.perf_counter() - start)
+    finally:
+        file.close()
+        probe.unlink(missing_ok=True)
+    return write, read
+
+
+class Record(pl.Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.io: list[tuple[int, int]] = []
+        self._start = 0.0
+        self._io0 = (0, 0)
+        self.peak_rss = 0
+
+    def _io(self, trainer: pl.Trainer) -> tuple[int, int]:
+        tiers = getattr(trainer.strategy, "_tiers", None)
+        return tiers.io_bytes() if tiers is not None else (0, 0)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._start = time.perf_counter()
+        self._io0 = self._io(trainer)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.times.append(time.perf_counter() - self._start)
+        read, written = self._io(trainer)
+        self.io.append((read - self._io0[0], written - self._io0[1]))
+
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.peak_rss = _status("VmHWM:")
+        tiers = getattr(trainer.strategy, "_tiers", None)
+        if tiers is not None:
+            tiers.restore = lambda: None  # the benchmark never uses the model after fit: skip reading it back
+
+
+class Losses(LitGPT):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(SyntheticTokenDataset(num_samples=64, seq_len=SEQ, vocab_size=VOCAB), batch_size=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategy", required=True, choices=["ddp", "zero1", "zero2", "zero3", "zero3_disk"])
+    parser.add_argument("--n-layer", type=int, required=True)
+    parser.add_argument("--n-embd", type=int, required=True)
+    parser.add_argument("--offload-dir", default="/tmp/lightning_zero_offload")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    config = GPTConfig(
+        vocab_size=VOCAB, block_size=SEQ, n_layer=args.n_layer, n_head=args.n_embd // 128, n_embd=args.n_embd
+    )
+    offload = Path(args.offload_dir)
+    strategy: Any = "ddp"
+    bandwidth = (0.0, 0.0)
+    if args.strategy.startswith("zero"):
+        stage = int(args.strategy[4])
+        extra: dict[str, Any] = {}
+        if args.strategy == "zero3_disk":
+            offload.mkdir(parents=True, exist_ok=True)
+            extra = {"offload_optimizer": "disk", "offload_params": "disk", "offload_dir": str(offload)}
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                bandwidth = disk_bandwidth(offload)
+        strategy = ZeroStrategy(stage=stage, **extra)
+    record = Record()
+    module = Losses(config, lr=1e-3)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        callbacks=[record],
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(offload),
+    )
+    trainer.fit(module)
+    params = sum(p.numel() for p in module.parameters())
+    result = {
+        "strategy": args.strategy,
+        "rank": trainer.global_rank,
+        "n_layer": args.n_layer,
+        "n_embd": args.n_embd,
+        "params": params,
+        "losses": module.losses,
+        "step_s": record.times,
+        "peak_rss_bytes": record.peak_rss,
+        "tier_bytes_per_step": record.io,
+        "disk_write_Bps": bandwidth[0],
+        "disk_read_Bps": bandwidth[1],
+    }
+    print(json.dumps(result), flush=True)
+    with open(RESULTS, "a") as out:
+        out.write(json.dumps(result) + "\n")
+    if trainer.global_rank == 0 and args.strategy == "zero3_disk":
+        shutil.rmtree(offload / "lightning_logs", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
