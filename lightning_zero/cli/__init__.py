@@ -4,5 +4,5 @@
 - ``estimate``: model-state memory and communication per rank for each stage, by formula or from a model config.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,
-lightning_zero.checkpoint, lightning_zero.lightning, lightning_zero.hydra, lightning_zero.models
+lightning_zero.offload, lightning_zero.checkpoint, lightning_zero.lightning, lightning_zero.hydra, lightning_zero.models
 """
