@@ -8,10 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 
-from lightning_zero import ZeroStrategy
+from lightning_zero import ZeroConfig, ZeroOptimizer, ZeroStrategy, shard_module
+from lightning_zero.models.gpt import GPT, GPTConfig
+from lightning_zero.offload.directory import OffloadDirectory
+from lightning_zero.offload.memory_tiers import MemoryTiers
+from tests import memory_probe
 from tests.test_checkpoint_trainer import TinyGPT, weights
 
 
@@ -75,3 +81,42 @@ def resume_across_tiers(root: str, first: dict[str, Any], second: dict[str, Any]
     resumed = train(second, root, steps=4, ckpt_path=f"{root}/mid/epoch=0-step=2.ckpt")
     straight = train(first, root, steps=4)
     return [straight, resumed]
+
+
+def _tiered_peak(n_layer: int, offload_dir: str, steps: int) -> tuple[int, int]:
+    """Build a GPT on meta straight into the disk tiers, train ``steps`` steps; (peak RSS above the RSS before the
+    build, model-state bytes of this rank as stage 3 would hold them without tiers)."""
+
+    group = dist.group.WORLD
+    assert group is not None
+    config = ZeroConfig(
+        stage=3, max_inflight_buckets=1, offload_optimizer="disk", offload_params="disk", offload_dir=offload_dir
+    )
+    memory_probe.reset_peak()
+    before = memory_probe.rss_bytes()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        # A block is 3.1M parameters (12.6 MB in fp32): units dwarf allocator noise; batch 1 keeps activations small.
+        model = GPT(GPTConfig.tiny(n_layer=n_layer, n_embd=512, n_head=8, vocab_size=512, block_size=32))
+    numel = sum(p.numel() for p in model.parameters())
+    tiers = MemoryTiers(config, OffloadDirectory(Path(offload_dir), dist.get_rank()), readahead_bytes=16 << 20)
+    try:
+        gatherer = shard_module(model, config, group, torch.device("cpu"), tiers=tiers)
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = ZeroOptimizer(model, adamw, group, config, gatherer, tiers=tiers.for_optimizer())
+        tokens = torch.randint(0, 512, (1, 17), generator=torch.Generator().manual_seed(0))
+        for _ in range(steps):
+            model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+            optimizer.clip_grad_norm_(1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        peak = memory_probe.peak_rss_bytes() - before
+    finally:
+        tiers.close()
+    return peak, 16 * numel // dist.get_world_size()
+
+
+def tiered_peaks(offload_dir: str, depths: list[int], steps: int) -> list[tuple[int, int]]:
+    memory_probe.return_freed_memory_to_the_kernel()
+    _tiered_peak(1, offload_dir, 2)  # page in the code paths before measuring
+    return [_tiered_peak(n_layer, offload_dir, steps) for n_layer in depths]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.offload_runs import compare, resume_across_tiers
+from tests.offload_runs import compare, resume_across_tiers, tiered_peaks
 
 DISK = {"offload_dir": "offload"}  # relative: under the Trainer's default_root_dir
 
@@ -71,3 +71,16 @@ def test_resume_from_a_tiered_checkpoint_into_another_tier_and_back(first, secon
             torch.testing.assert_close(resumed["losses"][-2:], straight["losses"][-2:], rtol=1e-5, atol=0)
             for name, value in straight["weights"].items():
                 torch.testing.assert_close(resumed["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.timeout(240)
+def test_disk_tiers_keep_peak_rss_flat_while_the_model_grows_four_times(tmp_path):
+    """Stage 3 with parameters, masters, optimizer state and gradients on disk: a model 4x deeper (4x the model
+    state) trains within the peak resident memory of the small one plus a few units."""
+    for (small, small_state), (large, large_state) in run_distributed(tiered_peaks, 2, str(tmp_path), [4, 16], 3):
+        grown = large_state - small_state
+        assert large_state >= 3.5 * small_state  # the model (and its model state) grew ~4x
+        unit = large_state // 16 // 4  # one block's fp32 parameter shard on this rank, roughly
+        # Without tiers the peak would grow by `grown` (12 more blocks' parameters, gradients and Adam state).
+        assert large - small < 0.15 * grown, (small, large, grown)
+        assert large < small + 8 * unit, (small, large, unit)
