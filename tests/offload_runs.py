@@ -40,13 +40,16 @@ def train(
     accumulate: int = 1,
     ckpt_path: str | None = None,
     save_to: str | None = None,
+    save_every: int | None = None,
+    callbacks: list[pl.Callback] | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` steps; ``strategy``: "ddp" or ``ZeroStrategy`` keywords. Returns losses, weights and what the
     tier directory holds after the run."""
     module = RecordingGPT()
-    callbacks = []
+    callbacks = list(callbacks or [])
     if save_to is not None:  # saved during fit, where the tiers hold the optimizer state
-        callbacks.append(ModelCheckpoint(dirpath=save_to, every_n_train_steps=steps, save_top_k=-1))
+        every = save_every or steps
+        callbacks.append(ModelCheckpoint(dirpath=save_to, every_n_train_steps=every, save_top_k=-1))
     trainer = pl.Trainer(
         callbacks=callbacks,
         strategy=strategy if isinstance(strategy, str) else ZeroStrategy(**strategy),

@@ -42,10 +42,15 @@ def resolve_offload_dir(offload_dir: str, root_dir: str | os.PathLike[str]) -> P
     return path
 
 
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged process may still write on the filesystem of ``path``."""
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize
+
+
 def check_free_space(path: Path, needed: int, what: str) -> None:
     """Refuse to start when the disk under ``path`` has less than ``needed`` bytes free (this rank's share)."""
-    stat = os.statvfs(path)
-    free = stat.f_bavail * stat.f_frsize
+    free = free_bytes(path)
     if needed > free:
         raise OffloadDirectoryError(
             f"Not enough free space for the disk tier in {path}: {what} needs {needed:,} bytes "
