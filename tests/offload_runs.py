@@ -21,6 +21,17 @@ from tests import memory_probe
 from tests.test_checkpoint_trainer import TinyGPT, weights
 
 
+class TierBytesAtEnd(pl.Callback):
+    """The strategy's bytes per tier when training ends (before teardown brings the model back into memory)."""
+
+    def __init__(self) -> None:
+        self.tiers: tuple[int, ...] | None = None
+
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if isinstance(trainer.strategy, ZeroStrategy):
+            self.tiers = tuple(trainer.strategy.tier_bytes())
+
+
 class RecordingGPT(TinyGPT):
     def __init__(self) -> None:
         super().__init__()
@@ -46,7 +57,8 @@ def train(
     """Train ``steps`` steps; ``strategy``: "ddp" or ``ZeroStrategy`` keywords. Returns losses, weights and what the
     tier directory holds after the run."""
     module = RecordingGPT()
-    callbacks = list(callbacks or [])
+    tier_bytes = TierBytesAtEnd()
+    callbacks = [*(callbacks or []), tier_bytes]
     if save_to is not None:  # saved during fit, where the tiers hold the optimizer state
         every = save_every or steps
         callbacks.append(ModelCheckpoint(dirpath=save_to, every_n_train_steps=every, save_top_k=-1))
@@ -68,7 +80,7 @@ def train(
     offload = Path(root, "offload")
     mine = f"-rank{trainer.global_rank}-"  # this rank's; another rank may still be tearing down
     left = sorted(n for n in os.listdir(offload) if mine in n) if offload.exists() else []
-    return {"losses": module.losses, "weights": weights(module), "left": left}
+    return {"losses": module.losses, "weights": weights(module), "left": left, "tiers": tier_bytes.tiers}
 
 
 def compare(root: str, variants: list[dict[str, Any]], clip: float | None, accumulate: int) -> list[dict[str, Any]]:

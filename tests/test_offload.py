@@ -23,6 +23,18 @@ def _assert_matches_ddp(runs: list[dict[str, Any]], labels: list[str]) -> None:
         for name, value in ddp["weights"].items():
             torch.testing.assert_close(run["weights"][name], value, rtol=1e-5, atol=1e-6, msg=f"{label}: {name}")
         assert run["left"] == [], f"{label} left tier files behind: {run['left']}"
+        _assert_tiers_hold_the_state(label, VARIANTS[label], run["tiers"])
+
+
+def _assert_tiers_hold_the_state(label: str, variant: dict[str, Any], tiers: tuple[int, int, int]) -> None:
+    """The strategy's bytes per tier say where the state went: disk tiers fill the tier file, host tiers are
+    counted as host bytes."""
+    device, host, disk = tiers
+    on_disk = "disk" in (variant.get("offload_optimizer"), variant.get("offload_params"))
+    in_host = "cpu" in (variant.get("offload_optimizer"), variant.get("offload_params"))
+    assert (disk > 0) == on_disk, (label, tiers)
+    assert (host > 0) == in_host, (label, tiers)
+    assert device >= 0, (label, tiers)
 
 
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -58,11 +58,11 @@ from typing_extensions import override
 
 from lightning_zero.comm.fault_monitor import FaultMonitor
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.memory import ModelStateBytes, model_state_bytes
+from lightning_zero.lightning.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
 from lightning_zero.lightning.offload_setup import build_memory_tiers, check_optimizer_space
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.lightning.strategy_checkpoint import ShardedCheckpointing, as_zero_optimizer, iter_zero_optimizers
-from lightning_zero.offload.memory_tiers import MemoryTiers
+from lightning_zero.offload.memory_tiers import MemoryTiers, TierBytes
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 from lightning_zero.stage3.sharded_init import ParamInitFn, shard_module
@@ -385,6 +385,16 @@ class ZeroStrategy(ShardedCheckpointing):
         """This rank's bytes of parameters, gradients, master weights and optimizer state."""
         assert self.lightning_module is not None
         return model_state_bytes(self.lightning_module, iter_zero_optimizers(self.optimizers), self._gatherer)
+
+    def tier_bytes(self) -> TierBytes:
+        """This rank's model state by memory tier: in device memory now, placed in the host tier, in the tier file
+        on disk (``ZeroConfig.offload_*``)."""
+        assert self.lightning_module is not None
+        resident = self.model_state_bytes().total
+        optimizers = list(iter_zero_optimizers(self.optimizers))
+        host = host_tier_bytes(self.config, optimizers, self._gatherer)
+        disk = self._tiers.disk_bytes() if self._tiers is not None else 0
+        return TierBytes(resident - host, host, disk)
 
     def communication_per_step(self) -> dict[str, int]:
         """Bytes this rank sent in the last optimizer step of each optimizer, per collective."""
