@@ -68,22 +68,31 @@ class Record(pl.Callback):
         self._start = 0.0
         self._io0 = (0, 0)
         self.peak_rss = 0
+        self.setup_peak_rss = 0
+        self.step_peak_rss: list[int] = []
 
     def _io(self, trainer: pl.Trainer) -> tuple[int, int]:
         tiers = getattr(trainer.strategy, "_tiers", None)
         return tiers.io_bytes() if tiers is not None else (0, 0)
 
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.setup_peak_rss = _status("VmHWM:")  # the model built (straight into its tiers) and the optimizers
+
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._hwm_before = _status("VmHWM:")
+        Path("/proc/self/clear_refs").write_text("5")  # this step's own peak
         self._start = time.perf_counter()
         self._io0 = self._io(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.times.append(time.perf_counter() - self._start)
+        self.step_peak_rss.append(_status("VmHWM:"))
+        self.peak_rss = max(self.peak_rss, self.step_peak_rss[-1], self._hwm_before)
         read, written = self._io(trainer)
         self.io.append((read - self._io0[0], written - self._io0[1]))
 
     def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.peak_rss = _status("VmHWM:")
+        self.peak_rss = max(self.peak_rss, _status("VmHWM:"))
         tiers = getattr(trainer.strategy, "_tiers", None)
         if tiers is not None:
             tiers.restore = lambda: None  # the benchmark never uses the model after fit: skip reading it back
@@ -151,6 +160,8 @@ def main() -> None:
         "losses": module.losses,
         "step_s": record.times,
         "peak_rss_bytes": record.peak_rss,
+        "setup_peak_rss_bytes": record.setup_peak_rss,
+        "step_peak_rss_bytes": record.step_peak_rss,
         "tier_bytes_per_step": record.io,
         "disk_write_Bps": bandwidth[0],
         "disk_read_Bps": bandwidth[1],

@@ -114,7 +114,7 @@ def _tiered_peak(n_layer: int, offload_dir: str, steps: int) -> tuple[int, int]:
         # A block is 3.1M parameters (12.6 MB in fp32): units dwarf allocator noise; batch 1 keeps activations small.
         model = GPT(GPTConfig.tiny(n_layer=n_layer, n_embd=512, n_head=8, vocab_size=512, block_size=32))
     numel = sum(p.numel() for p in model.parameters())
-    tiers = MemoryTiers(config, OffloadDirectory(Path(offload_dir), dist.get_rank()), readahead_bytes=16 << 20)
+    tiers = MemoryTiers(config, OffloadDirectory(Path(offload_dir), dist.get_rank()), io_entries=4)
     try:
         gatherer = shard_module(model, config, group, torch.device("cpu"), tiers=tiers)
         adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)

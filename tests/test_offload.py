@@ -85,11 +85,13 @@ def test_resume_from_a_tiered_checkpoint_into_another_tier_and_back(first, secon
                 torch.testing.assert_close(resumed["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_disk_tiers_keep_peak_rss_flat_while_the_model_grows_four_times(tmp_path):
     """Stage 3 with parameters, masters, optimizer state and gradients on disk: a model 4x deeper (4x the model
     state) trains within the peak resident memory of the small one plus a few units."""
-    for (small, small_state), (large, large_state) in run_distributed(tiered_peaks, 2, str(tmp_path), [4, 16], 3):
+    for (small, small_state), (large, large_state) in run_distributed(
+        tiered_peaks, 2, str(tmp_path), [4, 16], 2, timeout=280
+    ):
         grown = large_state - small_state
         assert large_state >= 3.5 * small_state  # the model (and its model state) grew ~4x
         unit = large_state // 16 // 4  # one block's fp32 parameter shard on this rank, roughly

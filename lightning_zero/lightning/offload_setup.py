@@ -15,9 +15,10 @@ from lightning_zero.offload.directory import OffloadDirectory, check_free_space,
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
-_READAHEAD_BUCKETS = 4
-"""Read-ahead and write-behind budget, in largest parameter shards: a bucket's step reads about four entries (its
-gradient, masters and two moments), so this keeps the next bucket's reads in flight."""
+_IO_ENTRIES = 4
+"""Read-ahead and write-behind budgets, each in tier entries of the largest size (a bucket's parameter shard,
+gradient shard or one optimizer-state tensor): a bucket's step reads four (gradient, parameters or masters, Adam's
+two moments), so this keeps the next bucket's reads, and the previous bucket's writes, in flight."""
 
 
 def build_memory_tiers(
@@ -32,7 +33,6 @@ def build_memory_tiers(
             "lightning_zero/offload/optimizer_tiers.py). HINT: use 'disk', or 'none'."
         )
     directory = None
-    largest = max((p.numel() * p.element_size() for p in module.parameters()), default=0)
     if config.offloads_to_disk:
         assert config.offload_dir is not None
         base = resolve_offload_dir(config.offload_dir, trainer.default_root_dir)
@@ -40,9 +40,7 @@ def build_memory_tiers(
             params = sum(p.numel() * p.element_size() for p in module.parameters())
             check_free_space(base, -(-params // world_size), "the parameter shards (offload_params='disk')")
         directory = OffloadDirectory(base, trainer.global_rank)
-    # Budget in bytes: a few times the largest parameter's shard, at least 64 MiB.
-    readahead = max(_READAHEAD_BUCKETS * -(-largest // world_size) * 4, 64 << 20)
-    return MemoryTiers(config, directory, readahead)
+    return MemoryTiers(config, directory, _IO_ENTRIES)
 
 
 def check_optimizer_space(tiers: MemoryTiers, optimizers: list[ZeroOptimizer]) -> None:

@@ -50,15 +50,15 @@ def place_by_ratio(buckets: Sequence[FlatBucket], ratio: float) -> set[int]:
 
 class MemoryTiers:
     """The memory tiers of one rank (``config.offload_*``); ``directory`` is this rank's private directory when a
-    tier is ``"disk"``."""
+    tier is ``"disk"``; ``io_entries``: the read-ahead and write-behind budgets, in largest tier entries."""
 
-    def __init__(self, config: ZeroConfig, directory: OffloadDirectory | None, readahead_bytes: int) -> None:
+    def __init__(self, config: ZeroConfig, directory: OffloadDirectory | None, io_entries: int) -> None:
         self.config = config
         self.directory = directory
         self.swapper: TensorSwapper | None = None
         if directory is not None:
             file = SwapFile(directory.file("tiers.bin"))
-            self.swapper = TensorSwapper(file, readahead_bytes, writebehind_bytes=readahead_bytes)
+            self.swapper = TensorSwapper(file, io_entries)
         self.optimizer_tiers: list[OptimizerTiers] = []
         self._disk_buckets: set[int] | None = None
         """Stage 3: ids of the buckets whose optimizer state and gradients are on disk, decided with the reducer."""

@@ -16,7 +16,7 @@ read-ahead fetched for the uses predicted next.
 Note [read-ahead order]
 Every step uses the tier entries in the same order (units gathered in forward and backward, buckets stepped), so
 the order of ``acquire`` calls in one step predicts the next: each ``acquire`` finds its key in the previous step's
-order and starts reading the entries that follow it, up to ``readahead_bytes``. That is the prefetch order stage 3
+order and starts reading the entries that follow it, up to ``budget_bytes``. That is the prefetch order stage 3
 already follows (Note [forward order]), extended to the optimizer's buckets. The first step runs without read-ahead;
 a prediction that fails (a step that takes another path) only costs memory until the step ends.
 """
@@ -67,19 +67,21 @@ def _check_owns_storage(key: Hashable, tensor: Tensor) -> int:
 class TensorSwapper:
     """Tensors kept in ``file`` between uses, with one background reader and one writer (Note [tier IO])."""
 
-    def __init__(self, file: SwapFile, readahead_bytes: int, writebehind_bytes: int) -> None:
+    def __init__(self, file: SwapFile, io_entries: int) -> None:
         self.file = file
-        self.readahead_bytes = readahead_bytes
-        """Bytes read ahead of use at most (Note [read-ahead order])."""
-        self.writebehind_bytes = writebehind_bytes
-        """Bytes waiting to be written at most; a release beyond it waits for the oldest write."""
+        self.io_entries = io_entries
+        """Read-ahead and write-behind budgets, each in entries of the largest size: at most this many bytes are read
+        ahead of use (Note [read-ahead order]) and waiting to be written (a release beyond it waits for the oldest
+        write)."""
+        self._largest = 0
         self._entries: dict[Hashable, _Entry] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tier-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tier-write")
         self._writing: list[_Entry] = []
         self._prefetched: list[_Entry] = []
-        self._order: list[Hashable] = []
-        self._recording: list[Hashable] = []
+        self._order: list[tuple[Hashable, bool]] = []
+        """The previous step's ``acquire`` calls: (key, whether its value was read)."""
+        self._recording: list[tuple[Hashable, bool]] = []
         self._cursor = 0
 
     # -- registration ----------------------------------------------------------------------------------------------
@@ -99,6 +101,7 @@ class TensorSwapper:
             assert old.users == 0, f"tier entry {key} replaced while in use"
             if old.tensor is not tensor:
                 self._free(old)
+        self._largest = max(self._largest, nbytes)
         state = Residency.RESIDENT if tensor.untyped_storage().nbytes() else Residency.ON_DISK
         self._entries[key] = _Entry(key, tensor, nbytes, state)
 
@@ -110,7 +113,7 @@ class TensorSwapper:
         """Make ``key`` resident and count a user. ``read=False``: its old value is not wanted (it is about to be
         overwritten), so nothing is read."""
         entry = self._entries[key]
-        self._recording.append(key)
+        self._recording.append((key, read))
         self._settle(entry)
         if entry.state is Residency.ON_DISK:
             self._allocate(entry)
@@ -121,7 +124,7 @@ class TensorSwapper:
         if entry in self._prefetched:
             self._prefetched.remove(entry)
         entry.users += 1
-        self._read_ahead(key)
+        self._read_ahead((key, read))
         return entry.tensor
 
     def release(self, key: Hashable, write: bool | None = None) -> None:
@@ -154,6 +157,11 @@ class TensorSwapper:
         for entry in self._entries.values():
             self._settle(entry)
 
+    @property
+    def budget_bytes(self) -> int:
+        """The read-ahead budget, and the write-behind one."""
+        return self.io_entries * self._largest
+
     def resident_nbytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values() if e.state is not Residency.ON_DISK)
 
@@ -173,7 +181,7 @@ class TensorSwapper:
             self._free(entry)
             entry.state = Residency.ON_DISK
             return
-        while self._writing and sum(e.nbytes for e in self._writing) + entry.nbytes > self.writebehind_bytes:
+        while self._writing and sum(e.nbytes for e in self._writing) + entry.nbytes > self.budget_bytes:
             self._settle(self._writing[0])
         entry.state = Residency.WRITING
         entry.future = self._writer.submit(self._write_and_free, entry)
@@ -207,20 +215,22 @@ class TensorSwapper:
     def _free(self, entry: _Entry) -> None:
         entry.tensor.untyped_storage().resize_(0)
 
-    def _read_ahead(self, key: Hashable) -> None:
+    def _read_ahead(self, use: tuple[Hashable, bool]) -> None:
         order = self._order
-        if not order or self.readahead_bytes <= 0:
+        if not order or self.io_entries <= 0:
             return
         try:
-            position = order.index(key, self._cursor)
+            position = order.index(use, self._cursor)
         except ValueError:
             try:
-                position = order.index(key)
+                position = order.index(use)
             except ValueError:
                 return
         self._cursor = position + 1
-        budget = self.readahead_bytes - sum(e.nbytes for e in self._prefetched)
-        for upcoming in order[position + 1 :]:
+        budget = self.budget_bytes - sum(e.nbytes for e in self._prefetched)
+        for upcoming, reads in order[position + 1 :]:
+            if not reads:
+                continue  # about to be overwritten (a gradient's first reduction): reading it would be wasted
             entry = self._entries.get(upcoming)
             if entry is None or entry.state is not Residency.ON_DISK or not entry.on_disk:
                 if entry is not None and entry.state is Residency.WRITING:
