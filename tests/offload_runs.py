@@ -135,3 +135,32 @@ def tiered_peaks(offload_dir: str, depths: list[int], steps: int) -> list[tuple[
     memory_probe.return_freed_memory_to_the_kernel()
     _tiered_peak(1, offload_dir, 2)  # page in the code paths before measuring
     return [_tiered_peak(n_layer, offload_dir, steps) for n_layer in depths]
+
+
+class LoadPretrained(pl.Callback):
+    """Loads full weights into the (tiered) sharded model when training starts, and records what it then holds."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.loaded: dict[str, Tensor] | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_zero import load_full_state_dict
+
+        load_full_state_dict(trainer.strategy, self.path)
+        self.loaded = weights(pl_module)
+
+
+def pretrained_into_tiers(root: str, strategy: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(the full weights saved, what the tiered model holds after loading them)."""
+    torch.manual_seed(7)
+    source = RecordingGPT()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(torch.randn_like(p))  # different from the seeded initialization
+    path = f"{root}/pretrained-{os.environ['RANK']}.pt"  # the same weights on every rank (same seed)
+    torch.save(source.state_dict(), path)
+    load = LoadPretrained(path)
+    train(strategy, root, steps=1, callbacks=[load])
+    assert load.loaded is not None
+    return source.state_dict(), load.loaded

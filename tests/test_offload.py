@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.offload_runs import compare, resume_across_tiers, tiered_peaks
+from tests.offload_runs import compare, pretrained_into_tiers, resume_across_tiers, tiered_peaks
 
 DISK = {"offload_dir": "offload"}  # relative: under the Trainer's default_root_dir
 
@@ -98,3 +98,15 @@ def test_disk_tiers_keep_peak_rss_flat_while_the_model_grows_four_times(tmp_path
         # Without tiers the peak would grow by `grown` (12 more blocks' parameters, gradients and Adam state).
         assert large - small < 0.15 * grown, (small, large, grown)
         assert large < small + 8 * unit, (small, large, unit)
+
+
+@pytest.mark.timeout(120)
+def test_full_pretrained_weights_load_into_the_disk_tiers():
+    strategy = {"stage": 3, "offload_optimizer": "disk", "offload_params": "disk", **DISK}
+    with tempfile.TemporaryDirectory() as root:
+        for saved, loaded in run_distributed(
+            pretrained_into_tiers, 2, root, strategy, init_process_group=False, timeout=100
+        ):
+            assert saved.keys() == loaded.keys()
+            for name, value in saved.items():
+                torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)

@@ -346,6 +346,21 @@ class ZeroStrategy(ShardedCheckpointing):
         with self._gatherer.gathered(module, writeback=writeback):
             yield
 
+    @contextmanager
+    def shards_in_memory(self) -> Generator[None, None, None]:
+        """Every shard of this rank (parameters, masters, optimizer state) in memory inside the context, put back
+        into its tier afterwards (``ZeroConfig.offload_*``); without tiers it does nothing. Checkpoint saves and
+        loads and ``load_full_state_dict`` run inside it: they are bounded by this rank's model state (16Ψ/N for
+        fp32 Adam), not by the tiers' few buckets."""
+        if self._tiers is None:
+            yield
+            return
+        self._tiers.load_all()
+        try:
+            yield
+        finally:
+            self._tiers.unload_all()
+
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
