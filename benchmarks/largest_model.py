@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,30 @@ def disk_bandwidth(directory: Path, nbytes: int = 1 << 30) -> tuple[float, float
         file.close()
         probe.unlink(missing_ok=True)
     return write, read
+
+
+def _mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def guard_the_machine(trainer: pl.Trainer, floor: int) -> None:
+    """The machine is shared: a configuration too large for it ends this rank (and so the job) before the kernel's
+    OOM killer picks a process, removing this rank's tier files first."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if _mem_available() < floor:
+                print(f"MemAvailable below {floor:,} bytes: ending this run (the model does not fit)", flush=True)
+                tiers = getattr(trainer.strategy, "_tiers", None)
+                if tiers is not None and tiers.path is not None:
+                    shutil.rmtree(tiers.path, ignore_errors=True)
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 class Record(pl.Callback):
@@ -149,6 +174,7 @@ def main() -> None:
         enable_model_summary=False,
         default_root_dir=str(offload),
     )
+    guard_the_machine(trainer, floor=1 << 30)
     trainer.fit(module)
     params = sum(p.numel() for p in module.parameters())
     result = {

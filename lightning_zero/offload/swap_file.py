@@ -6,10 +6,11 @@ rather than by copying from/to an ``np.memmap`` of the file: the call copies onc
 GIL for its whole length, so a background thread overlaps it with compute, while a memmap copy runs in the calling
 thread, faults page by page and leaves dirty pages for the kernel to write back when it likes (neither the timing nor
 the page cache charged to the job is then under our control). Each rank has one reader and one writer thread; calls
-move at most ``_IO_CHUNK`` bytes (Linux moves at most ~2 GiB per call). Pages read are dropped from the page cache
-(``posix_fadvise(DONTNEED)``: they are clean, so this is free), so the cache does not fill with a model larger than
-memory; pages written are left to the kernel's writeback, because dropping them right after the write makes the
-writer wait for the disk (measured on this machine with 32 MiB regions: 0.33 GB/s instead of 1.1 GB/s).
+move at most ``_IO_CHUNK`` bytes (Linux moves at most ~2 GiB per call). The pages stay in the kernel's page cache,
+which is not part of any process's resident memory and is reclaimed under pressure: a shard read again soon (a
+unit's parameters in backward after forward, a gradient written in backward and read by the step) may then come
+from memory instead of the disk. Dropping written pages right away (``posix_fadvise(DONTNEED)``) was measured to
+make the writer wait for the disk (32 MiB regions on this machine: 0.33 GB/s instead of 1.1 GB/s).
 """
 
 from __future__ import annotations
@@ -101,7 +102,6 @@ class SwapFile:
                     errno.EIO, f"The tier file {self.path} ended before {key}'s {data.nbytes:,} bytes could be read."
                 )
             done += got
-        os.posix_fadvise(self._fd, placed[0], data.nbytes, os.POSIX_FADV_DONTNEED)
         with self._lock:
             self.bytes_read += data.nbytes
 
