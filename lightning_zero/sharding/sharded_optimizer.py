@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any, Protocol
 
@@ -81,46 +81,11 @@ from lightning_zero.sharding.param_groups import (
     trainable_named_groups,
 )
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
+from lightning_zero.sharding.state_tiers import StateTiers
 
 # Stages compose by choosing where gradients live; everything else is shared. (Stage 3 adds parameter gathering on
 # top of stage 2's reducer, built with the sharded model.)
 _REDUCERS: dict[int, type[GradientReducer]] = {1: FullGradReducer, 2: ShardedGradReducer}
-
-
-class StateTiers(Protocol):
-    """The memory tiers as the optimizer sees them (``lightning_zero.offload``): masters, optimizer state and (stage
-    3) gradient shards of some buckets live in a tier between steps; the step loads each bucket's around its update
-    (Note [tiered step])."""
-
-    def attach(self, optimizer: ZeroOptimizer) -> None:
-        """Take over the tiered buckets' masters and state (called once, at the end of construction)."""
-        ...
-
-    def resident(self, bucket: FlatBucket) -> AbstractContextManager[None]:
-        """The bucket's parameter shard in memory inside the context (views taken there stay valid)."""
-        ...
-
-    def holds_gradient(self, bucket: FlatBucket) -> bool:
-        """Whether ``bucket``'s reduced gradient shard is in the tier rather than in memory."""
-        ...
-
-    def gradient_norms(self, norm_type: float) -> list[Tensor]:
-        """Per tiered-gradient segment that got a gradient: its norm (fp32), read in one pass over the tier."""
-        ...
-
-    def set_gradient_transform(self, coefficient: Tensor | None, clamp: float | None) -> None:
-        """Scale (clip by norm) or clamp (clip by value) the tiered gradients as the step reads them."""
-        ...
-
-    def load(self, bucket: FlatBucket) -> None:
-        """Make the bucket's masters, optimizer state and tiered gradients usable (``.grad`` set)."""
-        ...
-
-    def unload(self, bucket: FlatBucket) -> None:
-        """Put them back into their tier (written if changed)."""
-        ...
-
-    def end_step(self) -> None: ...
 
 
 class ShardedParameters(Protocol):
