@@ -44,9 +44,11 @@ def test_unwritable_offload_dir_is_refused(tmp_path):
 
 def test_free_space_check_names_the_bytes_needed_and_free(tmp_path):
     free = free_bytes(tmp_path)
-    with pytest.raises(OffloadDirectoryError, match=rf"needs {free + 1:,} bytes .* has {free:,} bytes"):
-        check_free_space(tmp_path, free + 1, "the test state")
-    check_free_space(tmp_path, 1, "the test state")
+    per_rank = free // 2 + free // 8  # fits once, not twice: ranks of one machine share its disk
+    check_free_space(tmp_path, per_rank, 1, "the test state")
+    needed = 2 * per_rank
+    with pytest.raises(OffloadDirectoryError, match=rf"needs {needed:,} bytes .*{per_rank:,} per rank x 2 .* has"):
+        check_free_space(tmp_path, per_rank, 2, "the test state")
 
 
 def test_two_jobs_with_the_same_offload_dir_get_private_directories_and_files(tmp_path):
@@ -95,5 +97,5 @@ def test_too_little_free_space_is_refused_before_anything_is_written():
     for result in results:
         assert result["failure"] is not None
         assert "Not enough free space for the disk tier" in result["failure"]
-        assert "has 1,000 bytes" in result["failure"]
+        assert "the disk has 1,000 bytes" in result["failure"]
         assert result["left"] == []

@@ -22,7 +22,12 @@ two moments), so this keeps the next bucket's reads, and the previous bucket's w
 
 
 def build_memory_tiers(
-    config: ZeroConfig, module: nn.Module, trainer: pl.Trainer, device: torch.device, world_size: int
+    config: ZeroConfig,
+    module: nn.Module,
+    trainer: pl.Trainer,
+    device: torch.device,
+    world_size: int,
+    local_ranks: int,
 ) -> MemoryTiers | None:
     """This rank's tiers, or None without offloading. Refuses a bad directory or too little space first."""
     if config.offload_optimizer == "none" and config.offload_params == "none":
@@ -38,12 +43,13 @@ def build_memory_tiers(
         base = resolve_offload_dir(config.offload_dir, trainer.default_root_dir)
         if config.offload_params == "disk":
             params = sum(p.numel() * p.element_size() for p in module.parameters())
-            check_free_space(base, -(-params // world_size), "the parameter shards (offload_params='disk')")
+            per_rank = -(-params // world_size)
+            check_free_space(base, per_rank, local_ranks, "the parameter shards (offload_params='disk')")
         directory = OffloadDirectory(base, trainer.global_rank)
     return MemoryTiers(config, directory, _IO_ENTRIES)
 
 
-def check_optimizer_space(tiers: MemoryTiers, optimizers: list[ZeroOptimizer]) -> None:
+def check_optimizer_space(tiers: MemoryTiers, optimizers: list[ZeroOptimizer], local_ranks: int) -> None:
     """Before the first step creates any optimizer state: the disk must hold this rank's masters, optimizer state
     and (stage 3) gradient shards of the buckets placed on disk."""
     if tiers.directory is None:
@@ -55,7 +61,8 @@ def check_optimizer_space(tiers: MemoryTiers, optimizers: list[ZeroOptimizer]) -
             if id(seg.bucket) in placed.on_disk:
                 needed += master.numel() * (per_element + 4)  # + the gradient shard (or the master run)
     # Tiers placed so far are already in the file; the rest must still fit.
-    check_free_space(tiers.directory.base, needed, "the optimizer state, masters and gradients (offload_optimizer)")
+    what = "the optimizer state, masters and gradients (offload_optimizer)"
+    check_free_space(tiers.directory.base, needed, local_ranks, what)
 
 
 def _state_bytes_per_element(optimizer: Optimizer) -> int:

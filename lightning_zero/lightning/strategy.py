@@ -228,7 +228,7 @@ class ZeroStrategy(ShardedCheckpointing):
         if self._tiers is None:
             assert self.lightning_module is not None
             self._tiers = build_memory_tiers(
-                self.config, self.lightning_module, trainer, self.root_device, self.world_size
+                self.config, self.lightning_module, trainer, self.root_device, self.world_size, self.num_processes
             )
         if self.config.stage == 3:
             self._shard_model()
@@ -274,7 +274,7 @@ class ZeroStrategy(ShardedCheckpointing):
             for optimizer, scaler in zip(self.optimizers, scalers, strict=True)
         ]
         if self._tiers is not None:
-            check_optimizer_space(self._tiers, list(iter_zero_optimizers(self.optimizers)))
+            check_optimizer_space(self._tiers, list(iter_zero_optimizers(self.optimizers)), self.num_processes)
 
     @contextmanager
     @override

@@ -48,15 +48,17 @@ def free_bytes(path: Path) -> int:
     return stat.f_bavail * stat.f_frsize
 
 
-def check_free_space(path: Path, needed: int, what: str) -> None:
-    """Refuse to start when the disk under ``path`` has less than ``needed`` bytes free (this rank's share)."""
+def check_free_space(path: Path, per_rank: int, ranks: int, what: str) -> None:
+    """Refuse to start when the disk under ``path`` has less free space than ``ranks`` ranks (those of this machine,
+    which share it) need at ``per_rank`` bytes each."""
+    needed = per_rank * ranks
     free = free_bytes(path)
     if needed > free:
         raise OffloadDirectoryError(
-            f"Not enough free space for the disk tier in {path}: {what} needs {needed:,} bytes "
-            f"({needed / 1e9:.2f} GB) on this rank, and the disk has {free:,} bytes ({free / 1e9:.2f} GB) free (shared "
-            "by every rank on this machine). HINT: free space, point offload_dir at a larger disk, lower "
-            "offload_ratio, or use more ranks."
+            f"Not enough free space for the disk tier in {path}: {what} needs {needed:,} bytes ({needed / 1e9:.2f} GB: "
+            f"{per_rank:,} per rank x {ranks} rank(s) on this machine), and the disk has {free:,} bytes "
+            f"({free / 1e9:.2f} GB) free. HINT: free space, point offload_dir at a larger disk, lower offload_ratio, "
+            "or use more machines."
         )
 
 
