@@ -3,6 +3,10 @@
     MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python benchmarks/largest_model.py --strategy zero3_disk \
         --n-layer 40 --n-embd 2560 --offload-dir /work/offload-bench
 
+The largest model per strategy is found by growing ``--n-layer`` at a fixed width: two runs per strategy give peak
+RSS per rank as a line in the parameter count, ``--predict GB`` prints the deepest model whose two ranks fit in GB,
+and a run at that depth confirms it (a watchdog ends a run that would exhaust the shared machine's memory).
+
 Runs one configuration (``--strategy`` ddp | zero1 | zero2 | zero3 | zero3_disk) and appends a record to
 ``benchmarks/results/largest_model.json``: parameters, loss per step, step times, peak RSS per rank (read at the end
 of training, before teardown), and for the disk tiers the bytes read and written per step and the disk bandwidth
@@ -138,13 +142,42 @@ class Losses(LitGPT):
         return DataLoader(SyntheticTokenDataset(num_samples=2, seq_len=SEQ, vocab_size=VOCAB), batch_size=1)
 
 
+def predict(budget: int, n_embd: int) -> None:
+    """From the runs recorded so far at width ``n_embd``: per strategy, peak RSS per rank as a line in the parameter
+    count through its two largest runs, and the deepest GPT of that width whose two ranks' peaks fit in ``budget``."""
+    runs: dict[str, dict[int, tuple[int, int]]] = {}
+    for line in RESULTS.read_text().splitlines():
+        r = json.loads(line)
+        if r["n_embd"] == n_embd:
+            peak = max(r["peak_rss_bytes"], runs.get(r["strategy"], {}).get(r["n_layer"], (0, 0))[1])
+            runs.setdefault(r["strategy"], {})[r["n_layer"]] = (r["params"], peak)
+    for strategy, by_depth in sorted(runs.items()):
+        if len(by_depth) < 2:
+            continue
+        (l0, (p0, m0)), (l1, (p1, m1)) = sorted(by_depth.items())[-2:]
+        per_param = (m1 - m0) / (p1 - p0)
+        per_layer = (p1 - p0) / (l1 - l0)
+        depth = l1 + int((budget / 2 - m1) / (per_param * per_layer))
+        print(
+            f"{strategy}: peak RSS per rank = {m0 / 1e9:.2f} GB at {p0:,} parameters + {per_param:.1f} B per "
+            f"parameter; deepest that fits {budget / 1e9:.1f} GB on 2 ranks: n_layer = {depth} "
+            f"({p1 + (depth - l1) * per_layer:,.0f} parameters)"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", required=True, choices=["ddp", "zero1", "zero2", "zero3", "zero3_disk"])
-    parser.add_argument("--n-layer", type=int, required=True)
+    parser.add_argument("--strategy", choices=["ddp", "zero1", "zero2", "zero3", "zero3_disk"])
+    parser.add_argument("--n-layer", type=int)
     parser.add_argument("--n-embd", type=int, required=True)
     parser.add_argument("--offload-dir", default="/tmp/lightning_zero_offload")
+    parser.add_argument("--predict", type=float, metavar="GB", help="print the largest depth that fits GB (no run)")
     args = parser.parse_args()
+    if args.predict is not None:
+        predict(int(args.predict * 1e9), args.n_embd)
+        return
+    if args.strategy is None or args.n_layer is None:
+        parser.error("--strategy and --n-layer are required to run")
     torch.set_num_threads(1)
     config = GPTConfig(
         vocab_size=VOCAB, block_size=SEQ, n_layer=args.n_layer, n_head=args.n_embd // 128, n_embd=args.n_embd
