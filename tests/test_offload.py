@@ -85,6 +85,7 @@ def test_resume_from_a_tiered_checkpoint_into_another_tier_and_back(first, secon
                 torch.testing.assert_close(resumed["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # ~1 minute on an idle machine: 2 + 2 models built into the tiers and trained
 @pytest.mark.timeout(300)
 def test_disk_tiers_keep_peak_rss_flat_while_the_model_grows_four_times(tmp_path):
     """Stage 3 with parameters, masters, optimizer state and gradients on disk: a model 4x deeper (4x the model
