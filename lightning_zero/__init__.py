@@ -1,7 +1,8 @@
 """ZeRO (Zero Redundancy Optimizer) for PyTorch Lightning.
 
 Importing the package registers the strategies ``"zero1"``, ``"zero2"`` and ``"zero3"`` (and ``"zero1_spawn"``,
-``"zero2_spawn"``, ``"zero3_spawn"``) with Lightning, so ``Trainer(strategy="zero3")`` works.
+``"zero2_spawn"``, ``"zero3_spawn"``), and the memory-tier presets ``"zero2_offload"``, ``"zero3_offload"`` and
+``"zero3_offload_disk"`` with Lightning, so ``Trainer(strategy="zero3")`` works.
 
 The package, bottom to top (each subpackage's docstring says what it owns and which others it may import; nothing
 imports upwards):
@@ -10,6 +11,7 @@ imports upwards):
 - ``comm``: collectives, the communication ledger, the buffer pool, the fault monitor.
 - ``sharding``: stages 1 and 2 and the shared optimizer: flat buckets, gradient reducers, ``ZeroOptimizer``.
 - ``stage3``: parameters sharded too: unit policy, units, the gatherer, sharded initialization.
+- ``offload``: memory tiers: where shards live between uses (host memory, disk), read ahead and written behind.
 - ``checkpoint``: sharded checkpoint IO.
 - ``lightning``: ``ZeroStrategy``, ``ZeroPrecision``, ``ShardedEMA``, the memory count and report.
 - ``hydra``: structured configs and multirun launch; ``cli``: ``python -m lightning_zero`` commands.

@@ -11,6 +11,8 @@ from typing import Any, Literal
 import torch
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
+TierName = Literal["none", "cpu", "disk"]
+_TIERS = ("none", "cpu", "disk")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -147,6 +149,27 @@ class ZeroConfig:
 
     gradient_quantization_bits: Literal[4, 8] = 4
     """Bits per gradient element under ``quantize_gradients``: 4 (two per byte; ZeRO++'s choice) or 8."""
+    offload_optimizer: TierName = "none"
+    """Where the fp32 master weights and the optimizer state of this rank's shard live between steps (stages 1-3;
+    ZeRO-Offload and ZeRO-Infinity). ``"none"``: on the device. ``"cpu"``: in host memory, stepped there with
+    torch's CPU kernels (on a CPU device host and device are one memory and nothing moves). ``"disk"``: in files
+    under ``offload_dir``, read and written bucket by bucket around the step; at stage 3 the reduced gradient shards
+    go there too as their reduce-scatter completes (Note [gradients on disk] in ``offload/tiered_grad_reducer.py``).
+    With fp32 parameters the masters are the parameter shards themselves: they move with ``offload_params``."""
+
+    offload_params: TierName = "none"
+    """Stage 3 only: where this rank's parameter shards live between uses. ``"disk"``: in files under
+    ``offload_dir``, read ahead of each unit's gather along the order units are used in. ``"cpu"``: in host memory
+    (nothing moves on a CPU device). Stages 1 and 2 hold full parameters on every rank and refuse it."""
+
+    offload_dir: str | None = None
+    """Directory for the ``"disk"`` tiers. Each job and rank gets its own sub-directory in it, created at setup and
+    removed when the job ends (also when it fails). An absolute path must exist and be writable; a relative path is
+    taken under the Trainer's ``default_root_dir`` and created. Required whenever a tier is ``"disk"``."""
+
+    offload_ratio: float = 1.0
+    """The fraction (0 < r <= 1) of the optimizer state (masters and moments) that ``offload_optimizer`` moves, by
+    elements, bucket by bucket in step order (ZeRO-Offload++); the rest stays on the device."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
@@ -202,6 +225,7 @@ class ZeroConfig:
                 f"Invalid ZeroConfig.reduce_dtype: {self.reduce_dtype!r}. Expected None or one of {sorted(_DTYPES)}."
             )
         self._check_zeropp()
+        self._check_offload()
 
     def _check_zeropp(self) -> None:
         if self.ranks_per_node is not None:
@@ -233,6 +257,43 @@ class ZeroConfig:
     def uses_zeropp(self) -> bool:
         """Whether any ZeRO++ switch is on."""
         return any(getattr(self, n) != _ZEROPP_OFF[n] for n in _ZEROPP_SWITCHES)
+
+    def _check_offload(self) -> None:
+        for name in ("offload_optimizer", "offload_params"):
+            if getattr(self, name) not in _TIERS:
+                raise ValueError(
+                    f"Invalid ZeroConfig.{name}: {getattr(self, name)!r}. Expected 'none', 'cpu' or 'disk'."
+                )
+        if self.offload_params != "none" and self.stage != 3:
+            raise ValueError(
+                f"Invalid ZeroConfig.offload_params: {self.offload_params!r} at stage {self.stage}. Expected 'none': "
+                "stages 1 and 2 keep full parameters on every rank. HINT: use stage=3 to offload parameter shards, "
+                "or offload_optimizer to offload the optimizer state."
+            )
+        ratio = self.offload_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ValueError(f"Invalid ZeroConfig.offload_ratio: {ratio!r}. Expected a number in (0, 1].")
+        if ratio < 1 and self.offload_optimizer == "none":
+            raise ValueError(
+                f"Invalid ZeroConfig.offload_ratio: {ratio!r} with offload_optimizer='none'. Expected 1.0, or "
+                "offload_optimizer 'cpu' or 'disk' (the ratio is the part of the optimizer state it moves)."
+            )
+        directory: object = self.offload_dir
+        if directory is not None and (not isinstance(directory, str) or not directory):
+            raise ValueError(
+                f"Invalid ZeroConfig.offload_dir: {directory!r}. Expected None or a directory path (a string)."
+            )
+        uses_disk = [n for n in ("offload_optimizer", "offload_params") if getattr(self, n) == "disk"]
+        if uses_disk and directory is None:
+            raise ValueError(
+                f"Invalid ZeroConfig.offload_dir: None with {uses_disk[0]}='disk'. Expected a directory for the disk "
+                "tier. HINT: ZeroStrategy(offload_dir='/path/on/a/fast/disk'), or the preset 'zero3_offload_disk'."
+            )
+
+    @property
+    def offloads_to_disk(self) -> bool:
+        """Whether any tier lives in files under ``offload_dir``."""
+        return "disk" in (self.offload_optimizer, self.offload_params)
 
     @property
     def keeps_reduce_buffers(self) -> bool:

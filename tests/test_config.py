@@ -91,3 +91,42 @@ def test_import_registers_presets():
     strategy = StrategyRegistry.get("zero1_spawn")
     assert isinstance(strategy, ZeroStrategy)
     assert strategy.config.stage == 1
+
+
+def test_import_registers_offload_presets():
+    assert StrategyRegistry.get("zero2_offload").config == ZeroConfig(stage=2, offload_optimizer="cpu")
+    assert StrategyRegistry.get("zero3_offload").config == ZeroConfig(
+        stage=3, offload_optimizer="cpu", offload_params="cpu"
+    )
+    disk = StrategyRegistry.get("zero3_offload_disk").config
+    assert (disk.stage, disk.offload_optimizer, disk.offload_params) == (3, "disk", "disk")
+    assert disk.offload_dir is not None
+    assert not disk.offload_dir.startswith("/")  # under the Trainer's default_root_dir
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"offload_optimizer": "nvme"}, r"ZeroConfig\.offload_optimizer: 'nvme'\. Expected 'none', 'cpu' or 'disk'"),
+        ({"stage": 3, "offload_params": True}, r"ZeroConfig\.offload_params: True\. Expected 'none', 'cpu' or 'disk'"),
+        ({"stage": 2, "offload_params": "cpu"}, r"ZeroConfig\.offload_params: 'cpu' at stage 2\. Expected 'none'"),
+        ({"stage": 1, "offload_params": "disk", "offload_dir": "x"}, r"offload_params: 'disk' at stage 1"),
+        ({"offload_optimizer": "disk"}, r"ZeroConfig\.offload_dir: None with offload_optimizer='disk'"),
+        ({"stage": 3, "offload_params": "disk"}, r"ZeroConfig\.offload_dir: None with offload_params='disk'"),
+        ({"offload_optimizer": "cpu", "offload_ratio": 0}, r"ZeroConfig\.offload_ratio: 0\. Expected a number in"),
+        ({"offload_optimizer": "cpu", "offload_ratio": 1.5}, r"ZeroConfig\.offload_ratio: 1\.5\. Expected"),
+        ({"offload_optimizer": "cpu", "offload_ratio": True}, r"ZeroConfig\.offload_ratio: True\. Expected"),
+        ({"offload_ratio": 0.5}, r"offload_ratio: 0\.5 with offload_optimizer='none'"),
+        ({"offload_optimizer": "disk", "offload_dir": ""}, r"ZeroConfig\.offload_dir: ''\. Expected None or a"),
+        ({"offload_optimizer": "disk", "offload_dir": 3}, r"ZeroConfig\.offload_dir: 3\. Expected None or a"),
+    ],
+)
+def test_offload_fields_out_of_range_are_refused_naming_field_value_and_expectation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ZeroConfig(**kwargs)
+
+
+def test_offload_fields_in_range_are_accepted():
+    config = ZeroConfig(stage=3, offload_optimizer="disk", offload_params="disk", offload_dir="/x", offload_ratio=0.25)
+    assert config.offloads_to_disk
+    assert not ZeroConfig(stage=2, offload_optimizer="cpu").offloads_to_disk

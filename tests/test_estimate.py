@@ -275,3 +275,27 @@ def test_plot_needs_matplotlib_or_writes_a_png(tmp_path, capsys):
         return
     assert cli(["estimate", "--params", "7.5e9", "--gpus", "64", "--plot", str(path)]) == 0
     assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_model_state_by_tier_moves_what_each_tier_holds():
+    from lightning_zero.lightning.memory import ModelStateBytes, model_state_by_tier
+
+    state = ModelStateBytes(parameters=100, gradients=100, master_weights=200, optimizer_state=400)
+    assert model_state_by_tier(state, 3, "disk", "disk") == (0, 0, 800)
+    assert model_state_by_tier(state, 3, "disk", "none") == (100, 0, 700)
+    assert model_state_by_tier(state, 3, "cpu", "cpu") == (100, 700, 0)  # gradients stay with the device
+    assert model_state_by_tier(state, 2, "disk", "none", ratio=0.5) == (500, 0, 300)
+    assert model_state_by_tier(state, 1, "cpu", "none") == (200, 600, 0)
+    assert model_state_by_tier(state, 0, "none", "none") == (800, 0, 0)
+
+
+def test_estimate_prints_bytes_per_tier(capsys):
+    from lightning_zero.__main__ import main as cli
+
+    assert cli(["estimate", "--params", "1e9", "--gpus", "2", "--precision", "fp32", "--offload-optimizer", "disk",
+                "--offload-params", "disk"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    tiers = out.split("by memory tier")[1]
+    stage3 = next(line for line in tiers.splitlines() if line.strip().startswith("3 "))
+    # Stage 3 fp32 Adam, everything on disk: (4 + 4 + 8) bytes x 1e9 / 2 ranks.
+    assert stage3.split() == ["3", "0", "B", "0", "B", "8.0", "GB", "8,000,000,000"]

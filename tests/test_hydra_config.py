@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_zero  # noqa: F401  (registers the strategies)
@@ -46,26 +46,42 @@ def _compose(*overrides: str) -> DictConfig:
 
 
 def test_config_groups_have_the_documented_options():
-    assert _options("strategy") == ["ddp", "zero1", "zero2", "zero3", "zero3pp"]
+    assert _options("strategy") == ["ddp", *sorted([*ZERO_FILES, "zero3pp"])]
     assert {"tiny", "small"} <= set(_options("model"))
     assert _options("data") == ["fables", "synthetic"]
     assert _options("trainer") == ["cpu", "gpu", "slurm"]
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_yaml_lists_every_zero_config_field_with_its_default(stage):
-    raw = OmegaConf.to_container(OmegaConf.load(CONF / "strategy" / f"zero{stage}.yaml"))
+# Each strategy file and the ZeroConfig fields it sets away from their defaults (the string presets of the same name).
+ZERO_FILES: dict[str, dict[str, object]] = {
+    "zero1": {"stage": 1},
+    "zero2": {"stage": 2},
+    "zero3": {"stage": 3},
+    "zero2_offload": {"stage": 2, "offload_optimizer": "cpu"},
+    "zero3_offload": {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+    "zero3_offload_disk": {
+        "stage": 3,
+        "offload_optimizer": "disk",
+        "offload_params": "disk",
+        "offload_dir": "offload",
+    },
+}
+
+
+@pytest.mark.parametrize("option", sorted(ZERO_FILES))
+def test_zero_yaml_lists_every_zero_config_field_with_its_default(option):
+    raw = OmegaConf.to_container(OmegaConf.load(CONF / "strategy" / f"{option}.yaml"))
     assert isinstance(raw, dict)
     assert raw.pop("defaults") == ["zero_schema", "_self_"]
     missing = sorted(set(ZERO_FIELDS) - set(raw))
     unknown = sorted(set(raw) - set(ZERO_FIELDS) - STRATEGY_ARGS)
-    assert not missing, f"conf/strategy/zero{stage}.yaml lacks ZeroConfig field(s) {missing}: add them with defaults"
-    assert not unknown, f"conf/strategy/zero{stage}.yaml has {unknown}, which ZeroStrategy does not take"
+    assert not missing, f"conf/strategy/{option}.yaml lacks ZeroConfig field(s) {missing}: add them with defaults"
+    assert not unknown, f"conf/strategy/{option}.yaml has {unknown}, which ZeroStrategy does not take"
     defaults = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
     for name in ZERO_FIELDS:
-        expected = stage if name == "stage" else defaults[name]
+        expected = ZERO_FILES[option].get(name, defaults[name])
         expected = list(expected) if isinstance(expected, tuple) else expected
-        assert raw[name] == expected, f"zero{stage}.yaml: {name}={raw[name]!r}, ZeroConfig's default is {expected!r}"
+        assert raw[name] == expected, f"{option}.yaml: {name}={raw[name]!r}, expected {expected!r}"
 
 
 def test_schemas_are_derived_from_the_dataclasses():
@@ -112,6 +128,14 @@ def test_zero3pp_config_turns_every_zeropp_switch_on_over_zero3(conf_dir):
     assert isinstance(strategy, ZeroStrategy)
     expected = ZeroConfig(stage=3, quantize_weights=True, hpz_partition_size=2, quantize_gradients=True)
     assert strategy.config == expected
+
+
+@pytest.mark.parametrize("name", ["zero2_offload", "zero3_offload", "zero3_offload_disk"])
+def test_offload_strategy_configs_instantiate_the_registered_presets(conf_dir, name):
+    strategy = instantiate(_compose(f"strategy={name}").strategy, _convert_="all")
+    preset = StrategyRegistry.get(name)
+    assert isinstance(strategy, ZeroStrategy)
+    assert strategy.config == preset.config == ZeroConfig(**ZERO_FILES[name])  # type: ignore[arg-type]
 
 
 def test_ddp_strategy_config_instantiates_ddp(conf_dir):

@@ -22,6 +22,7 @@ full checkpoint) goes through the same plan with in-memory sources instead of DC
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from os import PathLike
 from typing import Any
 
@@ -267,8 +268,10 @@ def load_full_state_dict(
         state_dict = nested if isinstance(nested, Mapping) else state_dict
     sources, toc = state_dict_sources(state_dict, prefix, origin)
     gatherer = next((o.gatherer for o in optimizers if o.gatherer is not None), None)  # stage 3's sharded model
-    slices = owned_parameter_slices(optimizers, gatherer)
-    plan = LoadPlan(module, slices, toc, strict=strict, origin=origin, prefix=prefix)
-    plan.read_from(sources)
-    plan.finish(optimizers)
-    _refresh(gatherer)
+    # A strategy with memory tiers holds this rank's shards in memory for the load, and returns them to their tiers.
+    with getattr(target, "shards_in_memory", nullcontext)():
+        slices = owned_parameter_slices(optimizers, gatherer)
+        plan = LoadPlan(module, slices, toc, strict=strict, origin=origin, prefix=prefix)
+        plan.read_from(sources)
+        plan.finish(optimizers)
+        _refresh(gatherer)

@@ -5,5 +5,5 @@
 - ``estimate_zeropp``: ``estimate --ranks-per-node``: ZeRO++'s traffic by link and hpZ's memory, by formula.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,
-lightning_zero.checkpoint, lightning_zero.lightning, lightning_zero.hydra, lightning_zero.models
+lightning_zero.offload, lightning_zero.checkpoint, lightning_zero.lightning, lightning_zero.hydra, lightning_zero.models
 """

@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.cli.estimate_zeropp import format_zeropp
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes
+from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes, model_state_by_tier
 from lightning_zero.models.lightning_gpt import LitGPT
 from lightning_zero.sharding.flat_bucket import FlatBucket, build_buckets
 from lightning_zero.sharding.param_groups import segments_of, trainable_named_groups
@@ -334,6 +334,23 @@ def format_units(stage3: StageEstimate, param_bytes: int) -> str:
     return text + "."
 
 
+def format_tiers(estimates: Sequence[StageEstimate], optimizer: str, params: str, ratio: float) -> str:
+    """Each stage's model state per rank split by where it lives between uses (device, host, disk)."""
+    rows = []
+    for e in estimates:
+        # Tiers exist for ZeRO only, and parameter shards only at stage 3: other stages keep what they cannot move.
+        tiers = model_state_by_tier(e.state, e.stage, optimizer if e.stage else "none", params, ratio)
+        rows.append([STAGE_LABELS.get(e.stage, str(e.stage)), *(_human(v) for v in tiers), f"{sum(tiers):,}"])
+    return _table(["stage", "device", "host", "disk", "total bytes"], rows, text_columns=1)
+
+
+def _tier_settings(args: argparse.Namespace) -> str:
+    return (
+        f"offload_optimizer = {args.offload_optimizer}, offload_params = {args.offload_params} (stage 3 only), "
+        f"offload_ratio = {args.offload_ratio:g}"
+    )
+
+
 def _parse_count(text: str) -> int:
     try:
         value = float(text)
@@ -374,6 +391,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ranks-per-node", type=int, default=None, help="also show ZeRO++ at stage 3 on nodes of this many ranks"
     )
+    for field in ("offload_optimizer", "offload_params"):
+        parser.add_argument(
+            f"--{field.replace('_', '-')}", choices=["none", "cpu", "disk"], default="none", help=f"ZeroConfig.{field}"
+        )
+    parser.add_argument("--offload-ratio", type=float, default=1.0, help="ZeroConfig.offload_ratio")
     parser.add_argument("--config-dir", type=Path, default=DEFAULT_CONF_DIR, help="the conf/ directory")
     parser.add_argument("--plot", type=Path, default=None, help="also write a PNG bar chart (needs matplotlib)")
     return parser
@@ -418,6 +440,9 @@ def main(argv: list[str]) -> int:
     print(format_traffic(estimates, exact))
     if exact:
         print("\n" + textwrap.fill(format_units(estimates[3], precisions.param), width=WIDTH))
+    if args.offload_optimizer != "none" or args.offload_params != "none":
+        print(f"\nModel state per rank by memory tier ({_tier_settings(args)}):\n")
+        print(format_tiers(estimates, args.offload_optimizer, args.offload_params, args.offload_ratio))
     if args.ranks_per_node is not None:
         try:
             print("\n" + format_zeropp(num_params, n, args.ranks_per_node, precisions.param))

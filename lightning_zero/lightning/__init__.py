@@ -2,11 +2,12 @@
 
 - ``strategy``: ``ZeroStrategy`` (process group, launchers, optimizer wrapping, accumulation, the stage-3 root unit).
 - ``strategy_checkpoint``: the strategy's checkpoint hooks, routed to ``lightning_zero.checkpoint``.
+- ``offload_setup``: building a rank's memory tiers (``lightning_zero.offload``), with the directory and space checks.
 - ``precision``: ``ZeroPrecision``, ZeRO's mixed precision (low-precision parameters, fp32 masters).
 - ``memory``: per-rank model-state bytes, counted and as the ZeRO paper's formula.
 - ``ema``: ``ShardedEMA``, the moving average of the weights kept on each rank's fp32 shard.
 - ``report``: ``MemoryReport``, the per-rank memory and communication table at the end of a run.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,
-lightning_zero.checkpoint
+lightning_zero.offload, lightning_zero.checkpoint
 """

@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
+from lightning_zero.config import ZeroConfig
+from lightning_zero.offload.memory_tiers import TierBytes, place_by_ratio
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 from lightning_zero.stage3.zeropp import secondary_shard_bytes
@@ -111,3 +113,45 @@ def expected_model_state_bytes(
     state = psi * optimizer_state_bytes // (n if stage >= 1 else 1)
     secondary = psi * param_bytes // hpz_partition_size if stage >= 3 and hpz_partition_size > 1 else 0
     return ModelStateBytes(params, grads, masters, state, secondary)
+
+
+def host_tier_bytes(
+    config: ZeroConfig, optimizers: Iterable[ZeroOptimizer], gatherer: ParameterGatherer | None = None
+) -> int:
+    """Bytes of this rank's model state placed in the host tier (``offload_*="cpu"``): masters and optimizer state
+    of the buckets ``offload_ratio`` places there, and (stage 3) the parameter shards. On a CPU device this is the
+    same memory as the device's (Note [host tier on this machine] in ``offload/optimizer_tiers.py``)."""
+    total = 0
+    if config.offload_optimizer == "cpu":
+        for opt in optimizers:
+            placed = place_by_ratio(opt.buckets, config.offload_ratio)
+            for seg, master in zip(opt.segments, opt.masters, strict=True):
+                if id(seg.bucket) not in placed:
+                    continue
+                own = master.untyped_storage().data_ptr() != seg.bucket.param_shard.untyped_storage().data_ptr()
+                total += master.numel() * master.element_size() if own else 0
+                entries = opt.state.get(master, {}).values()
+                total += sum(v.numel() * v.element_size() for v in entries if isinstance(v, Tensor) and v.dim() > 0)
+    if config.offload_params == "cpu" and gatherer is not None:
+        total += sum(
+            b.param_shard.numel() * b.param_shard.element_size() for b in gatherer.all_buckets() if not b.resident
+        )
+    return total
+
+
+def model_state_by_tier(
+    state: ModelStateBytes, stage: int, offload_optimizer: str, offload_params: str, ratio: float = 1.0
+) -> TierBytes:
+    """Where ``state`` (one rank's model state at ``stage``; 0 for DDP) lives between uses with these
+    ``ZeroConfig.offload_*`` settings: the masters and optimizer state (``ratio`` of them) in the optimizer's tier,
+    with stage 3's gradient shards when that tier is the disk (Note [gradients on disk]), and stage 3's parameter
+    shards in the parameters' tier."""
+    by_tier = {"none": 0, "cpu": 0, "disk": 0}
+    if stage >= 1:
+        optimizer = (state.master_weights + state.optimizer_state) * ratio
+        if stage == 3 and offload_optimizer == "disk":
+            optimizer += state.gradients * ratio
+        by_tier[offload_optimizer] += int(optimizer)
+    if stage == 3:
+        by_tier[offload_params] += state.parameters
+    return TierBytes(state.total - by_tier["cpu"] - by_tier["disk"], by_tier["cpu"], by_tier["disk"])

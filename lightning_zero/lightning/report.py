@@ -21,7 +21,7 @@ import json
 import resource
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,9 @@ class RankReport:
     """Of the bytes sent in the last optimizer step, those to ranks on this rank's node."""
     inter_node: int = 0
     """... and those to ranks on other nodes (Note [bytes by link] in ``comm/ledger.py``)."""
+    tiers: dict[str, int] = field(default_factory=dict)
+    """Model-state bytes by memory tier (``device``, ``host``, ``disk``) with ``ZeroConfig.offload_*``; empty
+    without tiers."""
 
     @property
     def model_state(self) -> ModelStateBytes:
@@ -188,21 +191,25 @@ def step_metrics(ranks: Iterable[RankReport]) -> dict[str, float]:
     for r in ranks:
         state = r.model_state
         kinds = {**state._asdict(), "model_state": state.total, "peak_memory": r.peak_memory}
+        kinds.update({f"{tier}_tier": nbytes for tier, nbytes in r.tiers.items()})
         metrics.update({f"memory/rank{r.rank}/{kind}": float(v) for kind, v in kinds.items()})
         metrics.update({f"comm/rank{r.rank}/{c}": float(r.sent.get(c, 0)) for c in COLLECTIVES})
     return metrics
 
 
 # -- measuring -------------------------------------------------------------------------------------------------------
-_FIELDS = 8  # the model state's 5, peak_memory, intra_node, inter_node; then one per collective
+_FIELDS = 8  # the model state's 5, peak_memory, intra_node, inter_node; then one per collective, one per tier
+TIERS = ("device", "host", "disk")
 
 
 def _measure(trainer: pl.Trainer, module: pl.LightningModule) -> Tensor:
     strategy = trainer.strategy
+    tiers = (0, 0, 0)
     if isinstance(strategy, ZeroStrategy):
         state = strategy.model_state_bytes()
         sent = strategy.communication_per_step()
         links = [sum(strategy.communication_per_step(link).values()) for link in LINKS]
+        tiers = tuple(strategy.tier_bytes())  # type: ignore[assignment]
     else:
         state = _count_model_state(module, trainer.optimizers)
         sent = {}
@@ -211,7 +218,7 @@ def _measure(trainer: pl.Trainer, module: pl.LightningModule) -> Tensor:
             # DDP all-reduces every gradient once per step; bandwidth-optimal bytes sent: 2 * size * (N-1) / N.
             n = trainer.world_size
             sent = {Collective.ALL_REDUCE.value: 2 * state.gradients * (n - 1) // n}
-    values = [*state, _peak_memory(strategy.root_device), *links, *(sent.get(c, 0) for c in COLLECTIVES)]
+    values = [*state, _peak_memory(strategy.root_device), *links, *(sent.get(c, 0) for c in COLLECTIVES), *tiers]
     return torch.tensor(values, dtype=torch.int64)
 
 
@@ -226,8 +233,10 @@ def _gather_rows(local: Tensor) -> Tensor:
 
 def _row_to_report(rank: int, row: Sequence[int]) -> RankReport:
     params, grads, masters, state, secondary, peak, intra, inter = row[:_FIELDS]
-    sent = dict(zip(COLLECTIVES, row[_FIELDS:], strict=True))
-    return RankReport(rank, params, grads, masters, state, peak, sent, secondary, intra, inter)
+    sent = dict(zip(COLLECTIVES, row[_FIELDS : _FIELDS + len(COLLECTIVES)], strict=True))
+    by_tier = row[_FIELDS + len(COLLECTIVES) :]
+    tiers = dict(zip(TIERS, by_tier, strict=True)) if any(by_tier[1:]) else {}
+    return RankReport(rank, params, grads, masters, state, peak, sent, secondary, intra, inter, tiers)
 
 
 def _num_params(trainer: pl.Trainer, params: Sequence[Tensor]) -> int:
@@ -289,6 +298,8 @@ def format_report(report: FitReport) -> str:
     header += [f"{c}{mark}" for c in sent_columns]
     by_link = any(r.inter_node for r in report.ranks)
     header += ["to own node", "to other nodes"] if by_link else []
+    tiered = any(r.tiers for r in report.ranks)
+    header += [f"{t} tier" for t in TIERS] if tiered else []
     rows = [
         [
             str(r.rank),
@@ -297,6 +308,7 @@ def format_report(report: FitReport) -> str:
             format_bytes(r.peak_memory),
             *(format_bytes(r.sent[c]) for c in sent_columns),
             *([format_bytes(r.intra_node), format_bytes(r.inter_node)] if by_link else []),
+            *((format_bytes(r.tiers.get(t, 0)) for t in TIERS) if tiered else ()),
         ]
         for r in report.ranks
     ]
@@ -307,6 +319,11 @@ def format_report(report: FitReport) -> str:
         "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)),
         *("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows),
     ]
+    if tiered:
+        lines.append(
+            "tier columns: model state by where it lives between uses (ZeroConfig.offload_*); the model-state "
+            "columns count only what is in memory now"
+        )
     if sent_columns:
         lines.append(
             "collective columns: bytes this rank sent in the last optimizer step"

@@ -60,9 +60,11 @@ from typing_extensions import override
 from lightning_zero.comm.fault_monitor import FaultMonitor
 from lightning_zero.comm.topology import Link, ranks_per_node_from_environment
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.memory import ModelStateBytes, model_state_bytes
+from lightning_zero.lightning.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
+from lightning_zero.lightning.offload_setup import build_memory_tiers, check_optimizer_space
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.lightning.strategy_checkpoint import ShardedCheckpointing, as_zero_optimizer, iter_zero_optimizers
+from lightning_zero.offload.memory_tiers import MemoryTiers, TierBytes
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 from lightning_zero.stage3.sharded_init import ParamInitFn, shard_module
@@ -130,6 +132,8 @@ class ZeroStrategy(ShardedCheckpointing):
         self._fault_monitor: FaultMonitor | None = None
         self._broadcast_next_forward = True  # Note [buffers follow rank 0]
         self._accumulating = False  # inside block_backward_sync
+        self._tiers: MemoryTiers | None = None
+        """This rank's memory tiers (``ZeroConfig.offload_*``), built in ``setup``."""
 
     # -- precision: ZeRO's own mixed precision (see ``precision.py``) -----------------------------------------------
     @property
@@ -224,6 +228,11 @@ class ZeroStrategy(ShardedCheckpointing):
         assert self.model is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
+        if self._tiers is None:
+            assert self.lightning_module is not None
+            self._tiers = build_memory_tiers(
+                self.config, self.lightning_module, trainer, self.root_device, self.world_size, self.num_processes
+            )
         if self.config.stage == 3:
             self._shard_model()
             self._broadcast_buffers()  # what _sync_module_states does for stages 1 and 2 (parameters are sharded)
@@ -246,7 +255,7 @@ class ZeroStrategy(ShardedCheckpointing):
         # ZeRO++ and the metering by link need the ranks per node; Lightning knows them when the environment does not.
         config = dataclasses.replace(self.config, ranks_per_node=self._ranks_per_node())
         self._gatherer = shard_module(
-            self.lightning_module, config, self.process_group, self.root_device, self._param_init_fn
+            self.lightning_module, config, self.process_group, self.root_device, self._param_init_fn, self._tiers
         )
 
     @override
@@ -265,9 +274,12 @@ class ZeroStrategy(ShardedCheckpointing):
                 self._gatherer,
                 fp32_masters=precision.fp32_masters,
                 loss_scaler=scaler,
+                tiers=self._tiers.for_optimizer() if self._tiers is not None else None,
             )
             for optimizer, scaler in zip(self.optimizers, scalers, strict=True)
         ]
+        if self._tiers is not None:
+            check_optimizer_space(self._tiers, list(iter_zero_optimizers(self.optimizers)), self.num_processes)
         if self._gatherer is None:  # stage 3's ledger has its topology from shard_module
             topology = metering_topology(
                 dataclasses.replace(self.config, ranks_per_node=self._ranks_per_node()), self.process_group
@@ -351,6 +363,21 @@ class ZeroStrategy(ShardedCheckpointing):
         with self._gatherer.gathered(module, writeback=writeback):
             yield
 
+    @contextmanager
+    def shards_in_memory(self) -> Generator[None, None, None]:
+        """Every shard of this rank (parameters, masters, optimizer state) in memory inside the context, put back
+        into its tier afterwards (``ZeroConfig.offload_*``); without tiers it does nothing. Checkpoint saves and
+        loads and ``load_full_state_dict`` run inside it: they are bounded by this rank's model state (16Ψ/N for
+        fp32 Adam), not by the tiers' few buckets."""
+        if self._tiers is None:
+            yield
+            return
+        self._tiers.load_all()
+        try:
+            yield
+        finally:
+            self._tiers.unload_all()
+
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -391,6 +418,16 @@ class ZeroStrategy(ShardedCheckpointing):
         assert self.lightning_module is not None
         return model_state_bytes(self.lightning_module, iter_zero_optimizers(self.optimizers), self._gatherer)
 
+    def tier_bytes(self) -> TierBytes:
+        """This rank's model state by memory tier: in device memory now, placed in the host tier, in the tier file
+        on disk (``ZeroConfig.offload_*``)."""
+        assert self.lightning_module is not None
+        resident = self.model_state_bytes().total
+        optimizers = list(iter_zero_optimizers(self.optimizers))
+        host = host_tier_bytes(self.config, optimizers, self._gatherer)
+        disk = self._tiers.disk_bytes() if self._tiers is not None else 0
+        return TierBytes(resident - host, host, disk)
+
     def communication_per_step(self, link: Link | None = None) -> dict[str, int]:
         """Bytes this rank sent in the last optimizer step of each optimizer, per collective: in all, or with
         ``link="intra_node"`` / ``"inter_node"`` only those to ranks on its own node / on other nodes (Note [bytes
@@ -430,6 +467,13 @@ class ZeroStrategy(ShardedCheckpointing):
     def on_exception(self, exception: BaseException) -> None:
         if self._fault_monitor is not None:
             self._fault_monitor.on_exception(exception)
+        self._close_tiers()
+
+    def _close_tiers(self) -> None:
+        """Stop the tiers' IO and remove this rank's tier files (Note [tier directories])."""
+        if self._tiers is not None:
+            self._tiers.close()
+            self._tiers = None
 
     @override
     def teardown(self) -> None:
@@ -447,6 +491,9 @@ class ZeroStrategy(ShardedCheckpointing):
         if self._fault_monitor is not None:
             self._fault_monitor.stop()
             self._fault_monitor = None
+        if self._tiers is not None:
+            self._tiers.restore()
+        self._close_tiers()
         module = self.lightning_module
         on_meta = module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers()))
         if self._gatherer is None and not on_meta:
@@ -482,4 +529,19 @@ class ZeroStrategy(ShardedCheckpointing):
                 override=True,
                 stage=stage,
                 start_method="spawn",
+            )
+        # As Lightning's "deepspeed_stage_2_offload" / "deepspeed_stage_3_offload(_nvme)" presets.
+        offload_presets: dict[str, dict[str, Any]] = {
+            "zero2_offload": {"stage": 2, "offload_optimizer": "cpu"},
+            "zero3_offload": {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+            "zero3_offload_disk": {
+                "stage": 3,
+                "offload_optimizer": "disk",
+                "offload_params": "disk",
+                "offload_dir": "offload",  # relative: under the Trainer's default_root_dir
+            },
+        }
+        for name, fields in offload_presets.items():
+            strategy_registry.register(
+                name, cls, description=f"ZeRO with memory tiers: {fields}", override=True, **fields
             )

@@ -38,6 +38,7 @@ from lightning_zero.checkpoint.sharded_checkpoint import (
     sharded_optimizer_state,
 )
 from lightning_zero.config import ZeroConfig
+from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 
@@ -46,6 +47,8 @@ class ShardedCheckpointing(ParallelStrategy):
     """Lightning's checkpoint hooks for a strategy whose optimizers are ``ZeroOptimizer``s."""
 
     config: ZeroConfig
+    _tiers: MemoryTiers | None
+    """The memory tiers; a save or load brings every shard of this rank into memory for its duration."""
     _gatherer: ParameterGatherer | None
     """Stage 3's sharded model; None for stages 1 and 2."""
 
@@ -68,6 +71,8 @@ class ShardedCheckpointing(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
+        if self._tiers is not None:
+            self._tiers.load_all()  # until save_checkpoint() has written them
         return sharded_model_state(self.lightning_module, list(iter_zero_optimizers(self.optimizers)), self._gatherer)
 
     @override
@@ -88,7 +93,11 @@ class ShardedCheckpointing(ParallelStrategy):
         if _WEIGHT_AVERAGING_LIVE in checkpoint:  # Note [Lightning's WeightAveraging]
             averaged = checkpoint.pop("state_dict")
             checkpoint["state_dict"] = checkpoint.pop(_WEIGHT_AVERAGING_LIVE)
-        save_sharded_checkpoint(checkpoint, self.broadcast(filepath), self.process_group, saved_with, averaged)
+        try:
+            save_sharded_checkpoint(checkpoint, self.broadcast(filepath), self.process_group, saved_with, averaged)
+        finally:
+            if self._tiers is not None:
+                self._tiers.unload_all()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -98,15 +107,21 @@ class ShardedCheckpointing(ParallelStrategy):
         """
         module = self.lightning_module
         assert module is not None
-        state = load_checkpoint(
-            self.broadcast(checkpoint_path),
-            module,
-            list(iter_zero_optimizers(self.optimizers)),
-            self.process_group,
-            load_optimizer=module.trainer.state.fn == TrainerFn.FITTING,
-            strict=module.strict_loading,
-            gatherer=self._gatherer,
-        )
+        if self._tiers is not None:
+            self._tiers.load_all()
+        try:
+            state = load_checkpoint(
+                self.broadcast(checkpoint_path),
+                module,
+                list(iter_zero_optimizers(self.optimizers)),
+                self.process_group,
+                load_optimizer=module.trainer.state.fn == TrainerFn.FITTING,
+                strict=module.strict_loading,
+                gatherer=self._gatherer,
+            )
+        finally:
+            if self._tiers is not None:
+                self._tiers.unload_all()  # what was loaded goes to its tier
         if "state_dict" in state:  # a WeightAveraging average: Note [Lightning's WeightAveraging]
             # The live weights are in place already; loading them into the module again changes nothing.
             state[_WEIGHT_AVERAGING_LIVE] = module.state_dict()

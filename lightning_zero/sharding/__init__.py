@@ -6,6 +6,8 @@
 - ``param_groups``: the user's param groups over this rank's shard (segments, masters, views, the checks).
 - ``sharded_optimizer``: ``ZeroOptimizer``, the user's optimizer stepping only this rank's shard.
 - ``loss_scaler``: the cross-rank dynamic loss scaler of fp16 training.
+- ``state_tiers``: ``StateTiers``, the hooks through which memory tiers (``lightning_zero.offload``) hold masters,
+  optimizer state and gradient shards between steps.
 
 Stage 3 builds on this package (its units are flat buckets reduced by the stage-2 reducer) but this package knows
 nothing of stage 3: ``ZeroOptimizer`` takes any object with the ``ShardedParameters`` protocol.

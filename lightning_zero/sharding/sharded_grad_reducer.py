@@ -41,9 +41,11 @@ class ShardedGradReducer(GradientReducer):
         on_complete: Callable[[FlatBucket], None] | None = None,
     ) -> None:
         super().__init__(buckets, group, config, ledger, on_complete)
-        self.shards: list[Tensor | None] = [None] * len(self.buckets)
+        self.shards: list[Tensor | None] = [self._new_shard(b) for b in self.buckets]
         """(shard_numel,) per bucket: this rank's accumulated, averaged gradient. None until a reduction writes it
         and again after ``zero_grad(set_to_none=True)``: Note [gradient shards between steps]."""
+        self._frees_shard = [s is None for s in self.shards]
+        """Whether zero_grad frees the bucket's shard: the ones allocated here, not those a subclass keeps."""
         self._shard_is_zero = [True] * len(self.buckets)
         self._staging: list[Tensor | None] = [None] * len(self.buckets)
         self._stale: list[set[int]] = [set() for _ in self.buckets]
@@ -88,20 +90,25 @@ class ShardedGradReducer(GradientReducer):
         self._lent[bucket.index].append(staging)  # back to the pool once the reduction has completed
         shard = self.shards[bucket.index]
         if shard is None:  # the reduction writes every element: no memset (Note [gradient shards between steps])
-            shard = self.shards[bucket.index] = self._new_shard(bucket, torch.empty)
+            shard = self.shards[bucket.index] = self._allocate_shard(bucket, torch.empty)
         if self._shard_is_zero[bucket.index]:
             self._shard_is_zero[bucket.index] = False
             return self._reduce_scatter(bucket, shard, staging)
         out = torch.empty_like(shard)
         return accumulate_into(shard, out, self._reduce_scatter(bucket, out, staging))
 
-    def _new_shard(self, bucket: FlatBucket, factory: Callable[..., Tensor]) -> Tensor:
+    def _new_shard(self, bucket: FlatBucket) -> Tensor | None:
+        """The tensor the bucket's gradient shard is kept in for the reducer's life; None (here): allocated by the
+        first reduction, freed by ``zero_grad`` (a subclass may keep it elsewhere, in a memory tier)."""
+        return None
+
+    def _allocate_shard(self, bucket: FlatBucket, factory: Callable[..., Tensor]) -> Tensor:
         return factory(bucket.shard_numel, dtype=self._reduce_dtype(bucket), device=bucket.device)
 
     def grad_shard(self, bucket: FlatBucket) -> Tensor:
         shard = self.shards[bucket.index]
         if shard is None:  # no reduction since the gradients were set to None: the gradient is zero
-            shard = self.shards[bucket.index] = self._new_shard(bucket, torch.zeros)
+            shard = self.shards[bucket.index] = self._allocate_shard(bucket, torch.zeros)
             self._shard_is_zero[bucket.index] = False
         elif self._shard_is_zero[bucket.index]:
             shard.zero_()  # consumed by a step and not reduced into since (Note [staging without memset])
@@ -116,7 +123,7 @@ class ShardedGradReducer(GradientReducer):
         self.wait()
         self.consume()
         if set_to_none:  # Note [gradient shards between steps]
-            self.shards = [None] * len(self.buckets)
+            self.shards = [None if free else shard for shard, free in zip(self.shards, self._frees_shard, strict=True)]
         self.state = [BucketState.FILLING] * len(self.buckets)
         for bucket in self.buckets:
             for param in bucket.params:

@@ -25,6 +25,15 @@ returns once every gather is done, so nothing outside the step ever sees stale p
 parameters come in one call or several: each parameter still takes exactly one step with its own state. Step hooks
 still run once per step: Note [step hooks].
 
+Note [tiered step]
+With memory tiers (``ZeroConfig.offload_optimizer``, ``lightning_zero.offload``) the masters and optimizer state of
+some buckets live in host memory or on disk between steps, and at stage 3 with the disk tier so do their reduced
+gradient shards. The step then always runs in chunks, one bucket at a time (Note [step in chunks]): the tiers load
+the bucket's masters, state and gradients (read ahead while the previous bucket is stepped), the user's optimizer
+steps them, and the tiers write back what changed (in the background) before the next bucket. Gradients of buckets
+held in a tier never become ``master.grad`` outside the step; clipping reaches them through the tiers
+(``gradient_norms``, ``set_gradient_transform``: Note [gradients on disk] in ``offload/tiered_grad_reducer.py``).
+
 Note [step hooks]
 ``register_step_pre_hook``/``register_step_post_hook`` (and torch's global optimizer hooks) work on the
 ``ZeroOptimizer`` and run once per ``step()``. The wrapped optimizer's own update is called without torch's hook
@@ -46,7 +55,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any, Protocol
 
@@ -72,6 +81,7 @@ from lightning_zero.sharding.param_groups import (
     trainable_named_groups,
 )
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
+from lightning_zero.sharding.state_tiers import StateTiers
 
 # Stages compose by choosing where gradients live; everything else is shared. (Stage 3 adds parameter gathering on
 # top of stage 2's reducer, built with the sharded model.)
@@ -116,6 +126,7 @@ class ZeroOptimizer(Optimizer):
         *,
         fp32_masters: bool = True,
         loss_scaler: DynamicLossScaler | None = None,
+        tiers: StateTiers | None = None,
     ) -> None:
         # Optimizer.__init__ is not called: the param groups, state and defaults are the wrapped optimizer's own
         # objects, so reading or changing a learning rate through either object is the same thing.
@@ -152,15 +163,26 @@ class ZeroOptimizer(Optimizer):
             self.buckets = mine
             self.resident_buckets = [b for b in mine if b.resident]
         self.segments = [seg for b in self.buckets for seg in segments_of(b, group_of)]
-        self.masters, self._runs = masters_for(self.segments, fp32_masters)
+        self.masters, self._runs = [], []
+        for bucket in self.buckets:  # one bucket at a time: a tier keeps only that one's shard in memory
+            with tiers.resident(bucket) if tiers is not None else nullcontext():
+                masters, runs = masters_for([s for s in self.segments if s.bucket is bucket], fp32_masters)
+            self.masters += masters
+            self._runs += runs
         """This rank's fp32 master weights, one per segment (a view of the parameter shard when fp32)."""
         for g, group in enumerate(optimizer.param_groups):
             group["params"] = [m for seg, m in zip(self.segments, self.masters, strict=True) if seg.group == g]
         optimizer.state.clear()
+        self.segment_used = [True] * len(self.segments)
+        """Whether each segment got a gradient on some rank this step (Note [unused parameters])."""
+        self.tiers = tiers
+        """Where the masters and optimizer state of some buckets live between steps (Note [tiered step])."""
         self._step_chunks: list[tuple[FlatBucket, list[int], list[Tensor], list[MasterRun]]] = []
         """Stages 1 and 2 with ``overlap_comm``: each bucket's segments' groups, masters and master runs, stepped
         one bucket at a time (Note [step in chunks]); empty when the step runs in one piece."""
-        if gatherer is None and config.overlap_comm and self.world_size > 1 and len(self.buckets) > 1:
+        if tiers is not None or (
+            gatherer is None and config.overlap_comm and self.world_size > 1 and len(self.buckets) > 1
+        ):
             for bucket in self.buckets:
                 chunk = [(seg, m) for seg, m in zip(self.segments, self.masters, strict=True) if seg.bucket is bucket]
                 runs = [run for run in self._runs if run.bucket is bucket]
@@ -175,6 +197,18 @@ class ZeroOptimizer(Optimizer):
             bucket.params[i].register_post_accumulate_grad_hook(partial(_mark_used, self._used, k))
         self._any_gradient = False
         self._raw_step = _without_step_hooks(type(optimizer).step)
+        if tiers is not None:
+            if loss_scaler is not None and any(tiers.holds_gradient(b) for b in self.buckets):
+                raise ValueError(
+                    "16-mixed (loss scaling) with gradient shards on disk (stage 3, offload_optimizer='disk') is not "
+                    "supported. HINT: use precision='bf16-mixed' or '32-true', or offload_optimizer='cpu'."
+                )
+            tiers.attach(self)
+
+    @property
+    def master_runs(self) -> list[MasterRun]:
+        """The separate fp32 masters, per run of segments (empty when the parameters are their own masters)."""
+        return self._runs
 
     # -- the Optimizer surface -----------------------------------------------------------------------------------
     @property
@@ -208,15 +242,19 @@ class ZeroOptimizer(Optimizer):
         if self._grads_ready:
             return
         self.reducer.finish()
-        grads = []
+        grads: list[Tensor | None] = []
         for seg, master in zip(self.segments, self.masters, strict=True):
+            if self.tiers is not None and self.tiers.holds_gradient(seg.bucket):
+                grads.append(None)  # in the tier until the step reads it: Note [tiered step]
+                continue
             grad = self.reducer.grad_shard(seg.bucket)[seg.start : seg.stop]
             grads.append(grad if grad.dtype == master.dtype else grad.to(master.dtype))
         device = self.masters[0].device if self.masters else torch.device("cpu")
         found = torch.zeros(1, dtype=torch.float32, device=device)
-        if self.loss_scaler is not None and grads:
+        present = [g for g in grads if g is not None]
+        if self.loss_scaler is not None and present:
             inv_scale = torch.full_like(found, 1.0 / self.loss_scaler.scale_of_gradients)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
+            torch._amp_foreach_non_finite_check_and_unscale_(present, found, inv_scale)
         # One collective decides both, identically on every rank: (1 + parameters,) of 0/1 flags, summed.
         flags = torch.cat([found, torch.tensor(self._used, dtype=torch.float32).to(device)])
         self.ledger.record(all_reduce_sum(flags, self.group)).wait()
@@ -224,8 +262,11 @@ class ZeroOptimizer(Optimizer):
         self._found_inf = self.loss_scaler is not None and decided[0] > 0
         used = decided[1:]
         self._any_gradient = any(count > 0 for count in used)
-        for seg, master, grad in zip(self.segments, self.masters, grads, strict=True):
-            master.grad = grad if used[self._flag_of[(id(seg.bucket), seg.slot)]] > 0 else None
+        for i, (seg, master, reduced) in enumerate(zip(self.segments, self.masters, grads, strict=True)):
+            self.segment_used[i] = used[self._flag_of[(id(seg.bucket), seg.slot)]] > 0
+            master.grad = reduced if self.segment_used[i] else None
+        if self.tiers is not None:
+            self.tiers.set_gradient_transform(None, None)
         self._grads_ready = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -239,14 +280,17 @@ class ZeroOptimizer(Optimizer):
         self.reduce_gradients()
         grads = [m.grad for m in self.masters if m.grad is not None]
         device = self.masters[0].device if self.masters else torch.device("cpu")
+        tiered = self.tiers.gradient_norms(norm_type) if self.tiers is not None else []  # Note [tiered step]
         if norm_type == float("inf"):
-            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
+            maxima = [g.abs().max() for g in grads] + tiered
+            local = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
             total = local.float().reshape(1)
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
         else:
             # fp32 partial norms: bf16 ones (bf16-true) would round per segment, so the total, and then the clip
             # coefficient, would depend on how the shards happen to be cut (stage 3 cuts them per unit).
-            norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32) if grads else []
+            norms = list(torch._foreach_norm(grads, norm_type, dtype=torch.float32)) if grads else []
+            norms += tiered
             local = torch.stack([n.double() ** norm_type for n in norms]).sum() if norms else torch.zeros(())
             total = local.to(device=device, dtype=torch.float64).reshape(1)
             self.ledger.record(all_reduce_sum(total, self.group)).wait()
@@ -256,6 +300,8 @@ class ZeroOptimizer(Optimizer):
         coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         if grads:
             torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
+        if self.tiers is not None:
+            self.tiers.set_gradient_transform(coefficient, None)
         return total_norm
 
     def clip_grad_value_(self, clip_value: float) -> None:
@@ -270,6 +316,8 @@ class ZeroOptimizer(Optimizer):
         if grads:
             torch._foreach_clamp_min_(grads, -clip_value)
             torch._foreach_clamp_max_(grads, clip_value)
+        if self.tiers is not None:
+            self.tiers.set_gradient_transform(None, clip_value)
 
     @Optimizer.profile_hook_step  # this optimizer's step hooks and torch's global ones: Note [step hooks]
     @torch.no_grad()
@@ -309,6 +357,8 @@ class ZeroOptimizer(Optimizer):
     def _end_of_step(self) -> None:
         self.reducer.consume()
         self._forget_gradients()
+        if self.tiers is not None:
+            self.tiers.end_step()
 
     def _check_requires_grad(self) -> None:
         """Refuse a parameter (un)frozen since construction: DDP raises for a parameter that stops getting gradients;
@@ -337,10 +387,15 @@ class ZeroOptimizer(Optimizer):
             for bucket, group_of, masters, runs in self._step_chunks:
                 for g, group in enumerate(groups):
                     group["params"] = [m for k, m in zip(group_of, masters, strict=True) if k == g]
+                if self.tiers is not None:
+                    self.tiers.load(bucket)
                 self._raw_step(self.optimizer)
                 copy_masters_to_shards(runs)
-                assert bucket.data is not None
-                pending.append(self.ledger.record(all_gather(bucket.data, bucket.param_shard, self.group)))
+                if self.tiers is not None:
+                    self.tiers.unload(bucket)
+                if bucket.resident:
+                    assert bucket.data is not None
+                    pending.append(self.ledger.record(all_gather(bucket.data, bucket.param_shard, self.group)))
         finally:
             for group, params in zip(groups, everything, strict=True):
                 group["params"] = params

@@ -30,7 +30,7 @@ executing a graph task (``torch._C._current_graph_task_id() != -1``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -69,7 +69,9 @@ class ParameterGatherer:
         group: ProcessGroup,
         config: ZeroConfig,
         device: torch.device,
+        reducer_factory: Callable[..., ShardedGradReducer] = ShardedGradReducer,
     ) -> None:
+        """``reducer_factory``: builds the gradient reducer (the memory tiers pass one that keeps shards on disk)."""
         assert units, "there is always a root unit"
         assert units[0].module is root, "unit 0 is the root unit"
         self.root = root
@@ -104,7 +106,7 @@ class ParameterGatherer:
         buckets += units[0].trainable_buckets + [b for b in resident_buckets if b.trainable]
         for i, bucket in enumerate(buckets):
             bucket.index = i
-        self.reducer = ShardedGradReducer(buckets, group, config, self.ledger, on_complete=self._on_bucket_complete)
+        self.reducer = reducer_factory(buckets, group, config, self.ledger, on_complete=self._on_bucket_complete)
         self._handles: list[RemovableHandle] = []
         for unit in units:
             pre_hook = partial(self._pre_forward_hook, unit)

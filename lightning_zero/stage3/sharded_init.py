@@ -24,6 +24,7 @@ A module that owns only buffers is initialized the same way.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,12 +34,22 @@ from lightning_zero.comm.collectives import ProcessGroup
 from lightning_zero.comm.streams import CollectiveStream
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.flat_bucket import FlatBucket
+from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 from lightning_zero.stage3.sharded_unit import ShardedUnit
 from lightning_zero.stage3.wrap_policy import assign_parameters, find_unit_roots
 from lightning_zero.stage3.zeropp import install_zeropp
 
 ParamInitFn = Callable[[nn.Module], None]
+
+
+class UnitTiers(Protocol):
+    """The memory tiers as stage-3 sharding sees them (``lightning_zero.offload``): each unit is handed over as soon
+    as it is sharded, so its shards go straight to their tier, and they build the gradient reducer."""
+
+    def attach(self, unit: ShardedUnit) -> None: ...
+
+    def reducer_factory(self, *args: Any, **kwargs: Any) -> ShardedGradReducer: ...
 
 
 def _default_init(module: nn.Module) -> None:
@@ -131,8 +142,12 @@ def shard_module(
     group: ProcessGroup,
     device: torch.device,
     param_init_fn: ParamInitFn | None = None,
+    tiers: UnitTiers | None = None,
 ) -> ParameterGatherer:
-    """Shard ``root`` for stage 3 (materializing it unit by unit if it is on meta) and install the gather hooks."""
+    """Shard ``root`` for stage 3 (materializing it unit by unit if it is on meta) and install the gather hooks.
+
+    ``tiers``: each unit's shards go to their memory tier as soon as the unit is sharded (``lightning_zero.offload``).
+    """
     init = param_init_fn or _default_init
     unit_roots = find_unit_roots(root, config)
     owned = assign_parameters(root, unit_roots)
@@ -149,8 +164,10 @@ def shard_module(
     def build(index: int) -> None:
         name, module = ("", root) if index == 0 else unit_roots[index - 1]
         sharded, kept = _unit_buckets(owned[index], config, group)
-        units[index] = ShardedUnit(index, name, module, sharded, gather_stream)
+        units[index] = unit = ShardedUnit(index, name, module, sharded, gather_stream)
         resident.extend(kept)
+        if tiers is not None:
+            tiers.attach(unit)
 
     names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
     for position, module in enumerate(modules):
@@ -160,5 +177,7 @@ def shard_module(
                 build(i + 1)
     build(0)
     assert all(u is not None for u in units)
-    gatherer = ParameterGatherer(root, [u for u in units if u is not None], resident, group, config, device)
+    built = [u for u in units if u is not None]
+    factory = {} if tiers is None else {"reducer_factory": tiers.reducer_factory}
+    gatherer = ParameterGatherer(root, built, resident, group, config, device, **factory)
     return install_zeropp(gatherer, config, group)  # Note [ZeRO++ on a node topology]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Protocol
 
 from torch import Tensor, nn
 
@@ -22,6 +23,15 @@ class UnitState(enum.Enum):
     """The all-gather is in flight into freshly allocated full buffers. 1/N + 1 of the unit."""
     GATHERED = "gathered"
     """Parameters are views of the full buffers and may be used. 1/N + 1 of the unit."""
+
+
+class ShardSource(Protocol):
+    """Where a unit's shards live between uses when not in memory (the memory tiers, ``lightning_zero.offload``):
+    ``acquire`` makes a bucket's ``param_shard`` readable until the matching ``release``."""
+
+    def acquire(self, bucket: FlatBucket) -> Tensor: ...
+
+    def release(self, bucket: FlatBucket) -> None: ...
 
 
 class ShardedUnit:
@@ -48,6 +58,8 @@ class ShardedUnit:
         self._pending: list[tuple[FlatBucket, Tensor, PendingCollective]] = []
         self.gather_comm = PlainGather()
         """How the buckets are all-gathered: plainly, or ZeRO++'s way (``stage3/zeropp.py``)."""
+        self.shard_source: ShardSource | None = None
+        """Set when the shards live in a memory tier: each is acquired from it while the unit is not SHARDED."""
 
     @property
     def trainable_buckets(self) -> list[FlatBucket]:
@@ -60,6 +72,8 @@ class ShardedUnit:
         for bucket in self.buckets:
             # Allocated on the compute stream, which frees it again in release(): Note [collective streams].
             flat = bucket.allocate_full()
+            if self.shard_source is not None:  # makes bucket.param_shard resident until release()
+                self.shard_source.acquire(bucket)
             pending = self.gather_comm.gather(bucket, flat, group, self.stream)
             self._pending.append((bucket, flat, ledger.record(pending)))
         self.state = UnitState.GATHERING
@@ -81,6 +95,8 @@ class ShardedUnit:
         self.wait()
         for bucket in self.buckets:
             bucket.release()
+            if self.shard_source is not None:
+                self.shard_source.release(bucket)
         self.state = UnitState.SHARDED
 
     def __repr__(self) -> str:

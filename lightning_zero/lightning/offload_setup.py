@@ -1,0 +1,78 @@
+"""Building a rank's memory tiers for the strategy: the directory checks and the free-space checks, done before
+anything is written (Note [tier directories] in ``offload/directory.py``)."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.offload.directory import OffloadDirectory, check_free_space, resolve_offload_dir
+from lightning_zero.offload.memory_tiers import MemoryTiers
+from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
+
+_IO_ENTRIES = 4
+"""Read-ahead and write-behind budgets, each in tier entries of the largest size (a bucket's parameter shard,
+gradient shard or one optimizer-state tensor): a bucket's step reads four (gradient, parameters or masters, Adam's
+two moments), so this keeps the next bucket's reads, and the previous bucket's writes, in flight."""
+
+
+def build_memory_tiers(
+    config: ZeroConfig,
+    module: nn.Module,
+    trainer: pl.Trainer,
+    device: torch.device,
+    world_size: int,
+    local_ranks: int,
+) -> MemoryTiers | None:
+    """This rank's tiers, or None without offloading. Refuses a bad directory or too little space first."""
+    if config.offload_optimizer == "none" and config.offload_params == "none":
+        return None
+    if device.type != "cpu" and "cpu" in (config.offload_optimizer, config.offload_params):
+        raise NotImplementedError(
+            f"offload 'cpu' on a {device.type} device is not implemented (Note [host tier on this machine] in "
+            "lightning_zero/offload/optimizer_tiers.py). HINT: use 'disk', or 'none'."
+        )
+    directory = None
+    if config.offloads_to_disk:
+        assert config.offload_dir is not None
+        base = resolve_offload_dir(config.offload_dir, trainer.default_root_dir)
+        if config.offload_params == "disk":
+            params = sum(p.numel() * p.element_size() for p in module.parameters())
+            per_rank = -(-params // world_size)
+            check_free_space(base, per_rank, local_ranks, "the parameter shards (offload_params='disk')")
+        directory = OffloadDirectory(base, trainer.global_rank)
+    return MemoryTiers(config, directory, _IO_ENTRIES)
+
+
+def check_optimizer_space(tiers: MemoryTiers, optimizers: list[ZeroOptimizer], local_ranks: int) -> None:
+    """Before the first step creates any optimizer state: the disk must hold this rank's masters, optimizer state
+    and (stage 3) gradient shards of the buckets placed on disk."""
+    if tiers.directory is None:
+        return
+    needed = 0
+    for optimizer, placed in zip(optimizers, tiers.optimizer_tiers, strict=True):
+        per_element = _state_bytes_per_element(optimizer.optimizer)
+        for seg, master in zip(optimizer.segments, optimizer.masters, strict=True):
+            if id(seg.bucket) in placed.on_disk:
+                needed += master.numel() * (per_element + 4)  # + the gradient shard (or the master run)
+    # Tiers placed so far are already in the file; the rest must still fit.
+    what = "the optimizer state, masters and gradients (offload_optimizer)"
+    check_free_space(tiers.directory.base, needed, local_ranks, what)
+
+
+def _state_bytes_per_element(optimizer: Optimizer) -> int:
+    """Bytes of per-element state the optimizer keeps, found by stepping a copy of it on a small tensor."""
+    probe = nn.Parameter(torch.zeros(16))
+    probe.grad = torch.ones(16)
+    hyper = {k: copy.deepcopy(v) for k, v in optimizer.param_groups[0].items() if k not in ("params", "param_names")}
+    try:
+        clone = type(optimizer)([{**hyper, "params": [probe]}])  # type: ignore[call-arg]
+        clone.step()
+    except Exception:
+        return 8  # the optimizer cannot be rebuilt without its arguments: assume Adam's two fp32 moments
+    return sum(v.element_size() for v in clone.state[probe].values() if isinstance(v, torch.Tensor) and v.numel() == 16)

@@ -1,0 +1,182 @@
+"""``MemoryTiers``: one rank's tiers, built from ``ZeroConfig``: where each shard lives and the objects that move it.
+
+It owns the rank's tier directory and file (``directory``, ``swap_file``), the ``TensorSwapper`` over them, the
+stage-3 parameter tier (it is each unit's ``ShardSource`` and shards units straight into it, ``UnitTiers``), the
+stage-3 gradient reducer with shards on disk, and one ``OptimizerTiers`` per optimizer. Placement by
+``offload_ratio`` (ZeRO-Offload++) takes buckets in gradient order until the offloaded elements reach the ratio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from torch import Tensor
+
+from lightning_zero.comm.collectives import ProcessGroup
+from lightning_zero.comm.ledger import CommLedger
+from lightning_zero.config import ZeroConfig
+from lightning_zero.offload.directory import OffloadDirectory
+from lightning_zero.offload.optimizer_tiers import OptimizerTiers, param_key
+from lightning_zero.offload.swap_file import SwapFile
+from lightning_zero.offload.tensor_swapper import TensorSwapper
+from lightning_zero.offload.tiered_grad_reducer import TieredGradReducer
+from lightning_zero.sharding.flat_bucket import FlatBucket
+from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
+from lightning_zero.stage3.sharded_unit import ShardedUnit
+
+
+class TierBytes(NamedTuple):
+    """This rank's model-state bytes by where they are right now."""
+
+    device: int
+    host: int
+    disk: int
+
+
+def place_by_ratio(buckets: Sequence[FlatBucket], ratio: float) -> set[int]:
+    """ids of the first buckets (in the given order) whose shards make up ``ratio`` of all shard elements."""
+    total = sum(b.shard_numel for b in buckets)
+    chosen: set[int] = set()
+    taken = 0
+    for bucket in buckets:
+        if taken >= ratio * total:
+            break
+        chosen.add(id(bucket))
+        taken += bucket.shard_numel
+    return chosen
+
+
+class MemoryTiers:
+    """The memory tiers of one rank (``config.offload_*``); ``directory`` is this rank's private directory when a
+    tier is ``"disk"``; ``io_entries``: the read-ahead and write-behind budgets, in largest tier entries."""
+
+    def __init__(self, config: ZeroConfig, directory: OffloadDirectory | None, io_entries: int) -> None:
+        self.config = config
+        self.directory = directory
+        self.swapper: TensorSwapper | None = None
+        if directory is not None:
+            file = SwapFile(directory.file("tiers.bin"))
+            self.swapper = TensorSwapper(file, io_entries)
+        self.optimizer_tiers: list[OptimizerTiers] = []
+        self._disk_buckets: set[int] | None = None
+        """Stage 3: ids of the buckets whose optimizer state and gradients are on disk, decided with the reducer."""
+        self._units: list[ShardedUnit] = []
+
+    @property
+    def params_on_disk(self) -> bool:
+        return self.config.offload_params == "disk" and self.swapper is not None
+
+    @property
+    def optimizer_on_disk(self) -> bool:
+        return self.config.offload_optimizer == "disk" and self.swapper is not None
+
+    # -- stage 3: UnitTiers and ShardSource ---------------------------------------------------------------------------
+    def attach(self, unit: ShardedUnit) -> None:
+        """A freshly sharded unit: its shards go to the parameter tier now (the unit's full parameters are already
+        freed), so a model larger than memory is never in memory."""
+        if not self.params_on_disk or not unit.buckets:
+            return
+        assert self.swapper is not None
+        for bucket in unit.buckets:
+            self.swapper.add(param_key(bucket), bucket.param_shard)
+        self.swapper.evict_all()
+        unit.shard_source = self
+        self._units.append(unit)
+
+    def acquire(self, bucket: FlatBucket) -> Tensor:
+        assert self.swapper is not None
+        return self.swapper.acquire(param_key(bucket))
+
+    def release(self, bucket: FlatBucket) -> None:
+        assert self.swapper is not None
+        self.swapper.release(param_key(bucket))
+
+    def reducer_factory(
+        self,
+        buckets: Sequence[FlatBucket],
+        group: ProcessGroup,
+        config: ZeroConfig,
+        ledger: CommLedger,
+        on_complete: Callable[[FlatBucket], None] | None = None,
+    ) -> ShardedGradReducer:
+        """Stage 3's gradient reducer: with the optimizer on disk, the shards of the placed buckets go there too."""
+        self._disk_buckets = place_by_ratio(buckets, config.offload_ratio)
+        if not self.optimizer_on_disk:
+            return ShardedGradReducer(buckets, group, config, ledger, on_complete)
+        assert self.swapper is not None
+        placed = self._disk_buckets
+        return TieredGradReducer(
+            buckets, group, config, ledger, on_complete, swapper=self.swapper, on_disk=lambda b: id(b) in placed
+        )
+
+    # -- optimizers ----------------------------------------------------------------------------------------------------
+    def for_optimizer(self) -> OptimizerTiers:
+        """The ``StateTiers`` of one more optimizer; its buckets are placed when it attaches."""
+        tiers = OptimizerTiers(self.swapper if self.optimizer_on_disk or self.params_on_disk else None, self._place)
+        self.optimizer_tiers.append(tiers)
+        return tiers
+
+    def _place(self, buckets: list[FlatBucket]) -> set[int]:
+        if not self.optimizer_on_disk:
+            return set()
+        if self._disk_buckets is not None:  # stage 3: as the gradient reducer placed them
+            return {id(b) for b in buckets if id(b) in self._disk_buckets}
+        return place_by_ratio(buckets, self.config.offload_ratio)
+
+    # -- whole-state access (checkpoints) and accounting -----------------------------------------------------------
+    def load_all(self) -> None:
+        """Every shard of this rank resident, for a checkpoint save or load (not bounded by the tiers' memory)."""
+        for unit in self._units:
+            for bucket in unit.buckets:
+                self.acquire(bucket)
+        for tiers in self.optimizer_tiers:
+            tiers.load_all()
+
+    def unload_all(self) -> None:
+        for tiers in self.optimizer_tiers:
+            tiers.unload_all()
+        for unit in self._units:
+            for bucket in unit.buckets:
+                self.release(bucket)
+        if self.swapper is not None:
+            self.swapper.evict_all()
+            self.swapper.flush()
+
+    def disk_bytes(self) -> int:
+        return self.swapper.disk_nbytes() if self.swapper is not None else 0
+
+    def io_bytes(self) -> tuple[int, int]:
+        """(read, written) bytes of the tier file so far."""
+        if self.swapper is None:
+            return 0, 0
+        return self.swapper.file.bytes_read, self.swapper.file.bytes_written
+
+    def restore(self) -> None:
+        """At the end of a job that went well: the parameter shards come back into memory (the model outlives the
+        tier files, as it does without tiers); the optimizer state of tiered buckets is discarded with the files."""
+        if self.swapper is None:
+            return
+        self.swapper.flush()
+        for unit in self._units:
+            for bucket in unit.buckets:
+                self.swapper.acquire(param_key(bucket))  # kept: the files are about to go
+            unit.shard_source = None
+        self._units = []
+        for tiers in self.optimizer_tiers:
+            tiers.discard()
+
+    def close(self, remove: bool = True) -> None:
+        """Stop the IO threads and (``remove``) delete this rank's tier directory."""
+        if self.swapper is not None:
+            self.swapper.close()
+        if remove and self.directory is not None:
+            self.directory.remove()
+
+    @property
+    def path(self) -> Path | None:
+        return self.directory.path if self.directory is not None else None
+
+    def describe(self) -> dict[str, Any]:
+        return {"offload_optimizer": self.config.offload_optimizer, "offload_params": self.config.offload_params}

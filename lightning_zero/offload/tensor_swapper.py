@@ -1,0 +1,245 @@
+"""``TensorSwapper``: tensors whose memory lives in a tier file between uses, read ahead and written behind.
+
+A registered tensor keeps its identity (the optimizer's state dict, the masters that view a parameter shard, a
+unit's bucket all keep pointing at it); only its storage is resized: to zero bytes when it goes to disk and back to
+full size when it is needed, as stage 3 frees gathered parameters (Note [freeing saved views]), so views taken
+while it was resident read the right values again once it is back.
+
+Note [swap lifecycle]
+Each entry is ``ON_DISK`` (no memory), ``READING`` (memory allocated, a background read filling it), ``RESIDENT``
+(usable; ``users`` counts the holders) or ``WRITING`` (a background write draining it; its memory is freed by the
+writer once written). ``acquire`` makes an entry resident and counts a user; ``release`` drops one, and the last
+user's release writes the entry back only if it was modified (the tensor's version counter moved, which every
+in-place op on it or on any view of it does) and then frees it. Nothing is kept resident without a user except what
+read-ahead fetched for the uses predicted next.
+
+Note [read-ahead order]
+Every step uses the tier entries in the same order (units gathered in forward and backward, buckets stepped), so
+the order of ``acquire`` calls in one step predicts the next: each ``acquire`` finds its key in the previous step's
+order and starts reading the entries that follow it, up to ``budget_bytes``. That is the prefetch order stage 3
+already follows (Note [forward order]), extended to the optimizer's buckets. The first step runs without read-ahead;
+a prediction that fails (a step that takes another path) only costs memory until the step ends.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from lightning_zero.offload.swap_file import SwapFile
+
+
+class Residency(enum.Enum):
+    """Where an entry's data is (Note [swap lifecycle])."""
+
+    ON_DISK = "on_disk"
+    READING = "reading"
+    RESIDENT = "resident"
+    WRITING = "writing"
+
+
+@dataclass(slots=True, eq=False)  # entries are compared by identity (list membership), never by value
+class _Entry:
+    key: Hashable
+    tensor: Tensor
+    nbytes: int
+    state: Residency = Residency.RESIDENT
+    users: int = 0
+    version: int = -1
+    """The tensor's version when it was last read or written; -1: modified (never written)."""
+    on_disk: bool = False
+    """Whether the file holds the entry's current value."""
+    future: Future[None] | None = field(default=None)
+
+
+def _check_owns_storage(key: Hashable, tensor: Tensor) -> int:
+    nbytes = tensor.numel() * tensor.element_size()
+    storage = tensor.untyped_storage()
+    if tensor.storage_offset() != 0 or not tensor.is_contiguous() or storage.nbytes() not in (0, nbytes):
+        raise ValueError(f"Tier entry {key} must be a contiguous tensor that owns its whole storage")
+    return nbytes
+
+
+class TensorSwapper:
+    """Tensors kept in ``file`` between uses, with one background reader and one writer (Note [tier IO])."""
+
+    def __init__(self, file: SwapFile, io_entries: int) -> None:
+        self.file = file
+        self.io_entries = io_entries
+        """Read-ahead and write-behind budgets, each in entries of the largest size: at most this many bytes are read
+        ahead of use (Note [read-ahead order]) and waiting to be written (a release beyond it waits for the oldest
+        write)."""
+        self._largest = 0
+        self._entries: dict[Hashable, _Entry] = {}
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tier-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tier-write")
+        self._writing: list[_Entry] = []
+        self._prefetched: list[_Entry] = []
+        self._order: list[tuple[Hashable, bool]] = []
+        """The previous step's ``acquire`` calls: (key, whether its value was read)."""
+        self._recording: list[tuple[Hashable, bool]] = []
+        self._cursor = 0
+
+    # -- registration ----------------------------------------------------------------------------------------------
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def tensor(self, key: Hashable) -> Tensor:
+        return self._entries[key].tensor
+
+    def add(self, key: Hashable, tensor: Tensor) -> None:
+        """Register ``tensor`` under ``key``: resident and modified, or, with no memory (storage resized to zero), an
+        entry without a value yet. A new tensor for a known key replaces the old one (a checkpoint load)."""
+        nbytes = _check_owns_storage(key, tensor)
+        old = self._entries.get(key)
+        if old is not None:
+            self._settle(old)
+            assert old.users == 0, f"tier entry {key} replaced while in use"
+            if old.tensor is not tensor:
+                self._free(old)
+        self._largest = max(self._largest, nbytes)
+        state = Residency.RESIDENT if tensor.untyped_storage().nbytes() else Residency.ON_DISK
+        self._entries[key] = _Entry(key, tensor, nbytes, state)
+
+    def keys(self) -> list[Hashable]:
+        return list(self._entries)
+
+    # -- use ----------------------------------------------------------------------------------------------------------
+    def acquire(self, key: Hashable, read: bool = True) -> Tensor:
+        """Make ``key`` resident and count a user. ``read=False``: its old value is not wanted (it is about to be
+        overwritten), so nothing is read."""
+        entry = self._entries[key]
+        self._recording.append((key, read))
+        self._settle(entry)
+        if entry.state is Residency.ON_DISK:
+            self._allocate(entry)
+            if read and entry.on_disk:
+                self.file.read(key, entry.tensor)
+            entry.state = Residency.RESIDENT
+            entry.version = entry.tensor._version if read else -1
+        if entry in self._prefetched:
+            self._prefetched.remove(entry)
+        entry.users += 1
+        self._read_ahead((key, read))
+        return entry.tensor
+
+    def release(self, key: Hashable, write: bool | None = None) -> None:
+        """Drop a user; the last one writes the entry back (if modified, or as ``write`` says) and frees it."""
+        entry = self._entries[key]
+        assert entry.users > 0, f"tier entry {key} released more often than acquired"
+        entry.users -= 1
+        if entry.users == 0:
+            self._evict(entry, write)
+
+    def evict_all(self) -> None:
+        """Write back and free every entry without a user (after a checkpoint load, at the end of setup)."""
+        for entry in self._entries.values():
+            self._settle(entry)
+            if entry.users == 0 and entry.state is Residency.RESIDENT:
+                self._evict(entry, None)
+
+    def end_step(self) -> None:
+        """The step's uses are over: its order predicts the next step's; unused read-ahead is dropped."""
+        if self._recording:
+            self._order, self._recording, self._cursor = self._recording, [], 0
+        for entry in list(self._prefetched):
+            self._settle(entry)
+            self._free(entry)
+            entry.state = Residency.ON_DISK
+        self._prefetched.clear()
+
+    def flush(self) -> None:
+        """Wait for every background read and write; raise the first IO error."""
+        for entry in self._entries.values():
+            self._settle(entry)
+
+    @property
+    def budget_bytes(self) -> int:
+        """The read-ahead budget, and the write-behind one."""
+        return self.io_entries * self._largest
+
+    def resident_nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values() if e.state is not Residency.ON_DISK)
+
+    def disk_nbytes(self) -> int:
+        return self.file.nbytes
+
+    def close(self) -> None:
+        """Stop the IO threads (waiting for what is in flight, errors ignored: the files are removed next)."""
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        self.file.close()
+
+    # -- internals ----------------------------------------------------------------------------------------------------
+    def _evict(self, entry: _Entry, write: bool | None) -> None:
+        dirty = write if write is not None else (entry.version == -1 or entry.tensor._version != entry.version)
+        if not dirty and entry.on_disk:
+            self._free(entry)
+            entry.state = Residency.ON_DISK
+            return
+        while self._writing and sum(e.nbytes for e in self._writing) + entry.nbytes > self.budget_bytes:
+            self._settle(self._writing[0])
+        entry.state = Residency.WRITING
+        entry.future = self._writer.submit(self._write_and_free, entry)
+        self._writing.append(entry)
+
+    def _write_and_free(self, entry: _Entry) -> None:
+        self.file.write(entry.key, entry.tensor)
+        entry.tensor.untyped_storage().resize_(0)
+
+    def _settle(self, entry: _Entry) -> None:
+        """Finish the entry's background IO, if any; an IO error is raised here, in the training thread."""
+        future = entry.future
+        if future is None:
+            return
+        entry.future = None
+        if entry.state is Residency.WRITING:
+            self._writing.remove(entry)
+            entry.state = Residency.ON_DISK
+            future.result()
+            entry.on_disk = True
+        else:
+            entry.state = Residency.RESIDENT
+            future.result()
+            entry.version = entry.tensor._version
+
+    def _allocate(self, entry: _Entry) -> None:
+        storage = entry.tensor.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(entry.nbytes)
+
+    def _free(self, entry: _Entry) -> None:
+        entry.tensor.untyped_storage().resize_(0)
+
+    def _read_ahead(self, use: tuple[Hashable, bool]) -> None:
+        order = self._order
+        if not order or self.io_entries <= 0:
+            return
+        try:
+            position = order.index(use, self._cursor)
+        except ValueError:
+            try:
+                position = order.index(use)
+            except ValueError:
+                return
+        self._cursor = position + 1
+        budget = self.budget_bytes - sum(e.nbytes for e in self._prefetched)
+        for upcoming, reads in order[position + 1 :]:
+            if not reads:
+                continue  # about to be overwritten (a gradient's first reduction): reading it would be wasted
+            entry = self._entries.get(upcoming)
+            if entry is None or entry.state is not Residency.ON_DISK or not entry.on_disk:
+                if entry is not None and entry.state is Residency.WRITING:
+                    break  # its write must land first; reading it now would read stale bytes
+                continue
+            if entry.nbytes > budget:
+                break
+            budget -= entry.nbytes
+            self._allocate(entry)
+            entry.state = Residency.READING
+            entry.future = self._reader.submit(self.file.read, entry.key, entry.tensor)
+            self._prefetched.append(entry)

@@ -1,0 +1,94 @@
+"""``TieredGradReducer``: stage 3's gradient shards written to the disk tier as their reduce-scatter completes.
+
+Note [gradients on disk]
+With the optimizer state on disk, a stage-3 rank would still hold its whole gradient shard (4Ψ/N bytes in fp32)
+between backward and the step: for the model the disk tier exists for, more than the rest of the step's memory put
+together. So a bucket's gradient shard gets memory only while its reduce-scatter is in flight, and is written to
+the tier file when it completes (with ``grad_accumulation="sharded"`` a later micro-batch reads it back and adds to
+it). The step then streams: bucket by bucket, the shard is read back with the bucket's masters and optimizer state
+(read ahead, Note [read-ahead order]), stepped, and dropped without a write.
+
+Clipping by the global norm needs every gradient before the first element is stepped. It is done in two phases:
+backward writes the gradients; ``clip_grad_norm_`` reads each bucket's shard once to compute the partial norms (a
+norm pass, one extra read of the gradient shards, only in steps that clip by norm) and keeps the clip coefficient;
+the streaming step multiplies each shard by it as it is read. Clipping by value is applied the same way. The norm
+pass costs the gradients' bytes once more, instead of keeping them in memory or writing them twice. Hooks that read
+``master.grad`` before the step (``on_before_optimizer_step``) see no gradient for a bucket on disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_zero.comm.collectives import PendingCollective, ProcessGroup
+from lightning_zero.comm.ledger import CommLedger
+from lightning_zero.config import ZeroConfig
+from lightning_zero.offload.tensor_swapper import TensorSwapper
+from lightning_zero.sharding.flat_bucket import FlatBucket
+from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
+
+
+def grad_key(bucket: FlatBucket) -> tuple[str, int]:
+    return ("grad", id(bucket))
+
+
+class TieredGradReducer(ShardedGradReducer):
+    """The stage-2/3 reducer with the gradient shards of ``on_disk`` buckets in ``swapper`` (Note [gradients on
+    disk]); other buckets keep theirs in memory."""
+
+    def __init__(
+        self,
+        buckets: Sequence[FlatBucket],
+        group: ProcessGroup,
+        config: ZeroConfig,
+        ledger: CommLedger,
+        on_complete: Callable[[FlatBucket], None] | None = None,
+        *,
+        swapper: TensorSwapper,
+        on_disk: Callable[[FlatBucket], bool],
+    ) -> None:
+        self.swapper = swapper
+        self._on_disk = on_disk
+        super().__init__(buckets, group, config, ledger, on_complete)
+        self._tiered = [on_disk(b) for b in self.buckets]
+
+    def offloads(self, bucket: FlatBucket) -> bool:
+        return self._tiered[bucket.index]
+
+    def _new_shard(self, bucket: FlatBucket) -> Tensor | None:
+        if not self._on_disk(bucket):
+            return super()._new_shard(bucket)
+        # Uninitialized and immediately freed: the shard's memory exists only while a reduction writes it.
+        shard = torch.empty(bucket.shard_numel, dtype=self._reduce_dtype(bucket), device=bucket.device)
+        shard.untyped_storage().resize_(0)
+        self.swapper.add(grad_key(bucket), shard)
+        return shard
+
+    def _launch(self, bucket: FlatBucket) -> PendingCollective:
+        if self._tiered[bucket.index]:
+            # A first reduction overwrites the shard: nothing to read. A later one adds to what is on disk.
+            self.swapper.acquire(grad_key(bucket), read=not self._shard_is_zero[bucket.index])
+        return super()._launch(bucket)
+
+    def _complete(self, bucket: FlatBucket) -> None:
+        super()._complete(bucket)
+        if self._tiered[bucket.index]:
+            self.swapper.release(grad_key(bucket), write=True)
+
+    def load_grad(self, bucket: FlatBucket) -> Tensor:
+        """The bucket's gradient shard, read back for the step or the norm pass; ``drop_grad`` when done."""
+        return self.swapper.acquire(grad_key(bucket))
+
+    def drop_grad(self, bucket: FlatBucket) -> None:
+        self.swapper.release(grad_key(bucket), write=False)
+
+    def state_bytes(self) -> int:
+        return sum(s.untyped_storage().nbytes() for s in self.shards if s is not None)
+
+    def disk_bytes(self) -> int:
+        return sum(
+            s.numel() * s.element_size() for s, t in zip(self.shards, self._tiered, strict=True) if t and s is not None
+        )

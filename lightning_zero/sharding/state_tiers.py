@@ -1,0 +1,53 @@
+"""``StateTiers``: the memory tiers as the optimizer sees them (implemented by ``lightning_zero.offload``).
+
+The optimizer only calls these hooks (Note [tiered step] in ``sharded_optimizer.py``); where the masters, optimizer
+state and gradient shards go, and how they move, is the tiers' business.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Protocol
+
+from torch import Tensor
+
+from lightning_zero.sharding.flat_bucket import FlatBucket
+
+if TYPE_CHECKING:
+    from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
+
+
+class StateTiers(Protocol):
+    """The memory tiers as the optimizer sees them (``lightning_zero.offload``): masters, optimizer state and (stage
+    3) gradient shards of some buckets live in a tier between steps; the step loads each bucket's around its update
+    (Note [tiered step])."""
+
+    def attach(self, optimizer: ZeroOptimizer) -> None:
+        """Take over the tiered buckets' masters and state (called once, at the end of construction)."""
+        ...
+
+    def resident(self, bucket: FlatBucket) -> AbstractContextManager[None]:
+        """The bucket's parameter shard in memory inside the context (views taken there stay valid)."""
+        ...
+
+    def holds_gradient(self, bucket: FlatBucket) -> bool:
+        """Whether ``bucket``'s reduced gradient shard is in the tier rather than in memory."""
+        ...
+
+    def gradient_norms(self, norm_type: float) -> list[Tensor]:
+        """Per tiered-gradient segment that got a gradient: its norm (fp32), read in one pass over the tier."""
+        ...
+
+    def set_gradient_transform(self, coefficient: Tensor | None, clamp: float | None) -> None:
+        """Scale (clip by norm) or clamp (clip by value) the tiered gradients as the step reads them."""
+        ...
+
+    def load(self, bucket: FlatBucket) -> None:
+        """Make the bucket's masters, optimizer state and tiered gradients usable (``.grad`` set)."""
+        ...
+
+    def unload(self, bucket: FlatBucket) -> None:
+        """Put them back into their tier (written if changed)."""
+        ...
+
+    def end_step(self) -> None: ...

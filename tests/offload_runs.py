@@ -1,0 +1,166 @@
+"""Runs for the memory-tier tests, inside ranks started by ``tests.harness.run_distributed``: a small GPT trained
+through Lightning's Trainer under DDP and under ZeRO with tiers, recording the loss of every step."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import Tensor
+
+from lightning_zero import ZeroConfig, ZeroOptimizer, ZeroStrategy, shard_module
+from lightning_zero.models.gpt import GPT, GPTConfig
+from lightning_zero.offload.directory import OffloadDirectory
+from lightning_zero.offload.memory_tiers import MemoryTiers
+from tests import memory_probe
+from tests.test_checkpoint_trainer import TinyGPT, weights
+
+
+class TierBytesAtEnd(pl.Callback):
+    """The strategy's bytes per tier when training ends (before teardown brings the model back into memory)."""
+
+    def __init__(self) -> None:
+        self.tiers: tuple[int, ...] | None = None
+
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if isinstance(trainer.strategy, ZeroStrategy):
+            self.tiers = tuple(trainer.strategy.tier_bytes())
+
+
+class RecordingGPT(TinyGPT):
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+
+def train(
+    strategy: str | dict[str, Any],
+    root: str,
+    steps: int = 4,
+    clip: float | None = None,
+    accumulate: int = 1,
+    ckpt_path: str | None = None,
+    save_to: str | None = None,
+    save_every: int | None = None,
+    callbacks: list[pl.Callback] | None = None,
+) -> dict[str, Any]:
+    """Train ``steps`` steps; ``strategy``: "ddp" or ``ZeroStrategy`` keywords. Returns losses, weights and what the
+    tier directory holds after the run."""
+    module = RecordingGPT()
+    tier_bytes = TierBytesAtEnd()
+    callbacks = [*(callbacks or []), tier_bytes]
+    if save_to is not None:  # saved during fit, where the tiers hold the optimizer state
+        every = save_every or steps
+        callbacks.append(ModelCheckpoint(dirpath=save_to, every_n_train_steps=every, save_top_k=-1))
+    trainer = pl.Trainer(
+        callbacks=callbacks,
+        strategy=strategy if isinstance(strategy, str) else ZeroStrategy(**strategy),
+        accelerator="cpu",
+        devices=2,
+        max_steps=steps,
+        gradient_clip_val=clip,
+        accumulate_grad_batches=accumulate,
+        enable_checkpointing=save_to is not None,
+        default_root_dir=root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    offload = Path(root, "offload")
+    mine = f"-rank{trainer.global_rank}-"  # this rank's; another rank may still be tearing down
+    left = sorted(n for n in os.listdir(offload) if mine in n) if offload.exists() else []
+    return {"losses": module.losses, "weights": weights(module), "left": left, "tiers": tier_bytes.tiers}
+
+
+def compare(root: str, variants: list[dict[str, Any]], clip: float | None, accumulate: int) -> list[dict[str, Any]]:
+    """DDP, then every variant, on the same data and seed."""
+    return [train("ddp", root, clip=clip, accumulate=accumulate)] + [
+        train(v, root, clip=clip, accumulate=accumulate) for v in variants
+    ]
+
+
+def resume_across_tiers(root: str, first: dict[str, Any], second: dict[str, Any]) -> list[dict[str, Any]]:
+    """``first`` trains 2 steps and saves; ``second`` resumes to step 4; a run of ``first`` straight to 4 steps."""
+    train(first, root, steps=2, save_to=f"{root}/mid")
+    resumed = train(second, root, steps=4, ckpt_path=f"{root}/mid/epoch=0-step=2.ckpt")
+    straight = train(first, root, steps=4)
+    return [straight, resumed]
+
+
+def _tiered_peak(n_layer: int, offload_dir: str, steps: int) -> tuple[int, int]:
+    """Build a GPT on meta straight into the disk tiers, train ``steps`` steps; (peak RSS above the RSS before the
+    build, model-state bytes of this rank as stage 3 would hold them without tiers)."""
+
+    group = dist.group.WORLD
+    assert group is not None
+    config = ZeroConfig(
+        stage=3, max_inflight_buckets=1, offload_optimizer="disk", offload_params="disk", offload_dir=offload_dir
+    )
+    memory_probe.reset_peak()
+    before = memory_probe.rss_bytes()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        # A block is 3.1M parameters (12.6 MB in fp32): units dwarf allocator noise; batch 1 keeps activations small.
+        model = GPT(GPTConfig.tiny(n_layer=n_layer, n_embd=512, n_head=8, vocab_size=512, block_size=32))
+    numel = sum(p.numel() for p in model.parameters())
+    tiers = MemoryTiers(config, OffloadDirectory(Path(offload_dir), dist.get_rank()), io_entries=4)
+    try:
+        gatherer = shard_module(model, config, group, torch.device("cpu"), tiers=tiers)
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = ZeroOptimizer(model, adamw, group, config, gatherer, tiers=tiers.for_optimizer())
+        tokens = torch.randint(0, 512, (1, 17), generator=torch.Generator().manual_seed(0))
+        for _ in range(steps):
+            model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+            optimizer.clip_grad_norm_(1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        peak = memory_probe.peak_rss_bytes() - before
+    finally:
+        tiers.close()
+    return peak, 16 * numel // dist.get_world_size()
+
+
+def tiered_peaks(offload_dir: str, depths: list[int], steps: int) -> list[tuple[int, int]]:
+    memory_probe.return_freed_memory_to_the_kernel()
+    _tiered_peak(1, offload_dir, 2)  # page in the code paths before measuring
+    return [_tiered_peak(n_layer, offload_dir, steps) for n_layer in depths]
+
+
+class LoadPretrained(pl.Callback):
+    """Loads full weights into the (tiered) sharded model when training starts, and records what it then holds."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.loaded: dict[str, Tensor] | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_zero import load_full_state_dict
+
+        load_full_state_dict(trainer.strategy, self.path)
+        self.loaded = weights(pl_module)
+
+
+def pretrained_into_tiers(root: str, strategy: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(the full weights saved, what the tiered model holds after loading them)."""
+    torch.manual_seed(7)
+    source = RecordingGPT()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(torch.randn_like(p))  # different from the seeded initialization
+    path = f"{root}/pretrained-{os.environ['RANK']}.pt"  # the same weights on every rank (same seed)
+    torch.save(source.state_dict(), path)
+    load = LoadPretrained(path)
+    train(strategy, root, steps=1, callbacks=[load])
+    assert load.loaded is not None
+    return source.state_dict(), load.loaded
