@@ -69,7 +69,14 @@ def trainer_weights(module: nn.Module) -> dict[str, Tensor]:
     return {k: v for k, v in weights(module).items() if k.startswith(TRAINABLE)}
 
 
-def _fit(strategy: Any, callback: pl.Callback, root: str, at: AtStep, ckpt: str | None = None) -> ValidatedGPT:
+def _fit(
+    strategy: Any,
+    callback: pl.Callback,
+    root: str,
+    at: AtStep,
+    ckpt: str | None = None,
+    probe: pl.Callback | None = None,
+) -> ValidatedGPT:
     module = ValidatedGPT()
     trainer = pl.Trainer(
         strategy=strategy,
@@ -79,7 +86,7 @@ def _fit(strategy: Any, callback: pl.Callback, root: str, at: AtStep, ckpt: str 
         val_check_interval=3,  # validation mid-epoch, between updates
         limit_val_batches=2,
         num_sanity_val_steps=0,
-        callbacks=[callback, at],
+        callbacks=[callback, at] if probe is None else [callback, at, probe],
         enable_checkpointing=False,
         default_root_dir=root,
         logger=False,
@@ -207,3 +214,43 @@ def test_bf16_swap_restores_the_live_weights_bit_for_bit():
             assert rank["separate_masters"]
             assert rank["masters_are_the_average"]  # fit ends with the average in the masters...
             assert rank["shards_follow"]  # ...and in the bf16 parameters
+
+
+class DiskBytes(pl.Callback):
+    """The model-state bytes in the disk tier during training: proof that the tiers were in use."""
+
+    def __init__(self) -> None:
+        self.disk = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.disk = max(self.disk, trainer.strategy.tier_bytes().disk)  # type: ignore[attr-defined]
+
+
+def _run_tiered(root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ddp = _fit("ddp", EMAWeightAveraging(decay=DECAY, use_buffers=False), root, AtStep(None))
+    out["ddp"] = (ddp.train_losses, ddp.val_losses, trainer_weights(ddp))
+    for stage, tiers in (
+        (2, {"offload_optimizer": "disk"}),
+        (3, {"offload_optimizer": "disk", "offload_params": "disk"}),
+    ):
+        strategy = ZeroStrategy(stage=stage, bucket_numel=3_000, offload_dir="offload", **tiers)
+        probe = DiskBytes()
+        module = _fit(strategy, ShardedEMA(decay=DECAY), root, AtStep(None), probe=probe)
+        out[f"zero{stage}"] = (module.train_losses, module.val_losses, trainer_weights(module), probe.disk)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_sharded_ema_with_the_state_on_disk_matches_lightnings_ema_under_ddp():
+    # Note [averages in the tiers]: the average lives in the tier file with the optimizer state it belongs to.
+    with tempfile.TemporaryDirectory() as root:
+        for rank in run_distributed(_run_tiered, 2, root, init_process_group=False, timeout=230):
+            ddp_train, ddp_val, ddp_final = rank["ddp"]
+            assert ddp_val, "the reference validated"
+            for stage in (2, 3):
+                train, val, final, disk = rank[f"zero{stage}"]
+                assert disk > 0, "the optimizer state (and the average) lived in the disk tier"
+                assert train == pytest.approx(ddp_train, rel=1e-5), f"stage {stage} train losses"
+                assert val == pytest.approx(ddp_val, rel=1e-5), f"stage {stage} validation losses (the average)"
+                _close(final, ddp_final)  # fit ends with the average copied into the model

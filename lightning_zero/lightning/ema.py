@@ -6,6 +6,12 @@ it works under ZeRO at that cost (Note [Lightning's WeightAveraging] in ``strate
 ``ShardedEMA`` takes the same arguments and keeps the same schedule, but each rank averages only the fp32 slice it
 owns (its ``ZeroOptimizer``'s masters): 4Ψ/N bytes per rank and no communication per step, under every stage.
 
+Note [averages in the tiers]
+With memory tiers (``ZeroConfig.offload_optimizer="disk"``) the masters and optimizer state, the average with them,
+live in the tier between steps. Each update then loads one bucket's state, averages it and lets the tier write it
+back, as the step does, so memory stays a few buckets; swapping the whole model (validation, the end of fit) holds
+every shard in memory for its duration (``ZeroStrategy.shards_in_memory``), as a checkpoint save does.
+
 Note [EMA as optimizer state]
 The average of a master is kept as one more element-wise optimizer state entry, ``optimizer.state[master]["ema"]``,
 next to Adam's moments. The sharded checkpoint already saves, loads and reshards every element-wise state tensor
@@ -23,7 +29,7 @@ are always a copy of the masters (rounded to bf16/fp16 under mixed precision), s
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -116,20 +122,23 @@ class ShardedEMA(pl.Callback):
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == "fit" and self._live is None and _has_ema(trainer):
-            self._live = [[m.detach().clone() for m in zero.masters] for zero in _zeros(trainer)]
-            _write_masters(trainer, [_emas(zero) for zero in _zeros(trainer)])
+            with _resident(trainer):
+                self._live = [[m.detach().clone() for m in zero.masters] for zero in _zeros(trainer)]
+                _write_masters(trainer, [_emas(zero) for zero in _zeros(trainer)])
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._live is not None:
             live, self._live = self._live, None
-            _write_masters(trainer, live)
+            with _resident(trainer):
+                _write_masters(trainer, live)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # As EMAWeightAveraging: the model leaves fit with the averaged weights.
         if _has_ema(trainer):
-            _write_masters(trainer, [_emas(zero) for zero in _zeros(trainer)])
+            with _resident(trainer):
+                _write_masters(trainer, [_emas(zero) for zero in _zeros(trainer)])
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -137,7 +146,8 @@ class ShardedEMA(pl.Callback):
         # saves), without a collective: another rank may be the one that failed.
         if self._live is not None:
             live, self._live = self._live, None
-            _write_masters(trainer, live, gather=False)
+            with _resident(trainer):  # local reads and writes only
+                _write_masters(trainer, live, gather=False)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -153,16 +163,35 @@ class ShardedEMA(pl.Callback):
     @torch.no_grad()
     def _update(self, trainer: pl.Trainer) -> None:
         for zero in _zeros(trainer):
-            pairs = [(zero.state[m], m) for m in zero.masters]
-            averaged = [(s[EMA_KEY], m) for s, m in pairs if EMA_KEY in s]
-            for state, master in pairs:
-                if EMA_KEY not in state:  # the first update copies, as AveragedModel's does
-                    state[EMA_KEY] = master.detach().clone()
-            if averaged:
-                emas, masters = [e for e, _ in averaged], [m for _, m in averaged]
-                # decay * ema + (1 - decay) * weights, as torch's get_ema_avg_fn; one fused call per optimizer.
-                torch._foreach_mul_(emas, self.decay)
-                torch._foreach_add_(emas, masters, alpha=1.0 - self.decay)
+            if zero.tiers is None:
+                self._update_masters(zero, list(zero.masters))
+                continue
+            # Note [averages in the tiers]: bucket by bucket, each resident only while it is averaged.
+            for bucket in zero.buckets:
+                masters = [m for seg, m in zip(zero.segments, zero.masters, strict=True) if seg.bucket is bucket]
+                zero.tiers.load(bucket)
+                try:
+                    self._update_masters(zero, masters)
+                finally:
+                    zero.tiers.unload(bucket)
+
+    def _update_masters(self, zero: ZeroOptimizer, masters: list[Tensor]) -> None:
+        pairs = [(zero.state[m], m) for m in masters]
+        averaged = [(s[EMA_KEY], m) for s, m in pairs if EMA_KEY in s]
+        for state, master in pairs:
+            if EMA_KEY not in state:  # the first update copies, as AveragedModel's does
+                state[EMA_KEY] = master.detach().clone()
+        if averaged:
+            emas, masters = [e for e, _ in averaged], [m for _, m in averaged]
+            # decay * ema + (1 - decay) * weights, as torch's get_ema_avg_fn; one fused call per optimizer.
+            torch._foreach_mul_(emas, self.decay)
+            torch._foreach_add_(emas, masters, alpha=1.0 - self.decay)
+
+
+def _resident(trainer: pl.Trainer) -> AbstractContextManager[None]:
+    """Every shard in memory for a swap of the whole model (Note [averages in the tiers])."""
+    strategy = trainer.strategy
+    return strategy.shards_in_memory() if isinstance(strategy, ZeroStrategy) else nullcontext()
 
 
 def _zeros(trainer: pl.Trainer) -> list[ZeroOptimizer]:
