@@ -20,6 +20,7 @@ seeded model factory and the arguments, and returns a ``Prepared`` (a step funct
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -194,7 +195,16 @@ def run_zero2(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
 # -- stage 3 and its peers ----------------------------------------------------------------------------------------
 @runner("zero3")
 def run_zero3(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
-    config = args.zero_config(3)
+    return _run_zero3(args.zero_config(3), build, args)
+
+
+@runner("zero3_root_kept")
+def run_zero3_root_kept(build: Callable[[], GPT], args: BenchArgs) -> Prepared:
+    """Stage 3 with ``reshard_root_after_forward=False`` (FSDP2's treatment of its root)."""
+    return _run_zero3(dataclasses.replace(args.zero_config(3), reshard_root_after_forward=False), build, args)
+
+
+def _run_zero3(config: ZeroConfig, build: Callable[[], GPT], args: BenchArgs) -> Prepared:
     with torch.device("meta"):  # sharded init: the model is never materialized whole
         model = build()
     gatherer = shard_module(model, config, dist.group.WORLD, args.rank_device())
