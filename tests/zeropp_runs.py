@@ -148,20 +148,7 @@ def fit_gpt(
     lit = LitGPT(config, lr=3e-3)
     data = ByteCorpusDataModule(path=CORPUS, seq_len=config.block_size, batch_size=8)
     recorder = StepRecorder(progress_every)
-    trainer = pl.Trainer(
-        strategy=ZeroStrategy(stage=3, **zero),
-        accelerator="cpu",
-        devices=_world_size(),
-        precision="bf16-mixed",
-        max_steps=steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[recorder],
-        default_root_dir=root,
-    )
+    trainer = _trainer(zero, steps, root, callbacks=[recorder])
     trainer.fit(lit, data)
     strategy = trainer.strategy
     assert isinstance(strategy, ZeroStrategy)
@@ -178,7 +165,7 @@ def fit_gpt_pair(zeros: list[dict[str, Any]], steps: int, root: str, model: str)
     return [fit_gpt(zero, steps, root, model) for zero in zeros]
 
 
-def _trainer(zero: dict[str, Any], steps: int, root: str) -> pl.Trainer:
+def _trainer(zero: dict[str, Any], steps: int, root: str, callbacks: list[pl.Callback] | None = None) -> pl.Trainer:
     return pl.Trainer(
         strategy=ZeroStrategy(stage=3, **zero),
         accelerator="cpu",
@@ -190,6 +177,7 @@ def _trainer(zero: dict[str, Any], steps: int, root: str) -> pl.Trainer:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=callbacks,
         default_root_dir=root,
     )
 

@@ -47,7 +47,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, WriteItem, WriteItemType
 
-from lightning_zero.checkpoint.files import DCP_METADATA_FILE, LIGHTNING_STATE_FILE, CheckpointError
+from lightning_zero.checkpoint.files import (
+    DCP_METADATA_FILE,
+    LIGHTNING_STATE_FILE,
+    CheckpointError,
+    load_lightning_state,
+    read_metadata,
+)
 from lightning_zero.checkpoint.storage import DATA_PREFIX, Location
 
 FORMAT_VERSION = 1
@@ -266,3 +272,21 @@ def check_toc_against_metadata(toc: Toc, metadata: Metadata, directory: Location
                 f"{LIGHTNING_STATE_FILE} beside it expects a tensor of size {tuple(expected)}. HINT: the files of "
                 "this directory come from different saves or were modified; use a complete checkpoint."
             )
+
+
+def open_committed(checkpoint: Location) -> tuple[dict[str, Any], Toc, Location, Metadata]:
+    """A committed checkpoint directory's Lightning state (without its table of contents), the checked table of
+    contents, its data directory and DCP metadata, checked against each other; a clear error for anything else."""
+    if not (checkpoint / LIGHTNING_STATE_FILE).isfile():
+        missing = f"has no {LIGHTNING_STATE_FILE}, so it is not a checkpoint"
+        what = "does not exist" if not checkpoint.exists() else missing
+        raise CheckpointError(
+            f"Checkpoint path {checkpoint} {what}. HINT: pass a directory written by ZeroStrategy (an interrupted "
+            "save never leaves one under its final name, nor commits one on a remote URL) or a single .ckpt file."
+        )
+    state = load_lightning_state(checkpoint / LIGHTNING_STATE_FILE)
+    toc = checked_toc(state.pop(TOC_KEY, None), checkpoint / LIGHTNING_STATE_FILE)
+    data = data_directory(toc, checkpoint)
+    metadata = read_metadata(data)
+    check_toc_against_metadata(toc, metadata, data)
+    return state, toc, data, metadata

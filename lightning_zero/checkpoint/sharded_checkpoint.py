@@ -33,12 +33,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from lightning_zero.checkpoint.files import (
-    LIGHTNING_STATE_FILE,
     CheckpointError,
     abandon_save,
     commit_save,
     load_lightning_state,
-    read_metadata,
     stage_save,
 )
 from lightning_zero.checkpoint.format import (
@@ -47,10 +45,8 @@ from lightning_zero.checkpoint.format import (
     SavePlanner,
     Toc,
     build_toc,
-    check_toc_against_metadata,
-    checked_toc,
-    data_directory,
     merge_tocs,
+    open_committed,
 )
 from lightning_zero.checkpoint.full import full_checkpoint_sources, state_dict_sources
 from lightning_zero.checkpoint.slices import LoadPlan, owned_parameter_slices, read_whole
@@ -206,18 +202,7 @@ def load_checkpoint(
         plan.finish(zero_optimizers)
         _refresh(gatherer)
         return state
-    if not (checkpoint / LIGHTNING_STATE_FILE).isfile():
-        missing = f"has no {LIGHTNING_STATE_FILE}, so it is not a checkpoint"
-        what = "does not exist" if not checkpoint.exists() else missing
-        raise CheckpointError(
-            f"Checkpoint path {checkpoint} {what}. HINT: pass a directory written by ZeroStrategy (an interrupted "
-            "save never leaves one under its final name, nor commits one on a remote URL) or a single .ckpt file."
-        )
-    state = load_lightning_state(checkpoint / LIGHTNING_STATE_FILE)
-    toc = checked_toc(state.pop(TOC_KEY, None), checkpoint / LIGHTNING_STATE_FILE)
-    data = data_directory(toc, checkpoint)
-    metadata = read_metadata(data)
-    check_toc_against_metadata(toc, metadata, data)
+    state, toc, data, metadata = open_committed(checkpoint)
     plan = LoadPlan(module, slices, toc, strict=strict, origin=checkpoint)
     if load_optimizer and toc["optimizers"]:
         plan.add_optimizers(zero_optimizers, state.get("optimizer_states"))

@@ -30,24 +30,18 @@ from torch import Tensor
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from lightning_zero.checkpoint.files import (
-    LIGHTNING_STATE_FILE,
     CheckpointError,
     SafeReader,
-    load_lightning_state,
     partial_sibling,
-    read_metadata,
     write_synced,
 )
 from lightning_zero.checkpoint.format import (
-    TOC_KEY,
     FlatChunk,
     SafeLoadPlanner,
     Toc,
-    check_toc_against_metadata,
-    checked_toc,
-    data_directory,
     info_dtype,
     model_key,
+    open_committed,
 )
 from lightning_zero.checkpoint.storage import Location, locate, put_atomically, serialized
 
@@ -70,17 +64,7 @@ def consolidate_checkpoint(
         raise ValueError(f"Invalid weights: {weights!r}. Expected 'live' (the trained weights) or 'ema'.")
     directory, out = locate(ckpt_dir), locate(out_file)
     directory.forget_listings()
-    if not (directory / LIGHTNING_STATE_FILE).isfile():
-        what = "does not exist" if not directory.exists() else f"has no {LIGHTNING_STATE_FILE}"
-        raise CheckpointError(
-            f"Checkpoint directory {directory} {what}, so it is not a complete checkpoint. HINT: pass a directory "
-            "written by ZeroStrategy; an interrupted save never commits one."
-        )
-    state = load_lightning_state(directory / LIGHTNING_STATE_FILE)
-    toc = checked_toc(state.pop(TOC_KEY, None), directory / LIGHTNING_STATE_FILE)
-    data = data_directory(toc, directory)
-    metadata = read_metadata(data)
-    check_toc_against_metadata(toc, metadata, data)
+    state, toc, data, metadata = open_committed(directory)
     reader = SafeReader(data, metadata, toc["files"])
     averages = _ema_storage(toc, directory) if weights == "ema" else {}
     full: dict[str, Tensor] = {}
