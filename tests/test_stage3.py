@@ -155,15 +155,16 @@ def _shard_bytes_around_zero_grad(stage: int) -> tuple[int, int, int, int]:
     kept = optimizer.reducer.state_bytes()
     optimizer.zero_grad()
     freed = optimizer.reducer.state_bytes()
+    assert all(p.grad is None for p in model.parameters())
     model.loss(tokens[:, :-1], tokens[:, 1:]).backward()  # the next reduction allocates them again
     optimizer.step()
     return after_step, kept, freed, optimizer.reducer.state_bytes()
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_grad_frees_gradient_shards_as_torch_frees_grads(stage):
-    # Note [gradient shards between steps]: the forward runs without them.
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_grad_frees_gradients_as_torch_frees_grads(stage):
+    # Note [gradient shards between steps], Note [full gradients between steps]: the forward runs without them.
     for after_step, kept, freed, next_step in run_distributed(_shard_bytes_around_zero_grad, 2, stage):
         assert after_step > 0
         assert kept == after_step
@@ -345,3 +346,50 @@ def _prefetched_but_unused() -> list[str]:
 def test_a_prefetched_unit_the_forward_never_used_is_freed_when_the_root_forward_ends():
     for states in run_distributed(_prefetched_but_unused, 2):
         assert set(states) == {"sharded"}, states
+
+
+def _gathers_with_kept_memory(reuse: bool) -> dict[str, object]:
+    """Three steps of a 4-block GPT; the third is counted: gathers served by kept memory, memory kept at the end of
+    its forward and backward, and the losses."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(GPTConfig.tiny(n_layer=4, n_embd=64, vocab_size=128))
+    config = ZeroConfig(stage=3)
+    gatherer = shard_module(model, config, dist.group.WORLD, CPU)
+    gatherer.buffers.enabled = reuse
+    optimizer = ZeroOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), dist.group.WORLD, config, gatherer)
+    tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(dist.get_rank()))
+    losses, kept_after_forward, kept_after_backward, reused = [], [], [], 0
+    for _ in range(3):
+        reused = gatherer.buffers.reused
+        optimizer.zero_grad()
+        loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+        kept_after_forward.append(gatherer.buffers.nbytes())
+        loss.backward()
+        kept_after_backward.append(gatherer.buffers.nbytes())
+        optimizer.step()
+        losses.append(loss.item())
+    with gatherer.gathered():
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {
+        "reused": gatherer.buffers.reused - reused,
+        "kept": kept_after_forward + kept_after_backward,
+        "losses": losses,
+        "weights": weights,
+        "states": [u.state.value for u in gatherer.units],
+    }
+
+
+@pytest.mark.timeout(90)
+def test_gathers_reuse_released_memory_within_a_pass_and_nothing_changes():
+    # Note [gathered buffers reused]: of 4 equal blocks, the third and fourth of each pass take the memory of the
+    # first and second (prefetching keeps two gathered at once); the root and the first two allocate.
+    runs = [run_distributed(_gathers_with_kept_memory, 2, reuse) for reuse in (True, False)]
+    for with_reuse, without in zip(*runs, strict=True):
+        assert with_reuse["reused"] == 4
+        assert without["reused"] == 0
+        assert with_reuse["kept"] == [0] * 6  # nothing kept past a forward or a backward
+        assert with_reuse["losses"] == without["losses"]
+        for name, value in with_reuse["weights"].items():
+            assert torch.equal(value, without["weights"][name]), name
+        assert set(with_reuse["states"]) == {"sharded"}

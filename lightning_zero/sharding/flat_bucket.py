@@ -134,11 +134,22 @@ class FlatBucket:
         return zip(self.slots, self.params, strict=True)
 
     # -- storage (sharded buckets) ----------------------------------------------------------------------------------
-    def allocate_full(self) -> Tensor:
-        """The full flat buffer with its memory allocated, uninitialized: the target of an all-gather."""
+    @property
+    def full_nbytes(self) -> int:
+        """Bytes of the full flat buffer (``padded_numel`` elements)."""
+        return self.padded_numel * self._full.element_size()
+
+    def allocate_full(self, memory: Tensor | None = None) -> Tensor:
+        """The full flat buffer with its memory allocated, uninitialized: the target of an all-gather. ``memory``, a
+        tensor returned by ``release(keep_memory=True)`` of a bucket with the same ``full_nbytes`` and device, gives
+        its memory instead of a new allocation (Note [gathered buffers reused] in ``stage3/gathered_buffers.py``)."""
         storage = self._full.untyped_storage()
         if storage.nbytes() == 0:
-            storage.resize_(self.padded_numel * self._full.element_size())
+            if memory is not None:
+                assert memory.untyped_storage().nbytes() == self.full_nbytes, "reused memory of another size"
+                storage._swap_data_ptr_(memory.untyped_storage())  # type: ignore[attr-defined]  # leaves memory empty
+            else:
+                storage.resize_(self.full_nbytes)
         return self._full
 
     def attach(self, flat: Tensor) -> None:
@@ -154,13 +165,21 @@ class FlatBucket:
         self.resident = False
         self.release()
 
-    def release(self) -> None:
-        """Free the full buffer (sharded buckets only): parameters become placeholders (Note [placeholders])."""
+    def release(self, keep_memory: bool = False) -> Tensor | None:
+        """Free the full buffer (sharded buckets only): parameters become placeholders (Note [placeholders]). With
+        ``keep_memory`` its memory is not freed but moved into a tensor that is returned, for ``allocate_full`` of
+        a bucket of the same size to take over (Note [gathered buffers reused] in ``stage3/gathered_buffers.py``)."""
         assert not self.resident, "a resident bucket keeps its parameters"
         for slot, p in self.slots_and_params():
             p.data = self._placeholder.expand(slot.shape)
         self.data = None
-        self._full.untyped_storage().resize_(0)  # Note [freeing saved views]
+        storage = self._full.untyped_storage()  # Note [freeing saved views]
+        if keep_memory and storage.nbytes() > 0:
+            holder = torch.empty(0, dtype=torch.uint8, device=self.device)
+            storage._swap_data_ptr_(holder.untyped_storage())  # type: ignore[attr-defined]  # leaves storage empty
+            return holder
+        storage.resize_(0)
+        return None
 
     def __repr__(self) -> str:
         return (

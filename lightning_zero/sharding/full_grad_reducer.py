@@ -16,7 +16,17 @@ from lightning_zero.sharding.gradient_reducer import BucketState, GradientReduce
 
 
 class FullGradReducer(GradientReducer):
-    """Stage 1: persistent full gradient buffers, ``param.grad`` as views; reduced at the last backward or the step.
+    """Stage 1: full gradient buffers, ``param.grad`` as views; reduced at the last backward or the step.
+
+    Note [full gradients between steps]
+    As torch frees ``.grad`` on ``zero_grad()`` (``set_to_none=True``, its default), stage 1 frees its full gradient
+    buffers there, so the forward that follows (the step's memory peak is at the start of the next backward, when
+    the activations are all alive) runs without 2Ψ bytes of zeros in fp16 (4Ψ in fp32); DDP holds its bucket copy
+    of the gradients there. The first gradient of a bucket in the next backward allocates its buffer uninitialized:
+    each parameter's first gradient is copied into its slot and the parameter's ``.grad`` becomes a view of the
+    slot, so later micro-batches accumulate in place; slots that got no gradient, and the padding, are zeroed just
+    before the reduction (Note [staging without memset] in ``sharded_grad_reducer.py``, the same bookkeeping).
+    ``set_to_none=False`` keeps the buffers and zeroes them.
 
     Note [reduced shard in place]
     A reduction writes this rank's averaged shard into this rank's own slice of the bucket's gradient buffer (the
@@ -35,8 +45,11 @@ class FullGradReducer(GradientReducer):
         ledger: CommLedger,
         on_complete: Callable[[FlatBucket], None] | None = None,
     ) -> None:
-        self.grads = [torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device) for b in buckets]
-        """(padded_numel,) per bucket; parameters' ``.grad`` are views into it."""
+        self.grads: list[Tensor | None] = [None] * len(buckets)
+        """(padded_numel,) per bucket, parameters' ``.grad`` are views into it; None between ``zero_grad()`` and the
+        bucket's first gradient (Note [full gradients between steps])."""
+        self._stale: list[set[int]] = [set() for _ in buckets]
+        """Offsets of the slots of each buffer no gradient has written since it was allocated."""
         self._reduced: list[Tensor | None] = [None] * len(buckets)
         """(shard_numel,) per bucket once reduced in this step: the averaged gradient shard."""
         self._in_place = [False] * len(buckets)
@@ -52,32 +65,58 @@ class FullGradReducer(GradientReducer):
 
     def _move_out(self, bucket: FlatBucket) -> None:
         """Give a reduced shard held in place its own tensor, before the buffer takes new gradients."""
+        flat = self.grads[bucket.index]
         if self._in_place[bucket.index]:  # Note [reduced shard in place]
-            own = bucket.shard_of(self.grads[bucket.index])
+            assert flat is not None
+            own = bucket.shard_of(flat)
             self._reduced[bucket.index] = own.clone()
             own.zero_()
             self._in_place[bucket.index] = False
 
     def _attach_grad_views(self) -> None:
         for bucket, flat in zip(self.buckets, self.grads, strict=True):
+            if flat is None:
+                continue
             for slot, param in bucket.slots_and_params():
                 param.grad = FlatBucket.param_view(flat, slot)
+
+    def _buffer(self, bucket: FlatBucket) -> Tensor:
+        """The bucket's gradient buffer, allocated uninitialized if it was freed: Note [full gradients between
+        steps]."""
+        flat = self.grads[bucket.index]
+        if flat is None:
+            flat = self.grads[bucket.index] = torch.empty(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
+            flat[bucket.numel :].zero_()  # the padding: < world_size elements
+            self._stale[bucket.index] = {slot.offset for slot in bucket.slots}
+        return flat
+
+    def _zero_stale(self, bucket: FlatBucket) -> Tensor:
+        """The bucket's buffer with every slot no gradient wrote zeroed: ready to be reduced."""
+        flat = self._buffer(bucket)
+        for slot in bucket.slots:
+            if slot.offset in self._stale[bucket.index]:
+                flat[slot.offset : slot.offset + slot.numel].zero_()
+        self._stale[bucket.index] = set()
+        return flat
 
     def _communicates_now(self) -> bool:
         return self.require_sync and self.config.overlap_comm
 
     def _store(self, bucket: FlatBucket, slot: ParamSlot, param: nn.Parameter) -> None:
-        view = FlatBucket.param_view(self.grads[bucket.index], slot)
+        view = FlatBucket.param_view(self._buffer(bucket), slot)
         grad = param.grad
         if grad is not None and grad.data_ptr() != view.data_ptr():
-            # Something replaced .grad (e.g. ``module.zero_grad(set_to_none=True)``): autograd then allocated a
-            # fresh tensor holding this backward's gradient. Fold it back into the flat buffer.
+            # The slot's first gradient since the buffer was allocated (Note [full gradients between steps]), or
+            # something replaced .grad (``module.zero_grad(set_to_none=True)``): autograd then allocated a fresh
+            # tensor holding this backward's gradient. Fold it into the flat buffer; autograd accumulates into the
+            # view from now on.
             view.copy_(grad)
             param.grad = view
+        self._stale[bucket.index].discard(slot.offset)
 
     def _launch(self, bucket: FlatBucket) -> PendingCollective:
         self._move_out(bucket)  # a second reduction in one step of a bucket that got no gradient in between
-        flat = self.grads[bucket.index]
+        flat = self._zero_stale(bucket)
         reduce_dtype = self._reduce_dtype(bucket)
         if reduce_dtype == flat.dtype and self._reduced[bucket.index] is None:
             own = bucket.shard_of(flat)  # Note [reduced shard in place]
@@ -96,6 +135,7 @@ class FullGradReducer(GradientReducer):
     def _complete(self, bucket: FlatBucket) -> None:
         # Its content now lives, averaged, in the reduced shard: the rest of the buffer starts the next backward.
         flat = self.grads[bucket.index]
+        assert flat is not None
         if not self._in_place[bucket.index]:
             flat.zero_()
             return
@@ -110,20 +150,28 @@ class FullGradReducer(GradientReducer):
 
     def consume(self) -> None:
         for bucket, flat in zip(self.buckets, self.grads, strict=True):
-            if self._in_place[bucket.index]:
+            if self._in_place[bucket.index] and flat is not None:
                 bucket.shard_of(flat).zero_()
         self._in_place = [False] * len(self.buckets)
         self._reduced = [None] * len(self.buckets)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # The flat buffers stay allocated either way: they are autograd's accumulation target (``.grad`` views).
         self.wait()
-        for bucket, flat in zip(self.buckets, self.grads, strict=True):
-            if self.state[bucket.index] is not BucketState.REDUCED:  # a reduced bucket's buffer is already zero
-                flat.zero_()
-        self.consume()
+        if set_to_none:  # Note [full gradients between steps]
+            self.grads = [None] * len(self.buckets)
+            self._in_place = [False] * len(self.buckets)
+            self._reduced = [None] * len(self.buckets)
+            for bucket in self.buckets:
+                for param in bucket.params:
+                    param.grad = None
+        else:
+            for bucket, flat in zip(self.buckets, self.grads, strict=True):
+                # A reduced bucket's buffer is already zero but for this rank's reduced shard, which consume() zeroes.
+                if flat is not None and self.state[bucket.index] is not BucketState.REDUCED:
+                    flat.zero_()
+            self.consume()
+            self._attach_grad_views()
         self.state = [BucketState.FILLING] * len(self.buckets)
-        self._attach_grad_views()
 
     def state_bytes(self) -> int:
-        return sum(g.numel() * g.element_size() for g in self.grads)
+        return sum(g.numel() * g.element_size() for g in self.grads if g is not None)

@@ -4,10 +4,10 @@ Two storages, one protocol. Both reducers register a post-accumulate-grad hook o
 bucket, and reduce-scatter buckets strictly in bucket order (Note [bucket order]); they differ in where gradients
 live between backward and the optimizer step:
 
-- ``FullGradReducer`` (stage 1, ``full_grad_reducer.py``): each bucket has a persistent full-size gradient buffer
-  and every parameter's ``.grad`` is a view into it, so autograd accumulates in place (no copies). Buckets are
-  reduce-scattered once per optimizer step: from the hooks during the last backward before the step
-  (``overlap_comm``), or at the step.
+- ``FullGradReducer`` (stage 1, ``full_grad_reducer.py``): each bucket has a full-size gradient buffer from its
+  first gradient to ``zero_grad()``, and every parameter's ``.grad`` is a view into it, so autograd accumulates in
+  place. Buckets are reduce-scattered once per optimizer step: from the hooks during the last backward before the
+  step (``overlap_comm``), or at the step.
 - ``ShardedGradReducer`` (stage 2, ``sharded_grad_reducer.py``): a full-size buffer exists only while a bucket is
   filling or in flight; each backward reduce-scatters every bucket and accumulates into a persistent shard, so
   gradient memory is 1/N.
@@ -57,7 +57,7 @@ class BucketState(enum.Enum):
     """Where a bucket's gradients are in the current reduction round."""
 
     FILLING = "filling"
-    """Gradients of the current backward are arriving. Stage 1: the full buffer is persistent (1x bucket).
+    """Gradients of the current backward are arriving. Stage 1: the full buffer lives until zero_grad (1x bucket).
     Stage 2: a full staging buffer exists from the first arrival (1x bucket, transient)."""
     IN_FLIGHT = "in_flight"
     """The reduce-scatter is issued; its buffers are held until it completes."""

@@ -49,6 +49,7 @@ from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
 from lightning_zero.stage3.autograd_hooks import hook_inputs, tensors_in
 from lightning_zero.stage3.divergence import NOTHING, RankDivergenceError, UnitExchange
+from lightning_zero.stage3.gathered_buffers import GatheredBuffers
 from lightning_zero.stage3.sharded_unit import ShardedUnit, UnitState
 
 __all__ = ["ParameterGatherer", "RankDivergenceError"]
@@ -94,6 +95,8 @@ class ParameterGatherer:
         self._finish_order: list[int] = []
         self._order_frozen = False
         self._backward_callback_queued = False
+        self.buffers = GatheredBuffers(device)
+        """Memory of released units kept for the next gathers of this pass (Note [gathered buffers reused])."""
         self.exchange = UnitExchange(units, group, device)
         """The index exchanges that keep ranks' gathers paired (Note [divergence check])."""
         self._rounds = group.size() > 1
@@ -202,11 +205,12 @@ class ParameterGatherer:
             self._end_of_pass()
         keep = unit.index == 0 and differentiated and not self.config.reshard_root_after_forward and self._order_frozen
         if not keep:  # the root kept gathered into backward: ZeroConfig.reshard_root_after_forward
-            self._release(unit)
+            self._release(unit, reuse=self._reused_soon(unit, self._forward_order))
         if unit.index == 0:
             # The whole forward is over: a unit prefetched for it but never called (a branch not taken, a step
             # that only read some weights) is freed now rather than held until the next backward or step.
             self.release_all(keep=unit if keep else None)
+            self.buffers.clear()  # Note [gathered buffers reused]
 
     # -- backward -------------------------------------------------------------------------------------------------
     @torch.compiler.disable  # Note [placeholders under compile]
@@ -230,7 +234,7 @@ class ParameterGatherer:
         # The units merged into this one are done too, used or not: their gradients go out now.
         self.reducer.complete([b for child in self._children[unit.index] for b in child.trainable_buckets])
         if self._depth[unit.index] == 0:  # Note [post-backward]
-            self._release(unit)
+            self._release(unit, reuse=self._reused_soon(unit, self._finish_order))
 
     def _on_bucket_complete(self, bucket: FlatBucket) -> None:
         member = self._unit_of_bucket.get(id(bucket))
@@ -243,7 +247,7 @@ class ParameterGatherer:
         # A unit whose inputs need no gradient is done once its own gradients are (Note [post-backward]); any other
         # unit waits for its post-backward, since computing its input gradient still reads its parameters.
         if self._remaining[unit.index] == 0 and self._depth[unit.index] == 0 and not self._inputs_hooked[unit.index]:
-            self._release(unit)
+            self._release(unit, reuse=self._reused_soon(unit, self._finish_order))
 
     def _on_backward_end(self) -> None:
         self._backward_callback_queued = False
@@ -251,6 +255,7 @@ class ParameterGatherer:
         self._end_of_pass()
         self._order_frozen = True
         self.release_all()
+        self.buffers.clear()  # Note [gathered buffers reused]
 
     # -- gathering --------------------------------------------------------------------------------------------------
     def _gather(self, unit: ShardedUnit, prefetch: bool = False) -> None:
@@ -266,7 +271,7 @@ class ParameterGatherer:
             if not prefetch:
                 self.exchange.verify(unit)  # Note [divergence check]
         for member in (unit, *self._children[unit.index]):
-            member.gather(self.gather_group, self.ledger)
+            member.gather(self.gather_group, self.ledger, self.buffers)
 
     def _round(self, wanted: int) -> list[int]:
         """One round (Note [data-dependent units]): every unit any rank asks for is gathered by every rank."""
@@ -312,11 +317,32 @@ class ParameterGatherer:
         for member in (unit, *self._children[unit.index]):
             member.wait()
 
-    def _release(self, unit: ShardedUnit) -> None:
+    def _release(self, unit: ShardedUnit, reuse: bool = False) -> None:
+        """Free ``unit`` and the units merged into it; with ``reuse``, keep their memory for the next gathers
+        (Note [gathered buffers reused])."""
         if self._checks_later:
             self.exchange.verify(unit)
+        keep_in = self.buffers if reuse else None
         for member in (unit, *self._children[unit.index]):
-            member.release()
+            member.release(keep_in)
+
+    def _reused_soon(self, unit: ShardedUnit, order: list[int]) -> bool:
+        """Whether a unit a few places after ``unit`` in this pass's ``order``, not gathered yet, has a bucket of
+        the byte size of one of ``unit``'s: its gather would take the memory ``unit`` releases (Note [gathered
+        buffers reused]). Looks no further than prefetching reaches, so kept memory is taken almost at once."""
+        if not self.buffers.enabled or not self._order_frozen or unit.index not in order:
+            return False
+        following = order[order.index(unit.index) + 1 :]
+        if _in_backward():  # only the units autograd will reach are gathered
+            following = [i for i in following if i in self._reached_in_backward]
+        mine = {b.full_nbytes for m in (unit, *self._children[unit.index]) for b in m.buckets}
+        for index in following[:2]:
+            later = self.units[index]
+            if later.state is UnitState.SHARDED and any(
+                b.full_nbytes in mine for m in (later, *self._children[index]) for b in m.buckets
+            ):
+                return True
+        return False
 
     def _prefetch(self, unit: ShardedUnit, order: list[int], only: set[int] | None = None) -> None:
         """Issue the gather of the unit after ``unit`` in ``order`` if the live-elements limit allows; in backward,

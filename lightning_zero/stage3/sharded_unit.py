@@ -11,6 +11,7 @@ from lightning_zero.comm.collectives import PendingCollective, ProcessGroup
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.comm.streams import CollectiveStream
 from lightning_zero.sharding.flat_bucket import FlatBucket
+from lightning_zero.stage3.gathered_buffers import GatheredBuffers
 from lightning_zero.stage3.secondary_shard import PlainGather
 
 
@@ -65,13 +66,14 @@ class ShardedUnit:
     def trainable_buckets(self) -> list[FlatBucket]:
         return [b for b in self.buckets if b.trainable]
 
-    def gather(self, group: ProcessGroup, ledger: CommLedger) -> None:
-        """Issue the all-gather of every bucket (asynchronously); ``wait()`` makes the parameters usable."""
+    def gather(self, group: ProcessGroup, ledger: CommLedger, buffers: GatheredBuffers | None = None) -> None:
+        """Issue the all-gather of every bucket (asynchronously); ``wait()`` makes the parameters usable. The full
+        buffers take memory kept in ``buffers`` where it has their size (Note [gathered buffers reused])."""
         if self.state is not UnitState.SHARDED:
             return
         for bucket in self.buckets:
             # Allocated on the compute stream, which frees it again in release(): Note [collective streams].
-            flat = bucket.allocate_full()
+            flat = bucket.allocate_full(buffers.take(bucket.full_nbytes) if buffers is not None else None)
             if self.shard_source is not None:  # makes bucket.param_shard resident until release()
                 self.shard_source.acquire(bucket)
             pending = self.gather_comm.gather(bucket, flat, group, self.stream)
@@ -87,14 +89,17 @@ class ShardedUnit:
         self._pending.clear()
         self.state = UnitState.GATHERED
 
-    def release(self) -> None:
+    def release(self, keep_in: GatheredBuffers | None = None) -> None:
         """Free the full parameters (waiting first if a gather is still in flight: its buffers must outlive it, and
-        the storage must go back to the allocator only once compute is ordered after the gather)."""
+        the storage must go back to the allocator only once compute is ordered after the gather). With ``keep_in``
+        their memory is kept there for another unit's gather (Note [gathered buffers reused])."""
         if self.state is UnitState.SHARDED:
             return
         self.wait()
         for bucket in self.buckets:
-            bucket.release()
+            memory = bucket.release(keep_memory=keep_in is not None)
+            if memory is not None and keep_in is not None:
+                keep_in.give(memory)
             if self.shard_source is not None:
                 self.shard_source.release(bucket)
         self.state = UnitState.SHARDED
