@@ -278,7 +278,8 @@ def guarded_run(args: argparse.Namespace) -> None:
         params = sum(p.numel() for p in GPT(gpt_config(args.n_layer, args.n_embd)).parameters())
     line = fit_line(args.strategy, args.n_embd)
     predicted = None if line is None else int(line[2] + line[3] * (params - line[1]))  # peak RSS per rank
-    wait_for_memory(min(budget, 2 * predicted if predicted else budget) + margin, timeout=args.wait_s)
+    expected = int(args.wait_gb * GB) if args.wait_gb else min(budget, 2 * predicted if predicted else budget)
+    wait_for_memory(expected + margin, timeout=args.wait_s)
     run_dir = Path(args.offload_dir) / f"largest-model-{os.getpid()}"
     run_dir.mkdir(parents=True)
     env = {**os.environ, RUN_DIR: str(run_dir), "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
@@ -333,6 +334,11 @@ def main() -> None:
     parser.add_argument("--budget-gb", type=float, default=20.0, help="the two ranks' RSS together may not exceed this")
     parser.add_argument("--margin-gib", type=float, default=1.5, help="stop the run if MemAvailable falls below this")
     parser.add_argument("--wait-s", type=float, default=1800.0, help="wait this long at most for free memory")
+    parser.add_argument(
+        "--wait-gb",
+        type=float,
+        help="start once this + the margin is free (default: the peak predicted, or the budget)",
+    )
     parser.add_argument("--predict", type=float, metavar="GB", help="print the largest depth that fits GB (no run)")
     args = parser.parse_args()
     if args.predict is not None:
