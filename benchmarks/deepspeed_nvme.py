@@ -151,7 +151,7 @@ def rank_main(args: argparse.Namespace, run_dir: Path) -> None:
 
 def guarded_run(args: argparse.Namespace) -> None:
     budget, margin = int(args.budget_gb * GB), int(args.margin_gib * GIB)
-    wait_for_memory(budget + margin, timeout=1800.0)
+    wait_for_memory(int((args.wait_gb or args.budget_gb) * GB) + margin, timeout=1800.0)
     run_dir = Path(args.nvme_dir) / f"deepspeed-nvme-{os.getpid()}"
     run_dir.mkdir(parents=True)
     env = {
@@ -205,6 +205,7 @@ def main() -> None:
     parser.add_argument("--nvme-dir", default="/tmp/deepspeed_nvme", help="the run's swap directory goes here")
     parser.add_argument("--budget-gb", type=float, default=20.0, help="the two ranks' RSS together may not exceed this")
     parser.add_argument("--margin-gib", type=float, default=1.5, help="stop the run if MemAvailable falls below this")
+    parser.add_argument("--wait-gb", type=float, help="start once this + the margin is free (default: the budget)")
     args = parser.parse_args()
     if RUN_DIR in os.environ:
         rank_main(args, Path(os.environ[RUN_DIR]))
