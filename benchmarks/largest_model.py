@@ -11,16 +11,17 @@ ranks fit in GB; a run at that depth shows it trains, and a run one layer deeper
 
 **What "fits" means.** The run's processes (both ranks) together stay within ``--budget-gb`` of resident memory
 (20 GB by default, of the machine's 24 GiB shared with other engineers), and train 3 steps with a finite loss that
-falls. The run is the job of ``memory_guard.run_guarded``: this process starts the ranks in a process group of their
-own, samples their summed RSS and the machine's ``MemAvailable`` every 0.2 s, and kills the group as soon as the RSS
-exceeds the budget ("does not fit") or ``MemAvailable`` falls below ``--margin-gib`` (1.5 GiB; the machine is running
-out, whoever uses it: the kernel's OOM killer never has to choose a victim). A run stopped either way is recorded
-with how far it got, the RSS it had reached, and, from the runs that fit, how much more it would have needed.
+falls. The run is the job of ``memory_guard.run_guarded``: this process starts the ranks, samples the summed RSS of
+their process tree and the machine's ``MemAvailable`` every 0.2 s, and kills every process of the tree as soon as the
+RSS exceeds the budget ("does not fit") or ``MemAvailable`` falls below ``--margin-gib`` (1.5 GiB; the machine is
+running out, whoever uses it: "not decided", the kernel's OOM killer never has to choose a victim). A stopped run is
+recorded with how far it got, the RSS it had reached, and, from the runs that fit, how much more it would have needed.
 
 Each run appends to ``benchmarks/results/largest_model.json``: per rank, parameters, loss per step, step times, peak
 RSS (``VmHWM``, read at the end of training, before teardown), and for the disk tiers the bytes read and written per
-step and the disk bandwidth measured in the same run (a 1 GiB write and read through the same ``preadv``/``pwritev``
-path in the run's directory before training); or one record for a run that was stopped. The run's directory under
+step (as issued by the tiers, and as seen by ``/proc/self/io``), the disk space of the tier files, and the disk
+bandwidth measured in the same run (a 1 GiB write and read through the same ``preadv``/``pwritev`` path in the run's
+directory before training); or one record for a run that was stopped. The run's directory under
 ``--offload-dir`` (tier files, bandwidth probe) is removed at the end, also when the run was stopped.
 """
 
