@@ -366,9 +366,10 @@ class ZeroStrategy(ShardedCheckpointing):
     @contextmanager
     def shards_in_memory(self) -> Generator[None, None, None]:
         """Every shard of this rank (parameters, masters, optimizer state) in memory inside the context, put back
-        into its tier afterwards (``ZeroConfig.offload_*``); without tiers it does nothing. Checkpoint saves and
-        loads and ``load_full_state_dict`` run inside it: they are bounded by this rank's model state (16Ψ/N for
-        fp32 Adam), not by the tiers' few buckets."""
+        into its tier afterwards (``ZeroConfig.offload_*``); without tiers it does nothing. Only a swap of the whole
+        model needs it (``ShardedEMA``'s validation swap: Note [averages in the tiers]), and it costs this rank's
+        model state (16Ψ/N for fp32 Adam), not the tiers' few buckets; checkpoints and ``load_full_state_dict``
+        stream through the tiers instead (Note [checkpoints stream through the tiers] in ``checkpoint/tiered.py``)."""
         if self._tiers is None:
             yield
             return

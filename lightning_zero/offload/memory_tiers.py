@@ -8,10 +8,11 @@ stage-3 gradient reducer with shards on disk, and one ``OptimizerTiers`` per opt
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 from lightning_zero.comm.collectives import ProcessGroup
@@ -125,9 +126,29 @@ class MemoryTiers:
             return {id(b) for b in buckets if id(b) in self._disk_buckets}
         return place_by_ratio(buckets, self.config.offload_ratio)
 
-    # -- whole-state access (checkpoints) and accounting -----------------------------------------------------------
+    # -- checkpoints: TierStorage (Note [checkpoints stream through the tiers] in checkpoint/tiered.py) -----------
+    def holds(self, tensor: Tensor) -> bool:
+        return self.swapper is not None and self.swapper.owner(tensor) is not None
+
+    def read(self, tensor: Tensor, start: int, numel: int) -> Tensor:
+        swapper, key = self._owner(tensor)
+        out = torch.empty(numel, dtype=tensor.dtype, device=tensor.device)
+        swapper.read_range(key, int(tensor.storage_offset() + start) * tensor.element_size(), out)
+        return out
+
+    def write(self, tensor: Tensor, start: int, values: Tensor) -> None:
+        swapper, key = self._owner(tensor)
+        swapper.write_range(key, int(tensor.storage_offset() + start) * tensor.element_size(), values.to(tensor.dtype))
+
+    def _owner(self, tensor: Tensor) -> tuple[TensorSwapper, Hashable]:
+        assert self.swapper is not None, "no tier holds tensors"
+        key = self.swapper.owner(tensor)
+        assert key is not None, "not a tensor of the memory tiers"
+        return self.swapper, key
+
+    # -- whole-state access (whole-model swaps) and accounting -------------------------------------------------------
     def load_all(self) -> None:
-        """Every shard of this rank resident, for a checkpoint save or load (not bounded by the tiers' memory)."""
+        """Every shard of this rank resident, for a swap of the whole model (not bounded by the tiers' memory)."""
         for unit in self._units:
             for bucket in unit.buckets:
                 self.acquire(bucket)

@@ -36,6 +36,10 @@ def param_key(bucket: FlatBucket) -> tuple[str, int]:
     return ("param", id(bucket))
 
 
+def _state_key(optimizer: ZeroOptimizer, segment: int, name: str) -> Hashable:
+    return ("state", id(optimizer), segment, name)
+
+
 class _Chunk:
     """One tiered bucket's segments (indices into the optimizer's lists) and the tier keys loaded with it."""
 
@@ -174,6 +178,18 @@ class OptimizerTiers:
         if self.swapper is not None:
             self.swapper.end_step()
 
+    def new_state(self, master: Tensor, name: str) -> Tensor | None:
+        if self.swapper is None:
+            return None
+        opt = self._opt
+        i = next(k for k, m in enumerate(opt.masters) if m is master)
+        if id(opt.segments[i].bucket) not in self.on_disk:
+            return None
+        state = torch.empty(master.shape, dtype=master.dtype, device=master.device)
+        state.untyped_storage().resize_(0)  # no memory: a checkpoint load writes it in the tier file
+        self.swapper.add(_state_key(opt, i, name), state)
+        return state
+
     # -- outside the step ---------------------------------------------------------------------------------------------
     def load_all(self) -> None:
         """Every tiered bucket resident (a checkpoint save or load reads or writes all of this rank's state)."""
@@ -204,5 +220,5 @@ class OptimizerTiers:
             master = opt.masters[i]
             for name, value in opt.optimizer.state.get(master, {}).items():
                 if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == master.numel():
-                    found.append((("state", id(opt), i, name), value))
+                    found.append((_state_key(opt, i, name), value))
         return found

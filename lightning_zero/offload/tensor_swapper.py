@@ -19,15 +19,26 @@ the order of ``acquire`` calls in one step predicts the next: each ``acquire`` f
 order and starts reading the entries that follow it, up to ``budget_bytes``. That is the prefetch order stage 3
 already follows (Note [forward order]), extended to the optimizer's buckets. The first step runs without read-ahead;
 a prediction that fails (a step that takes another path) only costs memory until the step ends.
+
+Note [ranged tier access]
+A checkpoint reads and writes every tier entry once, in the checkpoint's order, not the step's. Making each entry
+resident for that (``acquire``) would read whole entries to save one parameter's slice of them and, done for all of
+them at once, hold this rank's whole model state in memory. ``read_range``/``write_range`` instead move the bytes of
+one slice between the caller's tensor and wherever the entry's current value is: its memory when it is resident
+(a write then makes it dirty, so it is written back as usual), otherwise its region of the file, which is read or
+written in place. A clean read-ahead copy is dropped before a ranged write (it would be stale). Nothing becomes
+resident, so a save or load holds one slice at a time, and the entries keep their read-ahead order.
 """
 
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from lightning_zero.offload.swap_file import SwapFile
@@ -83,6 +94,12 @@ class TensorSwapper:
         """The previous step's ``acquire`` calls: (key, whether its value was read)."""
         self._recording: list[tuple[Hashable, bool]] = []
         self._cursor = 0
+        self._owners: dict[int, Hashable] = {}
+        """Storage (``UntypedStorage._cdata``, stable across resizes) -> the key of the entry that owns it."""
+        self._counter = threading.Lock()
+        self._resident = 0
+        self.peak_resident_nbytes = 0
+        """The most bytes of entries resident at once since ``reset_peak()`` (the writer thread frees too)."""
 
     # -- registration ----------------------------------------------------------------------------------------------
     def __contains__(self, key: Hashable) -> bool:
@@ -101,9 +118,19 @@ class TensorSwapper:
             assert old.users == 0, f"tier entry {key} replaced while in use"
             if old.tensor is not tensor:
                 self._free(old)
+            if old in self._prefetched:
+                self._prefetched.remove(old)
+            self._owners.pop(_storage_id(old.tensor), None)
         self._largest = max(self._largest, nbytes)
         state = Residency.RESIDENT if tensor.untyped_storage().nbytes() else Residency.ON_DISK
+        if state is Residency.RESIDENT and (old is None or old.tensor is not tensor):
+            self._count(nbytes)
         self._entries[key] = _Entry(key, tensor, nbytes, state)
+        self._owners[_storage_id(tensor)] = key
+
+    def owner(self, tensor: Tensor) -> Hashable | None:
+        """The key of the entry whose storage ``tensor`` (or a view of it) is, or None."""
+        return self._owners.get(_storage_id(tensor))
 
     def keys(self) -> list[Hashable]:
         return list(self._entries)
@@ -157,6 +184,38 @@ class TensorSwapper:
         for entry in self._entries.values():
             self._settle(entry)
 
+    # -- ranged access (checkpoints): Note [ranged tier access] ----------------------------------------------------
+    def read_range(self, key: Hashable, start: int, out: Tensor) -> None:
+        """Fill ``out`` with the entry's bytes from byte ``start``, without making the entry resident. An entry that
+        never had a value reads as zeros."""
+        entry = self._entries[key]
+        self._settle(entry)
+        if entry.state is Residency.RESIDENT:
+            out.copy_(_byte_range(entry.tensor, start, out))
+        elif entry.on_disk:
+            self.file.read_range(key, start, out)
+        else:
+            out.zero_()
+
+    def write_range(self, key: Hashable, start: int, values: Tensor) -> None:
+        """Write ``values`` over the entry's bytes from byte ``start``, in its memory if it is resident (and in use),
+        else straight into its region of the file."""
+        entry = self._entries[key]
+        self._settle(entry)
+        if entry.state is Residency.RESIDENT and entry in self._prefetched:  # a clean copy of what is in the file
+            self._prefetched.remove(entry)
+            self._free(entry)
+            entry.state = Residency.ON_DISK
+        if entry.state is Residency.RESIDENT:
+            _byte_range(entry.tensor, start, values).copy_(values)  # dirty now: written back when released
+            return
+        self.file.write_range(key, entry.nbytes, start, values.contiguous())
+        entry.on_disk = True
+
+    def reset_peak(self) -> None:
+        with self._counter:
+            self.peak_resident_nbytes = self._resident
+
     @property
     def budget_bytes(self) -> int:
         """The read-ahead budget, and the write-behind one."""
@@ -190,6 +249,12 @@ class TensorSwapper:
     def _write_and_free(self, entry: _Entry) -> None:
         self.file.write(entry.key, entry.tensor)
         entry.tensor.untyped_storage().resize_(0)
+        self._count(-entry.nbytes)
+
+    def _count(self, nbytes: int) -> None:
+        with self._counter:
+            self._resident += nbytes
+            self.peak_resident_nbytes = max(self.peak_resident_nbytes, self._resident)
 
     def _settle(self, entry: _Entry) -> None:
         """Finish the entry's background IO, if any; an IO error is raised here, in the training thread."""
@@ -211,9 +276,13 @@ class TensorSwapper:
         storage = entry.tensor.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(entry.nbytes)
+            self._count(entry.nbytes)
 
     def _free(self, entry: _Entry) -> None:
-        entry.tensor.untyped_storage().resize_(0)
+        storage = entry.tensor.untyped_storage()
+        if storage.nbytes():
+            storage.resize_(0)
+            self._count(-entry.nbytes)
 
     def _read_ahead(self, use: tuple[Hashable, bool]) -> None:
         order = self._order
@@ -243,3 +312,13 @@ class TensorSwapper:
             entry.state = Residency.READING
             entry.future = self._reader.submit(self.file.read, entry.key, entry.tensor)
             self._prefetched.append(entry)
+
+
+def _storage_id(tensor: Tensor) -> int:
+    return int(tensor.untyped_storage()._cdata)
+
+
+def _byte_range(tensor: Tensor, start: int, like: Tensor) -> Tensor:
+    """``like.numel()`` elements of ``like``'s dtype at byte ``start`` of ``tensor``'s (resident) memory: a view."""
+    nbytes = like.numel() * like.element_size()
+    return tensor.reshape(-1).view(torch.uint8)[start : start + nbytes].view(like.dtype)
