@@ -427,7 +427,8 @@ class ZeroStrategy(ShardedCheckpointing):
         optimizers = list(iter_zero_optimizers(self.optimizers))
         host = host_tier_bytes(self.config, optimizers, self._gatherer)
         disk = self._tiers.disk_bytes() if self._tiers is not None else 0
-        return TierBytes(resident - host, host, disk)
+        stored = self._tiers.host_store_bytes() if self._tiers is not None else 0  # host tier, not held as tensors
+        return TierBytes(resident - host + stored, host, disk)
 
     def communication_per_step(self, link: Link | None = None) -> dict[str, int]:
         """Bytes this rank sent in the last optimizer step of each optimizer, per collective: in all, or with

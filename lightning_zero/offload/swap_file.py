@@ -19,6 +19,8 @@ import ctypes
 import errno
 import os
 import threading
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from torch import Tensor
@@ -78,6 +80,13 @@ class SwapFile:
 
     def read(self, key: object, tensor: Tensor) -> None:
         self.read_range(key, 0, tensor)
+
+    def start_write(self, key: object, tensor: Tensor) -> Callable[[], None]:
+        """The write, to run on a background thread (``TierStore``): file IO has nothing to start here."""
+        return partial(self.write, key, tensor)
+
+    def start_read(self, key: object, tensor: Tensor) -> Callable[[], None]:
+        return partial(self.read, key, tensor)
 
     def write_range(self, key: object, nbytes: int, start: int, tensor: Tensor) -> None:
         """Write ``tensor`` at byte ``start`` of ``key``'s region of ``nbytes`` (placed now if it is new)."""

@@ -34,14 +34,35 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from lightning_zero.offload.swap_file import SwapFile
+
+class TierStore(Protocol):
+    """Where entries live between uses: the disk tier's ``SwapFile``, or the host tier's ``HostStore`` (pinned host
+    memory for device tensors, ``host_copies.py``). ``start_read``/``start_write`` begin a move on the calling thread
+    and return what finishes it, which the swapper runs on its reader or writer thread."""
+
+    bytes_read: int
+    bytes_written: int
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def start_read(self, key: Hashable, tensor: Tensor) -> Callable[[], None]: ...
+
+    def start_write(self, key: Hashable, tensor: Tensor) -> Callable[[], None]: ...
+
+    def read_range(self, key: Hashable, start: int, out: Tensor) -> None: ...
+
+    def write_range(self, key: Hashable, nbytes: int, start: int, values: Tensor) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Residency(enum.Enum):
@@ -76,9 +97,10 @@ def _check_owns_storage(key: Hashable, tensor: Tensor) -> int:
 
 
 class TensorSwapper:
-    """Tensors kept in ``file`` between uses, with one background reader and one writer (Note [tier IO])."""
+    """Tensors kept in ``file`` (a ``TierStore``) between uses, with one background reader and one writer (Note
+    [tier IO])."""
 
-    def __init__(self, file: SwapFile, io_entries: int) -> None:
+    def __init__(self, file: TierStore, io_entries: int) -> None:
         self.file = file
         self.io_entries = io_entries
         """Read-ahead and write-behind budgets, each in entries of the largest size: at most this many bytes are read
@@ -145,7 +167,7 @@ class TensorSwapper:
         if entry.state is Residency.ON_DISK:
             self._allocate(entry)
             if read and entry.on_disk:
-                self.file.read(key, entry.tensor)
+                self.file.start_read(key, entry.tensor)()
             entry.state = Residency.RESIDENT
             entry.version = entry.tensor._version if read else -1
         if entry in self._prefetched:
@@ -243,11 +265,11 @@ class TensorSwapper:
         while self._writing and sum(e.nbytes for e in self._writing) + entry.nbytes > self.budget_bytes:
             self._settle(self._writing[0])
         entry.state = Residency.WRITING
-        entry.future = self._writer.submit(self._write_and_free, entry)
+        entry.future = self._writer.submit(self._write_and_free, entry, self.file.start_write(entry.key, entry.tensor))
         self._writing.append(entry)
 
-    def _write_and_free(self, entry: _Entry) -> None:
-        self.file.write(entry.key, entry.tensor)
+    def _write_and_free(self, entry: _Entry, write: Callable[[], None]) -> None:
+        write()
         entry.tensor.untyped_storage().resize_(0)
         self._count(-entry.nbytes)
 
@@ -310,7 +332,7 @@ class TensorSwapper:
             budget -= entry.nbytes
             self._allocate(entry)
             entry.state = Residency.READING
-            entry.future = self._reader.submit(self.file.read, entry.key, entry.tensor)
+            entry.future = self._reader.submit(self.file.start_read(entry.key, entry.tensor))
             self._prefetched.append(entry)
 
 
