@@ -205,7 +205,7 @@ class MemoryTiers:
 
     def io_bytes(self) -> tuple[int, int]:
         """(read, written) bytes of the tier file so far."""
-        if self.swapper is None:
+        if self.swapper is None or self.directory is None:
             return 0, 0
         return self.swapper.file.bytes_read, self.swapper.file.bytes_written
 
