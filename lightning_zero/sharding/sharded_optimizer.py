@@ -199,8 +199,9 @@ class ZeroOptimizer(Optimizer):
         if tiers is not None:
             if loss_scaler is not None and any(tiers.holds_gradient(b) for b in self.buckets):
                 raise ValueError(
-                    "16-mixed (loss scaling) with gradient shards on disk (stage 3, offload_optimizer='disk') is not "
-                    "supported. HINT: use precision='bf16-mixed' or '32-true', or offload_optimizer='cpu'."
+                    "16-mixed (loss scaling) with gradient shards kept by a memory tier (offload_optimizer='disk' at "
+                    "stage 3, or 'cpu' on a GPU) is not supported: unscaling and the overflow check read the "
+                    "gradients in memory. HINT: use precision='bf16-mixed' or '32-true'."
                 )
             tiers.attach(self)
 
