@@ -4,6 +4,8 @@ through Lightning's Trainer under DDP and under ZeRO with tiers, recording the l
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from torch import Tensor
 
 from lightning_zero import ZeroConfig, ZeroOptimizer, ZeroStrategy, shard_module
 from lightning_zero.models.gpt import GPT, GPTConfig
+from lightning_zero.offload import host_copies
 from lightning_zero.offload.directory import OffloadDirectory
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from tests import memory_probe
@@ -22,20 +25,31 @@ from tests.test_checkpoint_trainer import TinyGPT, weights
 
 
 class TierBytesAtEnd(pl.Callback):
-    """The strategy's bytes per tier when training ends (before teardown brings the model back into memory)."""
+    """The strategy's bytes per tier when training ends (before teardown brings the model back into memory), and
+    the bytes the host tier copied between device and host buffers."""
 
     def __init__(self) -> None:
         self.tiers: tuple[int, ...] | None = None
+        self.host_copies: tuple[int, int] = (0, 0)
 
     def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if isinstance(trainer.strategy, ZeroStrategy):
             self.tiers = tuple(trainer.strategy.tier_bytes())
+            tiers = trainer.strategy.memory_tiers
+            self.host_copies = tiers.host_copy_bytes() if tiers is not None else (0, 0)
 
 
 class RecordingGPT(TinyGPT):
-    def __init__(self) -> None:
+    def __init__(self, foreach: bool | None = None) -> None:
         super().__init__()
         self.losses: list[float] = []
+        self.foreach = foreach
+
+    def configure_optimizers(self) -> Any:
+        configured = super().configure_optimizers()
+        for group in configured["optimizer"].param_groups:
+            group["foreach"] = self.foreach  # None: torch's choice (the single-tensor loop on the CPU)
+        return configured
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = super().training_step(batch, batch_idx)
@@ -53,10 +67,12 @@ def train(
     save_to: str | None = None,
     save_every: int | None = None,
     callbacks: list[pl.Callback] | None = None,
+    precision: str = "32-true",
+    foreach: bool | None = None,
 ) -> dict[str, Any]:
-    """Train ``steps`` steps; ``strategy``: "ddp" or ``ZeroStrategy`` keywords. Returns losses, weights and what the
-    tier directory holds after the run."""
-    module = RecordingGPT()
+    """Train ``steps`` steps; ``strategy``: "ddp" or ``ZeroStrategy`` keywords. Returns losses, weights, what the
+    tier directory holds after the run, the bytes per tier and the bytes the host tier copied."""
+    module = RecordingGPT(foreach)
     tier_bytes = TierBytesAtEnd()
     callbacks = [*(callbacks or []), tier_bytes]
     if save_to is not None:  # saved during fit, where the tiers hold the optimizer state
@@ -75,12 +91,19 @@ def train(
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        precision=precision,  # type: ignore[arg-type]
     )
     trainer.fit(module, ckpt_path=ckpt_path)
     offload = Path(root, "offload")
     mine = f"-rank{trainer.global_rank}-"  # this rank's; another rank may still be tearing down
     left = sorted(n for n in os.listdir(offload) if mine in n) if offload.exists() else []
-    return {"losses": module.losses, "weights": weights(module), "left": left, "tiers": tier_bytes.tiers}
+    return {
+        "losses": module.losses,
+        "weights": weights(module),
+        "left": left,
+        "tiers": tier_bytes.tiers,
+        "host_copies": tier_bytes.host_copies,
+    }
 
 
 def compare(root: str, variants: list[dict[str, Any]], clip: float | None, accumulate: int) -> list[dict[str, Any]]:
@@ -164,3 +187,53 @@ def pretrained_into_tiers(root: str, strategy: dict[str, Any]) -> tuple[dict[str
     train(strategy, root, steps=1, callbacks=[load])
     assert load.loaded is not None
     return source.state_dict(), load.loaded
+
+
+@contextmanager
+def forced_host_copies() -> Iterator[None]:
+    """The host tier's copy path on the CPU (Note [host tier data path]): separate host masters and gradients, and
+    every copy a GPU would make."""
+    host_copies.FORCE_COPIES = True
+    try:
+        yield
+    finally:
+        host_copies.FORCE_COPIES = False
+
+
+def compare_with_host_copies(
+    root: str, variants: list[dict[str, Any]], clip: float | None, accumulate: int
+) -> list[dict[str, Any]]:
+    with forced_host_copies():
+        return compare(root, variants, clip, accumulate)
+
+
+class EditWeights(pl.Callback):
+    """Halves the token embedding before the second optimizer step: the edit must reach the masters (Note [edits
+    reach the masters])."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step != 1 or self.done:
+            return
+        self.done = True
+        assert isinstance(trainer.strategy, ZeroStrategy)
+        with trainer.strategy.gathered_parameters(writeback=True), torch.no_grad():
+            pl_module.model.wte.weight.mul_(0.5)
+
+    done = False
+
+
+def host_copies_in_bf16(root: str, strategy: dict[str, Any], clip: float) -> list[dict[str, Any]]:
+    """bf16-mixed with the host tier in memory, then with its copy path (both with the multi-tensor AdamW), each
+    with the same edit of the weights between steps."""
+    kwargs: dict[str, Any] = {"clip": clip, "accumulate": 2, "precision": "bf16-mixed", "foreach": True}
+    plain = train(strategy, root, callbacks=[EditWeights()], **kwargs)
+    with forced_host_copies():
+        copied = train(strategy, root, callbacks=[EditWeights()], **kwargs)
+    return [plain, copied]
+
+
+def resume_across_tiers_with_host_copies(
+    root: str, first: dict[str, Any], second: dict[str, Any]
+) -> list[dict[str, Any]]:
+    with forced_host_copies():
+        return resume_across_tiers(root, first, second)

@@ -191,3 +191,97 @@ def test_zero3_fit_validate_fit_stays_sharded_on_the_gpu():
         assert m["state"]["detached"] == [], m
         assert m["moves"] == 0, m
         assert m["steps"] == 2 * STEPS, m
+
+
+# -- the host tier (ZeRO-Offload): Note [host tier data path] in lightning_zero/offload/host_copies.py -------------
+HOST_TIERS = [
+    {"stage": 1, "offload_optimizer": "cpu"},
+    {"stage": 2, "offload_optimizer": "cpu"},
+    {"stage": 2, "offload_optimizer": "cpu", "offload_ratio": 0.5},
+    {"stage": 3, "offload_optimizer": "cpu"},
+    {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+]
+
+
+def _ddp_then_host_tiers() -> list[dict[str, Any]]:
+    return [_gpu_fit("ddp")] + [_gpu_fit(ZeroStrategy(**tier, bucket_numel=4_000)) for tier in HOST_TIERS]
+
+
+@pytest.mark.timeout(900)
+def test_host_tier_matches_ddp_on_gpus():
+    for reference, *tiered in run_distributed(_ddp_then_host_tiers, GPUS, init_process_group=False):
+        for tier, run in zip(HOST_TIERS, tiered, strict=True):
+            torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=RTOL,
+                                       atol=ATOL, msg=str(tier))  # fmt: skip
+            for name, expected in reference["weights"].items():
+                torch.testing.assert_close(run["weights"][name], expected, rtol=RTOL, atol=ATOL, msg=f"{tier} {name}")
+
+
+def _host_tier_step(offload_params: str) -> dict[str, Any]:
+    """Where a stage-3 step with the host tier keeps things, what it copies, and how much of the gradients' copy to
+    the host overlaps backward's kernels."""
+    from lightning_zero.offload.memory_tiers import MemoryTiers
+
+    device = _nccl_group()
+    config = GPTConfig.small(n_layer=8)
+    zero = ZeroConfig(stage=3, offload_optimizer="cpu", offload_params=offload_params)
+    tiers = MemoryTiers(zero, None, 4, device)
+    with torch.device("meta"):
+        model = GPT(config)
+    gatherer = shard_module(model, zero, dist.group.WORLD, device, tiers=tiers)
+    adamw = torch.optim.AdamW(model.parameters())
+    optimizer = ZeroOptimizer(model, adamw, dist.group.WORLD, zero, gatherer, tiers=tiers.for_optimizer())
+    tokens = torch.randint(0, config.vocab_size, (16, config.block_size + 1), device=device)
+
+    def step() -> None:
+        model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # warm-up: NCCL communicators, optimizer state on the host
+    torch.cuda.synchronize()
+    down, up = tiers.host_copy_bytes()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        step()
+        torch.cuda.synchronize()
+    moved = tuple(after - before for after, before in zip(tiers.host_copy_bytes(), (down, up), strict=True))
+    kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    to_host = [(e.time_range.start, e.time_range.end) for e in kernels if "DtoH" in e.name]
+    compute = [(e.time_range.start, e.time_range.end) for e in kernels if "emcpy" not in e.name and "nccl" not in
+               e.name.lower()]  # fmt: skip
+    overlapped = sum(max(0, min(end, c_end) - max(start, c_start)) for start, end in to_host
+                     for c_start, c_end in compute)  # fmt: skip
+    states = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
+    sharded = [b for u in gatherer.units for b in u.buckets]
+    result = {
+        "masters": {(m.device.type, m.is_pinned()) for m in optimizer.masters},
+        "state": {v.device.type for v in states},
+        "shards": {b.param_shard.device.type for b in gatherer.all_buckets()},
+        "resident_shard_bytes": sum(b.param_shard.untyped_storage().nbytes() for b in sharded),
+        "moved": moved,
+        "shard_bytes": sum(m.numel() * 4 for m in optimizer.masters),
+        "to_host_us": sum(end - start for start, end in to_host),
+        "overlapped_us": overlapped,
+    }
+    tiers.close()
+    return result
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("offload_params", ["none", "cpu"])
+def test_host_tier_keeps_masters_and_state_pinned_on_the_host_and_copies_gradients_during_backward(offload_params):
+    for m in run_distributed(_host_tier_step, GPUS, offload_params, init_process_group=False):
+        assert m["masters"] == {("cpu", True)}, m
+        assert m["state"] == {"cpu"}, m
+        assert m["shards"] == {"cuda"}, m
+        if offload_params == "cpu":  # between uses the parameter shards hold no device memory
+            assert m["resident_shard_bytes"] == 0, m
+        down, up = m["moved"]
+        # Gradients come down; updated parameters go up (with offload_params, as the gathers read the shards ahead);
+        # without offload_params the parameters are also read back for edits (Note [host tier data path]).
+        assert down >= (1 if offload_params == "cpu" else 2) * m["shard_bytes"], m
+        assert up >= m["shard_bytes"], m
+        # The gradients' copies run on their own stream while backward computes (Note [host tier data path]).
+        assert m["to_host_us"] > 0, m
+        assert m["overlapped_us"] >= 0.25 * m["to_host_us"], m

@@ -10,20 +10,31 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.offload_runs import compare, pretrained_into_tiers, resume_across_tiers, tiered_peaks
+from tests.offload_runs import (
+    compare,
+    compare_with_host_copies,
+    host_copies_in_bf16,
+    pretrained_into_tiers,
+    resume_across_tiers,
+    resume_across_tiers_with_host_copies,
+    tiered_peaks,
+)
 
 DISK = {"offload_dir": "offload"}  # relative: under the Trainer's default_root_dir
 
 
-def _assert_matches_ddp(runs: list[dict[str, Any]], labels: list[str]) -> None:
+def _assert_matches_ddp(
+    runs: list[dict[str, Any]], labels: list[str], variants: dict[str, dict[str, Any]] | None = None
+) -> None:
     ddp, *tiered = runs
+    variants = variants or VARIANTS
     for label, run in zip(labels, tiered, strict=True):
         assert len(run["losses"]) == len(ddp["losses"]) > 0, label
         torch.testing.assert_close(run["losses"], ddp["losses"], rtol=1e-5, atol=0, msg=label)
         for name, value in ddp["weights"].items():
             torch.testing.assert_close(run["weights"][name], value, rtol=1e-5, atol=1e-6, msg=f"{label}: {name}")
         assert run["left"] == [], f"{label} left tier files behind: {run['left']}"
-        _assert_tiers_hold_the_state(label, VARIANTS[label], run["tiers"])
+        _assert_tiers_hold_the_state(label, variants[label], run["tiers"])
 
 
 def _assert_tiers_hold_the_state(label: str, variant: dict[str, Any], tiers: tuple[int, int, int]) -> None:
@@ -64,6 +75,71 @@ def test_tiers_match_ddp_at_every_step_with_clipping_and_accumulation(clip, accu
         runs = run_distributed(compare, 2, root, variants, clip, accumulate, init_process_group=False, timeout=280)
     for rank_runs in runs:
         _assert_matches_ddp(rank_runs, list(VARIANTS))
+        for label, run in zip(VARIANTS, rank_runs[1:], strict=True):
+            assert run["host_copies"] == (0, 0), label  # on the CPU the host tier copies nothing
+
+
+HOST_COPY_VARIANTS: dict[str, dict[str, Any]] = {
+    "stage1_cpu": {"stage": 1, "offload_optimizer": "cpu"},
+    "stage2_cpu": {"stage": 2, "offload_optimizer": "cpu"},
+    "stage2_cpu_half": {"stage": 2, "offload_optimizer": "cpu", "offload_ratio": 0.5},
+    "stage3_cpu": {"stage": 3, "offload_optimizer": "cpu"},
+    "stage3_params_cpu": {"stage": 3, "offload_params": "cpu"},
+    "stage3_both_cpu": {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+}
+
+
+@pytest.mark.timeout(300)
+def test_host_tier_copy_path_matches_ddp_at_every_step_with_clipping_and_accumulation():
+    """The data path a GPU takes (Note [host tier data path]: host masters and gradients, copies down as each
+    reduction completes, the step on the host, copies up), forced on the CPU, against DDP at stages 1-3."""
+    variants = [{**v, "bucket_numel": 3_000} for v in HOST_COPY_VARIANTS.values()]
+    with tempfile.TemporaryDirectory() as root:
+        runs = run_distributed(
+            compare_with_host_copies, 2, root, variants, 0.05, 2, init_process_group=False, timeout=280
+        )
+    for rank_runs in runs:
+        _assert_matches_ddp(rank_runs, list(HOST_COPY_VARIANTS), HOST_COPY_VARIANTS)
+        for label, run in zip(HOST_COPY_VARIANTS, rank_runs[1:], strict=True):
+            down, up = run["host_copies"]
+            assert down > 0, label  # the path was taken: gradients (or parameter shards) went to host buffers
+            assert up > 0, label
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_host_tier_copy_path_in_bf16_steps_exactly_as_the_host_tier_in_memory(stage):
+    """bf16 parameters, fp32 host masters: rounding through the staging buffers, clipping the bf16 gradients in fp32
+    and adopting edits give the same bits as the same tier without copies."""
+    strategy = {"stage": stage, "offload_optimizer": "cpu", "bucket_numel": 3_000}
+    if stage == 3:
+        strategy["offload_params"] = "cpu"
+    with tempfile.TemporaryDirectory() as root:
+        for plain, copied in run_distributed(
+            host_copies_in_bf16, 2, root, strategy, 0.05, init_process_group=False, timeout=180
+        ):
+            assert copied["host_copies"][0] > 0
+            assert copied["losses"] == plain["losses"]
+            for name, value in plain["weights"].items():
+                torch.testing.assert_close(copied["weights"][name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ({"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}, {"stage": 2}),
+        ({"stage": 1}, {"stage": 2, "offload_optimizer": "cpu"}),
+    ],
+)
+def test_resume_from_and_into_the_host_tier_copy_path(first, second):
+    with tempfile.TemporaryDirectory() as root:
+        for straight, resumed in run_distributed(
+            resume_across_tiers_with_host_copies, 2, root, first, second, init_process_group=False, timeout=180
+        ):
+            torch.testing.assert_close(resumed["losses"][-2:], straight["losses"][-2:], rtol=1e-5, atol=0)
+            for name, value in straight["weights"].items():
+                torch.testing.assert_close(resumed["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.timeout(200)

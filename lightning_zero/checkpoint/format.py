@@ -107,8 +107,9 @@ class FlatChunk:
     """Elements ``[offset, offset + local.numel())`` of a flattened tensor of ``numel`` elements (full ``shape``).
 
     DCP's extension protocol (``__create_write_items__`` / ``__create_chunk_list__``, as DTensor implements it): on
-    save the chunk is written as one shard of the 1-D tensor; on load it is the destination that DCP fills from the
-    overlapping saved chunks.
+    save the chunk is written as one shard of the 1-D tensor (``data()``, asked for when it is written); on load it is
+    the destination that DCP fills from the overlapping saved chunks, piece by piece (``destination``, then
+    ``commit``). ``checkpoint/tiered.py``'s ``SpanChunk`` moves the same pieces through the memory tiers.
     """
 
     __slots__ = ("local", "offset", "shape")
@@ -121,19 +122,39 @@ class FlatChunk:
         self.offset = offset
         self.shape = shape
 
+    @property
+    def numel(self) -> int:
+        return self.local.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    def properties(self) -> TensorProperties:
+        return TensorProperties.create_from_tensor(self.local)
+
+    def data(self) -> Tensor:
+        """This rank's elements, as a save writes them (a view; the writer copies it into a storage of its own)."""
+        return self.local
+
+    def destination(self, start: int, numel: int) -> Tensor:
+        """Where a load puts elements ``[start, start + numel)`` of the chunk (counted from its own first one)."""
+        return self.local[start : start + numel]
+
+    def commit(self, start: int, values: Tensor) -> None:
+        """``destination(start, ...)`` holds ``values`` now (in place here: nothing left to do)."""
+
     def size(self) -> torch.Size:
         return torch.Size([self.shape.numel()])
 
     def _chunk(self) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(offsets=torch.Size([self.offset]), sizes=torch.Size([self.local.numel()]))
+        return ChunkStorageMetadata(offsets=torch.Size([self.offset]), sizes=torch.Size([self.numel]))
 
     def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
-        if self.local.numel() == 0:  # this rank owns none of it: the owners write it
+        if self.numel == 0:  # this rank owns none of it: the owners write it
             return []
         chunk = self._chunk()
-        data = TensorWriteData(
-            chunk=chunk, properties=TensorProperties.create_from_tensor(self.local), size=self.size()
-        )
+        data = TensorWriteData(chunk=chunk, properties=self.properties(), size=self.size())
         return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD, tensor_data=data)]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
@@ -141,14 +162,15 @@ class FlatChunk:
 
 
 class SavePlanner(DefaultSavePlanner):
-    """DCP's default planner (deduplicates replicated tensors across ranks) that also resolves ``FlatChunk``s."""
+    """DCP's default planner (deduplicates replicated tensors across ranks) that also resolves ``FlatChunk``s, each
+    when the writer gets to it."""
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         value = self.state_dict[index.fqn]
-        return value.local if isinstance(value, FlatChunk) else super().lookup_object(index)
+        return value.data() if isinstance(value, FlatChunk) else super().lookup_object(index)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -164,9 +186,16 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().set_up_planner(state_dict, metadata, is_coordinator)
         state_dict.update(chunks)  # DCP's meta-tensor initialization replaces objects it does not know with None
 
-    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
-        value = self.state_dict[index.fqn]
-        return value.local if isinstance(value, FlatChunk) else super().lookup_tensor(index)
+    def resolve_tensor(self, read_item: ReadItem) -> Tensor:
+        value = self.state_dict[read_item.dest_index.fqn]
+        if isinstance(value, FlatChunk):
+            return value.destination(read_item.dest_offsets[0], read_item.lengths[0])
+        return super().resolve_tensor(read_item)  # type: ignore[no-any-return]
+
+    def commit_tensor(self, read_item: ReadItem, tensor: Tensor) -> None:
+        value = self.state_dict[read_item.dest_index.fqn]
+        if isinstance(value, FlatChunk):
+            value.commit(read_item.dest_offsets[0], tensor)
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
         raise CheckpointError(
@@ -189,7 +218,7 @@ def build_toc(
 
     def add(key: str, entry: FlatChunk | Tensor, flat: bool) -> None:
         if isinstance(entry, FlatChunk):
-            tensors[key], shape, dtype = entry, entry.shape, entry.local.dtype
+            tensors[key], shape, dtype = entry, entry.shape, entry.dtype
         else:
             tensors[key], shape, dtype = (entry.reshape(-1) if flat else entry), entry.shape, entry.dtype
         toc["tensors"][key] = tensor_info(shape, dtype, flat)

@@ -22,7 +22,6 @@ full checkpoint) goes through the same plan with in-memory sources instead of DC
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
 from os import PathLike
 from typing import Any
 
@@ -51,6 +50,7 @@ from lightning_zero.checkpoint.format import (
 from lightning_zero.checkpoint.full import full_checkpoint_sources, state_dict_sources
 from lightning_zero.checkpoint.slices import LoadPlan, owned_parameter_slices, read_whole
 from lightning_zero.checkpoint.storage import ChecksummingWriter, Location, locate
+from lightning_zero.checkpoint.tiered import Span, TierStorage, chunk_of
 from lightning_zero.sharding.sharded_optimizer import ShardedParameters, ZeroOptimizer
 
 __all__ = [
@@ -66,11 +66,15 @@ __all__ = [
 
 # -- save ------------------------------------------------------------------------------------------------------------
 def sharded_model_state(
-    module: nn.Module, zero_optimizers: Sequence[ZeroOptimizer], gatherer: ShardedParameters | None = None
+    module: nn.Module,
+    zero_optimizers: Sequence[ZeroOptimizer],
+    gatherer: ShardedParameters | None = None,
+    tiers: TierStorage | None = None,
 ) -> dict[str, FlatChunk | Tensor]:
     """``module.state_dict()`` as this rank saves it: owned ranges of sharded parameters, replicated tensors whole.
 
-    Tied names map to the same object, so the tensor is stored once. Nothing is copied.
+    Tied names map to the same object, so the tensor is stored once. Nothing is copied, and nothing is read from
+    the memory ``tiers`` until the save writes it (Note [checkpoints stream through the tiers]).
     """
     by_param = {id(s.param): s for s in owned_parameter_slices(zero_optimizers, gatherer)}
     made: dict[int, FlatChunk | Tensor] = {}
@@ -83,25 +87,30 @@ def sharded_model_state(
             )
         if id(value) not in made:
             s = by_param.get(id(value))
-            made[id(value)] = value.detach() if s is None else FlatChunk(s.values, s.start, s.shape)
+            made[id(value)] = value.detach() if s is None else chunk_of(s.values_span, s.start, s.shape, tiers)
         state[key] = made[id(value)]
     return state
 
 
-def sharded_optimizer_state(zero_optimizers: Sequence[ZeroOptimizer], index: int) -> dict[str, Any]:
-    """Optimizer ``index``'s state for this rank's ranges, keyed by parameter FQN, plus separate fp32 masters."""
+def sharded_optimizer_state(
+    zero_optimizers: Sequence[ZeroOptimizer], index: int, tiers: TierStorage | None = None
+) -> dict[str, Any]:
+    """Optimizer ``index``'s state for this rank's ranges, keyed by parameter FQN, plus separate fp32 masters (read
+    from the memory ``tiers`` only when the save writes them)."""
     zero = zero_optimizers[index]
     state: dict[str, dict[str, FlatChunk | Tensor]] = {}
     masters: dict[str, FlatChunk] = {}
     for s in owned_parameter_slices(zero_optimizers):
-        if s.optimizer != index or s.master is None or s.state_key is None:
+        master = s.master_span
+        if s.optimizer != index or master is None or s.state_key is None:
             continue
-        if s.master.data_ptr() != s.values.data_ptr():
-            masters[s.fqn] = FlatChunk(s.master, s.start, s.shape)
+        if s.own_master:
+            masters[s.fqn] = chunk_of(master, s.start, s.shape, tiers)
         entries: dict[str, FlatChunk | Tensor] = {}
         for name, value in zero.state.get(s.state_key, {}).items():
             if isinstance(value, Tensor) and value.shape == s.state_key.shape:  # element-wise, like the master
-                entries[name] = FlatChunk(value[s.state_offset : s.state_offset + s.stop - s.start], s.start, s.shape)
+                span = Span(value, s.state_offset, s.stop - s.start)
+                entries[name] = chunk_of(span, s.start, s.shape, tiers)
             elif isinstance(value, Tensor) and value.dim() == 0:  # e.g. Adam's step: one value for the whole run
                 entries[name] = value
             else:
@@ -182,10 +191,12 @@ def load_checkpoint(
     load_optimizer: bool,
     strict: bool = True,
     gatherer: ShardedParameters | None = None,
+    tiers: TierStorage | None = None,
 ) -> dict[str, Any]:
     """Load a sharded checkpoint directory (any world size, stage or bucket size) or a full ``.ckpt`` file.
 
-    Collective. Weights, masters and (``load_optimizer``) optimizer state land directly in this rank's shards;
+    Collective. Weights, masters and (``load_optimizer``) optimizer state land directly in this rank's shards, or
+    in their memory ``tiers`` (Note [checkpoints stream through the tiers]);
     returns the rest of Lightning's state (loops, callbacks, LR schedulers, param-group hyper-parameters, ...), and as
     ``state_dict`` the full averaged copy of the model if the save had one (``save_sharded_checkpoint(averaged=)``).
     """
@@ -195,7 +206,7 @@ def load_checkpoint(
     if checkpoint.isfile():  # e.g. a DDP run's checkpoint: full tensors, sliced here
         state = load_lightning_state(checkpoint, mmap=True)
         sources, toc = full_checkpoint_sources(state, module, zero_optimizers if load_optimizer else (), checkpoint)
-        plan = LoadPlan(module, slices, toc, strict=strict, origin=checkpoint)
+        plan = LoadPlan(module, slices, toc, strict=strict, origin=checkpoint, tiers=tiers)
         if load_optimizer and toc["optimizers"]:
             plan.add_optimizers(zero_optimizers, state.get("optimizer_states"))
         plan.read_from(sources)
@@ -203,7 +214,7 @@ def load_checkpoint(
         _refresh(gatherer)
         return state
     state, toc, data, metadata = open_committed(checkpoint)
-    plan = LoadPlan(module, slices, toc, strict=strict, origin=checkpoint)
+    plan = LoadPlan(module, slices, toc, strict=strict, origin=checkpoint, tiers=tiers)
     if load_optimizer and toc["optimizers"]:
         plan.add_optimizers(zero_optimizers, state.get("optimizer_states"))
     plan.read_dcp(data, metadata, process_group)
@@ -226,13 +237,16 @@ def load_full_state_dict(
     optimizers: Sequence[ZeroOptimizer] = (),
     prefix: str = "",
     strict: bool = True,
+    tiers: TierStorage | None = None,
 ) -> None:
     """Load full (unsharded) weights, e.g. pretrained ones, into a ZeRO model; every rank calls it.
 
-    ``target`` is a ``ZeroStrategy`` after setup (its LightningModule and optimizers are used) or a module wrapped by
-    ``optimizers``. ``state_dict`` is a mapping or a file (``torch.save`` of one, or of a Lightning checkpoint),
-    memory-mapped so that each rank copies out only the ranges it owns, one parameter at a time. ``prefix`` is
-    prepended to its keys to name the module's parameters, e.g. ``"model."`` for the GPT inside ``LitGPT``.
+    ``target`` is a ``ZeroStrategy`` after setup (its LightningModule, optimizers and memory tiers are used) or a
+    module wrapped by ``optimizers`` (with their memory ``tiers``, if any). ``state_dict`` is a mapping or a file
+    (``torch.save`` of one, or of a Lightning checkpoint), memory-mapped so that each rank copies out only the ranges
+    it owns, one parameter at a time, straight into the tiers (Note [checkpoints stream through the tiers]).
+    ``prefix`` is prepended to its keys to name the module's parameters, e.g. ``"model."`` for the GPT inside
+    ``LitGPT``.
     """
     if isinstance(target, Strategy):
         if target.lightning_module is None:
@@ -244,6 +258,7 @@ def load_full_state_dict(
         optimizers = [
             o for o in (getattr(o, "_optimizer", o) for o in target.optimizers) if isinstance(o, ZeroOptimizer)
         ]
+        tiers = getattr(target, "memory_tiers", None)
     else:
         module = target
     origin = locate(state_dict if isinstance(state_dict, str | PathLike) else "<state_dict>")
@@ -253,10 +268,8 @@ def load_full_state_dict(
         state_dict = nested if isinstance(nested, Mapping) else state_dict
     sources, toc = state_dict_sources(state_dict, prefix, origin)
     gatherer = next((o.gatherer for o in optimizers if o.gatherer is not None), None)  # stage 3's sharded model
-    # A strategy with memory tiers holds this rank's shards in memory for the load, and returns them to their tiers.
-    with getattr(target, "shards_in_memory", nullcontext)():
-        slices = owned_parameter_slices(optimizers, gatherer)
-        plan = LoadPlan(module, slices, toc, strict=strict, origin=origin, prefix=prefix)
-        plan.read_from(sources)
-        plan.finish(optimizers)
-        _refresh(gatherer)
+    slices = owned_parameter_slices(optimizers, gatherer)
+    plan = LoadPlan(module, slices, toc, strict=strict, origin=origin, prefix=prefix, tiers=tiers)
+    plan.read_from(sources)
+    plan.finish(optimizers)
+    _refresh(gatherer)

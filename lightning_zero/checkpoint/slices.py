@@ -2,14 +2,15 @@
 
 ``owned_parameter_slices`` is the one place that knows the sharded layout: for every parameter held in a bucket, the
 range ``[start, stop)`` of the flattened parameter in this rank's shard (a rank's shard of a bucket is contiguous, so
-there is at most one), a view of its values, and where its fp32 master and optimizer state live. Saving writes these
-ranges; ``LoadPlan`` asks for the same ranges of the saved tensors, whatever layout saved them.
+there is at most one), where its values are, and where its fp32 master and optimizer state live. Saving writes these
+ranges; ``LoadPlan`` asks for the same ranges of the saved tensors, whatever layout saved them. Every place is a
+``Span`` (a tensor and a range), since a memory tier may hold the tensor's memory (Note [checkpoints stream through
+the tiers] in ``tiered.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -22,10 +23,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from lightning_zero.checkpoint.files import CheckpointError, SafeReader
 from lightning_zero.checkpoint.format import FlatChunk, SafeLoadPlanner, Toc, info_dtype
 from lightning_zero.checkpoint.storage import Location
+from lightning_zero.checkpoint.tiered import Span, TierStorage, chunk_of
 from lightning_zero.sharding.sharded_optimizer import ShardedParameters, ZeroOptimizer
-
-Read = tuple[Tensor, int | None]
-"""A destination and where it starts in the flattened saved tensor (None: the whole, unflattened tensor)."""
 
 
 class OwnedSlice(NamedTuple):
@@ -37,16 +36,49 @@ class OwnedSlice(NamedTuple):
     """The full parameter's shape."""
     start: int
     stop: int
-    values: Tensor
-    """(stop - start,) this rank's parameter values: a view of the bucket's persistent ``param_shard``."""
+    shard: Tensor
+    """The bucket's persistent ``param_shard``; this rank's values are ``shard[shard_offset:][:stop - start]``."""
+    shard_offset: int
     optimizer: int | None
     """Index of the ZeroOptimizer that steps these elements; None for frozen parameters."""
-    master: Tensor | None
-    """(stop - start,) the fp32 master weights (``values`` itself when the parameters are fp32)."""
     state_key: Tensor | None
-    """The master tensor that keys these elements' optimizer state (one per contiguous run of a param group)."""
+    """The master tensor that keys these elements' optimizer state (one per parameter: Note [one master per
+    parameter]); the fp32 masters are ``state_key[state_offset:][:stop - start]``."""
     state_offset: int
-    """Where ``master`` starts inside ``state_key`` (and inside each element-wise optimizer state tensor)."""
+    """Where the master starts inside ``state_key`` (and inside each element-wise optimizer state tensor)."""
+
+    @property
+    def values_span(self) -> Span:
+        return Span(self.shard, self.shard_offset, self.stop - self.start)
+
+    @property
+    def master_span(self) -> Span | None:
+        return None if self.state_key is None else Span(self.state_key, self.state_offset, self.stop - self.start)
+
+    @property
+    def values(self) -> Tensor:
+        """(stop - start,) this rank's parameter values: a view of the shard (in memory only)."""
+        return self.values_span.view()
+
+    @property
+    def master(self) -> Tensor | None:
+        """(stop - start,) the fp32 master weights (``values`` itself when the parameters are fp32; in memory)."""
+        span = self.master_span
+        return None if span is None else span.view()
+
+    @property
+    def own_master(self) -> bool:
+        """Whether the master holds values the parameters cannot (fp32 masters of low-precision parameters)."""
+        return self.state_key is not None and self.state_key.dtype != self.shard.dtype
+
+    @property
+    def separate_master(self) -> bool:
+        """Whether the master is other memory than the parameter values (a load writes both)."""
+        return self.state_key is not None and not _same_storage(self.state_key, self.shard)
+
+
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
 
 
 def owned_parameter_slices(
@@ -70,33 +102,43 @@ def owned_parameter_slices(
     slices: list[OwnedSlice] = []
     for bucket in buckets.values():
         lo, hi = bucket.rank * bucket.shard_numel, (bucket.rank + 1) * bucket.shard_numel
-        shard = bucket.param_shard  # (shard_numel,) in the bucket's coordinates [lo, hi)
+        shard = bucket.param_shard  # (shard_numel,) in the bucket's coordinates [lo, hi); maybe in a tier
         for slot, param in bucket.slots_and_params():
             first, last = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if first >= last:
-                slices.append(OwnedSlice(slot.fqn, param, slot.shape, 0, 0, shard[:0], None, None, None, 0))
+                slices.append(OwnedSlice(slot.fqn, param, slot.shape, 0, 0, shard, 0, None, None, 0))
                 continue
             a, b = first - lo, last - lo  # within the shard
             start, stop = first - slot.offset, last - slot.offset
-            owned = OwnedSlice(slot.fqn, param, slot.shape, start, stop, shard[a:b], None, None, None, 0)
+            owned = OwnedSlice(slot.fqn, param, slot.shape, start, stop, shard, a, None, None, 0)
             for i, seg_start, seg_stop, master in owners.get(id(bucket), ()):
-                if seg_start <= a and b <= seg_stop:  # the run of this param group that holds the parameter
-                    view = master[a - seg_start : b - seg_start]
-                    owned = owned._replace(optimizer=i, master=view, state_key=master, state_offset=a - seg_start)
+                if seg_start <= a and b <= seg_stop:  # the segment of this param group that holds the parameter
+                    owned = owned._replace(optimizer=i, state_key=master, state_offset=a - seg_start)
             slices.append(owned)
     return slices
 
 
 class LoadPlan:
-    """Every destination this rank fills, keyed by the storage key it is read from, and what to do afterwards."""
+    """Every destination this rank fills, keyed by the storage key it is read from, and what to do afterwards:
+    a ``FlatChunk`` for a range of a flattened tensor (``SpanChunk`` through the memory ``tiers``), a tensor for a
+    whole unflattened one."""
 
     def __init__(
-        self, module: nn.Module, slices: list[OwnedSlice], toc: Toc, *, strict: bool, origin: Location, prefix: str = ""
+        self,
+        module: nn.Module,
+        slices: list[OwnedSlice],
+        toc: Toc,
+        *,
+        strict: bool,
+        origin: Location,
+        prefix: str = "",
+        tiers: TierStorage | None = None,
     ) -> None:
         self.slices = slices
         self.toc = toc
         self.origin = origin
-        self.reads: dict[str, Read] = {}
+        self.tiers = tiers
+        self.reads: dict[str, FlatChunk | Tensor] = {}
         self.after: list[Callable[[], object]] = []
         by_param = {id(s.param): s for s in slices}
         module_state = {k: v for k, v in module.state_dict(keep_vars=True).items() if k.startswith(prefix)}
@@ -119,12 +161,13 @@ class LoadPlan:
             if s is None:
                 self._add(source, self._whole(value.detach()), key)
             elif s.stop > s.start:
-                target = s.values if s.master is None else s.master
-                self._add(source, (target, s.start), key)
-                if target.data_ptr() != s.values.data_ptr():
-                    self.after.append(partial(s.values.copy_, target))  # fp32 master -> low-precision shard
+                values, master = s.values_span, s.master_span
+                # The fp32 master takes the exact saved values and the low-precision shard their rounding; a master
+                # kept apart in the same dtype (the host tier's) takes the parameter's.
+                target, mirror = (master, values) if s.own_master and master is not None else (values, master)
+                self._add(source, chunk_of(target, s.start, s.shape, tiers, mirror if s.separate_master else None), key)
 
-    def _add(self, source: str, read: Read, key: str) -> None:
+    def _add(self, source: str, read: FlatChunk | Tensor, key: str) -> None:
         if source in self.reads:
             raise CheckpointError(
                 f"{self.origin} stores {key!r} as the same tensor as another parameter (tied weights), but the model "
@@ -132,12 +175,12 @@ class LoadPlan:
             )
         self.reads[source] = read
 
-    def _whole(self, tensor: Tensor) -> Read:
+    def _whole(self, tensor: Tensor) -> FlatChunk:
         if tensor.is_contiguous():
-            return tensor.view(-1), 0
+            return FlatChunk(tensor.view(-1), 0, tensor.shape)
         staging = torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         self.after.append(lambda: tensor.copy_(staging.view(tensor.shape)))
-        return staging, 0
+        return FlatChunk(staging, 0, tensor.shape)
 
     def add_optimizers(self, zero_optimizers: Sequence[ZeroOptimizer], saved: list[Any] | None) -> None:
         if len(self.toc["optimizers"]) != len(zero_optimizers) or saved is None or len(saved) != len(zero_optimizers):
@@ -159,13 +202,13 @@ class LoadPlan:
             for name, storage in names.get(s.fqn, {}).items():
                 info = self.toc["tensors"][storage]
                 if info["flat"]:  # element-wise: this range of the segment's tensor
-                    if name not in entry:  # zeros: a parameter absent from a full checkpoint had no state yet
-                        entry[name] = torch.zeros_like(s.state_key)
-                    buffer = entry[name]
-                    self.reads[storage] = (buffer[s.state_offset : s.state_offset + s.stop - s.start], s.start)
+                    if name not in entry:
+                        entry[name] = self._new_state(zero, s.state_key, name)
+                    span = Span(entry[name], s.state_offset, s.stop - s.start)
+                    self.reads[storage] = chunk_of(span, s.start, s.shape, self.tiers)
                 elif name not in entry:  # one value per segment, read from its first parameter
                     entry[name] = torch.empty(info["shape"], dtype=info_dtype(info))
-                    self.reads[storage] = (entry[name], None)
+                    self.reads[storage] = entry[name]
         groups = zero.optimizer.param_groups  # the wrapped optimizer's own groups: their params are the masters
         if len(saved_groups) != len(groups):
             raise CheckpointError(
@@ -196,18 +239,28 @@ class LoadPlan:
 
         return load
 
+    @staticmethod
+    def _new_state(zero: ZeroOptimizer, master: Tensor, name: str) -> Tensor:
+        """Where optimizer state ``name`` of ``master`` is loaded: created in its tier if the tiers keep it there
+        (no memory: Note [checkpoints stream through the tiers]), else zeros in memory (zeros: a parameter absent
+        from a full checkpoint had no state yet)."""
+        tiered = zero.tiers.new_state(master, name) if zero.tiers is not None else None
+        return tiered if tiered is not None else torch.zeros_like(master)
+
     def read_dcp(self, directory: Location, metadata: Metadata, process_group: dist.ProcessGroup | None) -> None:
-        request: dict[str, FlatChunk | Tensor] = {}
-        for key, (destination, start) in self.reads.items():
-            shape = torch.Size(self.toc["tensors"][key]["shape"])
-            request[key] = destination if start is None else FlatChunk(destination, start, shape)
-        _dcp_read(request, directory, metadata, self.toc, process_group)
+        _dcp_read(dict(self.reads), directory, metadata, self.toc, process_group)
 
     def read_from(self, sources: Mapping[str, Tensor]) -> None:
+        """Fill every destination from full in-memory (or memory-mapped) ``sources``, one parameter at a time."""
         with torch.no_grad():
-            for key, (destination, start) in self.reads.items():
+            for key, destination in self.reads.items():
                 source = sources[key]
-                destination.copy_(source if start is None else source[start : start + destination.numel()])
+                if isinstance(destination, FlatChunk):
+                    piece = destination.destination(0, destination.numel)
+                    piece.copy_(source[destination.offset : destination.offset + destination.numel])
+                    destination.commit(0, piece)
+                else:
+                    destination.copy_(source)
 
     def finish(self, zero_optimizers: Sequence[ZeroOptimizer]) -> None:
         with torch.no_grad():

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import queue
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -40,7 +41,12 @@ from typing import IO, Any
 from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
+from torch import Tensor
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # DCP does not re-export it (2.13)
+from torch.distributed.checkpoint.filesystem import SerializationFormat, _write_item
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 DATA_PREFIX = "data-"
 """Name prefix of a remote checkpoint's data directory (Note [commit on an object store])."""
@@ -149,7 +155,18 @@ class _ChecksummedFiles:
 
 class ChecksummingWriter(FsspecWriter):
     """DCP's ``FsspecWriter`` (one file per rank) that records each shard file's CRC-32 while writing it, so that
-    nothing is read back (from an object store that would be a second download) to checksum it."""
+    nothing is read back (from an object store that would be a second download) to checksum it, and that writes one
+    tensor at a time.
+
+    Note [one tensor at a time]
+    DCP's writer (``filesystem._write_files_from_queue``, torch 2.13) asks the planner for each tensor as it writes
+    it, copies a view into a storage of its own (``torch.save`` of a view would write the whole storage), and then
+    keeps every tensor it wrote in a dict until the file is closed (for its safetensors format). Every chunk we save
+    is a view of a shard, so a save would hold a copy of this rank's whole model state at its end, and with memory
+    tiers it would hold what was meant to stay on disk (Note [checkpoints stream through the tiers] in
+    ``tiered.py``). ``_write_data`` writes the same files with DCP's own ``_write_item`` (same bytes, same
+    ``WriteResult``s), one tensor after the other, dropping each once written: a save holds one chunk at a time.
+    """
 
     fs: Any
 
@@ -158,6 +175,31 @@ class ChecksummingWriter(FsspecWriter):
         super().__init__(directory.url, single_file_per_rank=True, sync_files=not directory.remote)
         self.checksums: dict[str, int] = {}
         self.fs = _ChecksummedFiles(self.fs, self.checksums)
+
+    def _write_data(self, planner: SavePlanner, file_queue: queue.Queue[Any]) -> Future[list[WriteResult]]:
+        """Note [one tensor at a time]; what DCP's ``_write_files_from_queue`` does with one thread, in plan order."""
+        assert self.serialization_format == SerializationFormat.TORCH_SAVE, "sharded checkpoints use torch.save"
+        results: list[WriteResult] = []
+        while not file_queue.empty():
+            path, storage_key, items = file_queue.get_nowait()
+            with self.fs.create_stream(path, "wb") as stream:
+                for item in sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO):  # bytes first, as DCP
+                    data = planner.resolve_data(item)
+                    if isinstance(data, Tensor):
+                        data = data.detach().cpu()
+                        if data.untyped_storage().nbytes() != data.nbytes:
+                            data = data.clone()  # only this tensor's bytes: as DCP does
+                    fmt = self.serialization_format
+                    results.append(_write_item(self.transforms, stream, data, item, storage_key, fmt))
+                    del data
+                if self.sync_files:
+                    try:
+                        os.fsync(stream.fileno())
+                    except (AttributeError, io.UnsupportedOperation):
+                        os.sync()
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
 
     def shard_checksums(self) -> dict[str, int]:
         """CRC-32 of the shard files this rank wrote (DCP's own ``.metadata`` is validated, not checksummed)."""

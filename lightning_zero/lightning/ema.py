@@ -10,7 +10,8 @@ Note [averages in the tiers]
 With memory tiers (``ZeroConfig.offload_optimizer="disk"``) the masters and optimizer state, the average with them,
 live in the tier between steps. Each update then loads one bucket's state, averages it and lets the tier write it
 back, as the step does, so memory stays a few buckets; swapping the whole model (validation, the end of fit) holds
-every shard in memory for its duration (``ZeroStrategy.shards_in_memory``), as a checkpoint save does.
+every shard in memory for its duration (``ZeroStrategy.shards_in_memory``); a checkpoint save or load does not, it
+streams through the tiers one slice at a time.
 
 Note [EMA as optimizer state]
 The average of a master is kept as one more element-wise optimizer state entry, ``optimizer.state[master]["ema"]``,

@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.offload.directory import OffloadDirectory, check_free_space, resolve_offload_dir
+from lightning_zero.offload.host_copies import uses_copies
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
@@ -32,10 +33,18 @@ def build_memory_tiers(
     """This rank's tiers, or None without offloading. Refuses a bad directory or too little space first."""
     if config.offload_optimizer == "none" and config.offload_params == "none":
         return None
-    if device.type != "cpu" and "cpu" in (config.offload_optimizer, config.offload_params):
+    if device.type != "cpu" and config.offloads_to_disk:
+        field = "offload_optimizer" if config.offload_optimizer == "disk" else "offload_params"
         raise NotImplementedError(
-            f"offload 'cpu' on a {device.type} device is not implemented (Note [host tier on this machine] in "
-            "lightning_zero/offload/optimizer_tiers.py). HINT: use 'disk', or 'none'."
+            f"ZeroConfig.{field}='disk' on a {device.type} device is not implemented: the disk tier reads and writes "
+            "host memory, and the staging copies between it and the device are not built. HINT: use 'cpu' (the "
+            "host tier, Note [host tier data path] in lightning_zero/offload/host_copies.py) or 'none'."
+        )
+    if config.offload_optimizer == "cpu" and uses_copies(device) and trainer.precision == "16-mixed":
+        raise ValueError(
+            f"offload_optimizer='cpu' on a {device.type} device with precision='16-mixed' is not supported: the "
+            "gradients are unscaled and checked for overflow on the device before the host copies them, and the "
+            "host tier does not do that yet. HINT: use precision='bf16-mixed' or '32-true'."
         )
     directory = None
     if config.offloads_to_disk:
@@ -46,7 +55,7 @@ def build_memory_tiers(
             per_rank = -(-params // world_size)
             check_free_space(base, per_rank, local_ranks, "the parameter shards (offload_params='disk')")
         directory = OffloadDirectory(base, trainer.global_rank)
-    return MemoryTiers(config, directory, _IO_ENTRIES)
+    return MemoryTiers(config, directory, _IO_ENTRIES, device)
 
 
 def check_optimizer_space(tiers: MemoryTiers, optimizers: list[ZeroOptimizer], local_ranks: int) -> None:

@@ -366,9 +366,10 @@ class ZeroStrategy(ShardedCheckpointing):
     @contextmanager
     def shards_in_memory(self) -> Generator[None, None, None]:
         """Every shard of this rank (parameters, masters, optimizer state) in memory inside the context, put back
-        into its tier afterwards (``ZeroConfig.offload_*``); without tiers it does nothing. Checkpoint saves and
-        loads and ``load_full_state_dict`` run inside it: they are bounded by this rank's model state (16Ψ/N for
-        fp32 Adam), not by the tiers' few buckets."""
+        into its tier afterwards (``ZeroConfig.offload_*``); without tiers it does nothing. Only a swap of the whole
+        model needs it (``ShardedEMA``'s validation swap: Note [averages in the tiers]), and it costs this rank's
+        model state (16Ψ/N for fp32 Adam), not the tiers' few buckets; checkpoints and ``load_full_state_dict``
+        stream through the tiers instead (Note [checkpoints stream through the tiers] in ``checkpoint/tiered.py``)."""
         if self._tiers is None:
             yield
             return
@@ -426,7 +427,8 @@ class ZeroStrategy(ShardedCheckpointing):
         optimizers = list(iter_zero_optimizers(self.optimizers))
         host = host_tier_bytes(self.config, optimizers, self._gatherer)
         disk = self._tiers.disk_bytes() if self._tiers is not None else 0
-        return TierBytes(resident - host, host, disk)
+        stored = self._tiers.host_store_bytes() if self._tiers is not None else 0  # host tier, not held as tensors
+        return TierBytes(resident - host + stored, host, disk)
 
     def communication_per_step(self, link: Link | None = None) -> dict[str, int]:
         """Bytes this rank sent in the last optimizer step of each optimizer, per collective: in all, or with

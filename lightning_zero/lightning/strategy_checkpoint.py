@@ -48,7 +48,8 @@ class ShardedCheckpointing(ParallelStrategy):
 
     config: ZeroConfig
     _tiers: MemoryTiers | None
-    """The memory tiers; a save or load brings every shard of this rank into memory for its duration."""
+    """The memory tiers; saves and loads stream through them (Note [checkpoints stream through the tiers] in
+    ``checkpoint/tiered.py``)."""
     _gatherer: ParameterGatherer | None
     """Stage 3's sharded model; None for stages 1 and 2."""
 
@@ -68,17 +69,22 @@ class ShardedCheckpointing(ParallelStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # checkpoints load straight into the optimizer shards, which setup() creates
 
+    @property
+    def memory_tiers(self) -> MemoryTiers | None:
+        """This rank's memory tiers (``ZeroConfig.offload_*``), or None."""
+        return self._tiers
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        if self._tiers is not None:
-            self._tiers.load_all()  # until save_checkpoint() has written them
-        return sharded_model_state(self.lightning_module, list(iter_zero_optimizers(self.optimizers)), self._gatherer)
+        zero_optimizers = list(iter_zero_optimizers(self.optimizers))
+        return sharded_model_state(self.lightning_module, zero_optimizers, self._gatherer, self._tiers)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         zero_optimizers = list(iter_zero_optimizers(self.optimizers))
-        return sharded_optimizer_state(zero_optimizers, zero_optimizers.index(as_zero_optimizer(optimizer)))
+        index = zero_optimizers.index(as_zero_optimizer(optimizer))
+        return sharded_optimizer_state(zero_optimizers, index, self._tiers)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -93,11 +99,7 @@ class ShardedCheckpointing(ParallelStrategy):
         if _WEIGHT_AVERAGING_LIVE in checkpoint:  # Note [Lightning's WeightAveraging]
             averaged = checkpoint.pop("state_dict")
             checkpoint["state_dict"] = checkpoint.pop(_WEIGHT_AVERAGING_LIVE)
-        try:
-            save_sharded_checkpoint(checkpoint, self.broadcast(filepath), self.process_group, saved_with, averaged)
-        finally:
-            if self._tiers is not None:
-                self._tiers.unload_all()
+        save_sharded_checkpoint(checkpoint, self.broadcast(filepath), self.process_group, saved_with, averaged)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -107,21 +109,16 @@ class ShardedCheckpointing(ParallelStrategy):
         """
         module = self.lightning_module
         assert module is not None
-        if self._tiers is not None:
-            self._tiers.load_all()
-        try:
-            state = load_checkpoint(
-                self.broadcast(checkpoint_path),
-                module,
-                list(iter_zero_optimizers(self.optimizers)),
-                self.process_group,
-                load_optimizer=module.trainer.state.fn == TrainerFn.FITTING,
-                strict=module.strict_loading,
-                gatherer=self._gatherer,
-            )
-        finally:
-            if self._tiers is not None:
-                self._tiers.unload_all()  # what was loaded goes to its tier
+        state = load_checkpoint(
+            self.broadcast(checkpoint_path),
+            module,
+            list(iter_zero_optimizers(self.optimizers)),
+            self.process_group,
+            load_optimizer=module.trainer.state.fn == TrainerFn.FITTING,
+            strict=module.strict_loading,
+            gatherer=self._gatherer,
+            tiers=self._tiers,
+        )
         if "state_dict" in state:  # a WeightAveraging average: Note [Lightning's WeightAveraging]
             # The live weights are in place already; loading them into the module again changes nothing.
             state[_WEIGHT_AVERAGING_LIVE] = module.state_dict()

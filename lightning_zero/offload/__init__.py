@@ -10,6 +10,8 @@ tier around its use. Configured by ``ZeroConfig.offload_optimizer``, ``offload_p
 - ``tiered_grad_reducer``: stage 3's gradient shards written to disk as their reduce-scatter completes.
 - ``tensor_swapper``: ``TensorSwapper``, tensors whose storage is swapped to a file, read ahead and written behind.
 - ``swap_file``: ``SwapFile``, one rank's tier file: regions, ``preadv``/``pwritev`` into tensor memory.
+- ``host_copies``: the host tier's copies between device and host memory (``CopyStream``, ``HostStore``).
+- ``host_tier``: ``HostTier``, host masters and gradients of the host-tier buckets and their copies.
 - ``directory``: the per-job, per-rank tier directory, free-space checks, removal.
 
 ``sharding`` and ``stage3`` see the tiers only through protocols (``StateTiers``, ``UnitTiers``, ``ShardSource``);

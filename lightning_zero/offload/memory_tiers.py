@@ -1,23 +1,27 @@
 """``MemoryTiers``: one rank's tiers, built from ``ZeroConfig``: where each shard lives and the objects that move it.
 
-It owns the rank's tier directory and file (``directory``, ``swap_file``), the ``TensorSwapper`` over them, the
-stage-3 parameter tier (it is each unit's ``ShardSource`` and shards units straight into it, ``UnitTiers``), the
-stage-3 gradient reducer with shards on disk, and one ``OptimizerTiers`` per optimizer. Placement by
-``offload_ratio`` (ZeRO-Offload++) takes buckets in gradient order until the offloaded elements reach the ratio.
+It owns the rank's tier directory and file (``directory``, ``swap_file``), the ``TensorSwapper`` over them (or over
+the host tier's ``HostStore`` for stage-3 parameter shards in host memory, Note [host tier data path]), the stage-3
+parameter tier (it is each unit's ``ShardSource`` and shards units straight into it, ``UnitTiers``), the stage-3
+gradient reducer with shards on disk, and one ``OptimizerTiers`` per optimizer. Placement by ``offload_ratio``
+(ZeRO-Offload++) takes buckets in gradient order until the offloaded elements reach the ratio.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 from lightning_zero.comm.collectives import ProcessGroup
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig
 from lightning_zero.offload.directory import OffloadDirectory
+from lightning_zero.offload.host_copies import HostStore, uses_copies
+from lightning_zero.offload.host_tier import HostTier
 from lightning_zero.offload.optimizer_tiers import OptimizerTiers, param_key
 from lightning_zero.offload.swap_file import SwapFile
 from lightning_zero.offload.tensor_swapper import TensorSwapper
@@ -49,24 +53,41 @@ def place_by_ratio(buckets: Sequence[FlatBucket], ratio: float) -> set[int]:
 
 
 class MemoryTiers:
-    """The memory tiers of one rank (``config.offload_*``); ``directory`` is this rank's private directory when a
-    tier is ``"disk"``; ``io_entries``: the read-ahead and write-behind budgets, in largest tier entries."""
+    """The memory tiers of one rank (``config.offload_*``) on ``device``; ``directory`` is this rank's private
+    directory when a tier is ``"disk"``; ``io_entries``: the read-ahead and write-behind budgets, in largest tier
+    entries. The host tier copies between the device and host buffers where the device is not the host (Note [host
+    tier data path]; the disk tier reads and writes host memory, so the two do not mix there)."""
 
-    def __init__(self, config: ZeroConfig, directory: OffloadDirectory | None, io_entries: int) -> None:
+    def __init__(
+        self,
+        config: ZeroConfig,
+        directory: OffloadDirectory | None,
+        io_entries: int,
+        device: torch.device | None = None,
+    ) -> None:
         self.config = config
         self.directory = directory
+        self.device = device = device or torch.device("cpu")
+        copies = uses_copies(device) and directory is None
+        self.host_optimizer = copies and config.offload_optimizer == "cpu"
+        """Whether the optimizer's placed buckets take the host tier's data path (``HostTier``)."""
+        self.host_params = copies and config.offload_params == "cpu"
+        """Whether stage-3 parameter shards live in host memory between uses (a ``HostStore``)."""
         self.swapper: TensorSwapper | None = None
         if directory is not None:
-            file = SwapFile(directory.file("tiers.bin"))
-            self.swapper = TensorSwapper(file, io_entries)
+            self.swapper = TensorSwapper(SwapFile(directory.file("tiers.bin")), io_entries)
+        elif self.host_params:
+            self.swapper = TensorSwapper(HostStore(device), io_entries)
         self.optimizer_tiers: list[OptimizerTiers] = []
-        self._disk_buckets: set[int] | None = None
-        """Stage 3: ids of the buckets whose optimizer state and gradients are on disk, decided with the reducer."""
+        self._placed: set[int] | None = None
+        """Stage 3: ids of the buckets whose optimizer state (and, on disk, gradients) is in the optimizer's tier,
+        decided with the reducer."""
         self._units: list[ShardedUnit] = []
 
     @property
     def params_on_disk(self) -> bool:
-        return self.config.offload_params == "disk" and self.swapper is not None
+        """Whether stage-3 parameter shards live in the swapper (on disk, or in the host store)."""
+        return self.swapper is not None and (self.config.offload_params == "disk" or self.host_params)
 
     @property
     def optimizer_on_disk(self) -> bool:
@@ -102,32 +123,54 @@ class MemoryTiers:
         on_complete: Callable[[FlatBucket], None] | None = None,
     ) -> ShardedGradReducer:
         """Stage 3's gradient reducer: with the optimizer on disk, the shards of the placed buckets go there too."""
-        self._disk_buckets = place_by_ratio(buckets, config.offload_ratio)
+        self._placed = place_by_ratio(buckets, config.offload_ratio)
         if not self.optimizer_on_disk:
             return ShardedGradReducer(buckets, group, config, ledger, on_complete)
         assert self.swapper is not None
-        placed = self._disk_buckets
+        placed = self._placed
         return TieredGradReducer(
             buckets, group, config, ledger, on_complete, swapper=self.swapper, on_disk=lambda b: id(b) in placed
         )
 
     # -- optimizers ----------------------------------------------------------------------------------------------------
     def for_optimizer(self) -> OptimizerTiers:
-        """The ``StateTiers`` of one more optimizer; its buckets are placed when it attaches."""
-        tiers = OptimizerTiers(self.swapper if self.optimizer_on_disk or self.params_on_disk else None, self._place)
+        """The ``StateTiers`` of one more optimizer; its buckets are placed when it builds its masters."""
+        swapper = self.swapper if self.optimizer_on_disk or self.params_on_disk else None
+        host = HostTier(self.device, self.swapper if self.host_params else None) if self.host_optimizer else None
+        tiers = OptimizerTiers(swapper, self._place, host)
         self.optimizer_tiers.append(tiers)
         return tiers
 
     def _place(self, buckets: list[FlatBucket]) -> set[int]:
-        if not self.optimizer_on_disk:
+        if not (self.optimizer_on_disk or self.host_optimizer):
             return set()
-        if self._disk_buckets is not None:  # stage 3: as the gradient reducer placed them
-            return {id(b) for b in buckets if id(b) in self._disk_buckets}
+        if self._placed is not None:  # stage 3: as the gradient reducer placed them
+            return {id(b) for b in buckets if id(b) in self._placed}
         return place_by_ratio(buckets, self.config.offload_ratio)
 
-    # -- whole-state access (checkpoints) and accounting -----------------------------------------------------------
+    # -- checkpoints: TierStorage (Note [checkpoints stream through the tiers] in checkpoint/tiered.py) -----------
+    def holds(self, tensor: Tensor) -> bool:
+        return self.swapper is not None and self.swapper.owner(tensor) is not None
+
+    def read(self, tensor: Tensor, start: int, numel: int) -> Tensor:
+        swapper, key = self._owner(tensor)
+        out = torch.empty(numel, dtype=tensor.dtype)  # host memory: what a checkpoint writes
+        swapper.read_range(key, int(tensor.storage_offset() + start) * tensor.element_size(), out)
+        return out
+
+    def write(self, tensor: Tensor, start: int, values: Tensor) -> None:
+        swapper, key = self._owner(tensor)
+        swapper.write_range(key, int(tensor.storage_offset() + start) * tensor.element_size(), values.to(tensor.dtype))
+
+    def _owner(self, tensor: Tensor) -> tuple[TensorSwapper, Hashable]:
+        assert self.swapper is not None, "no tier holds tensors"
+        key = self.swapper.owner(tensor)
+        assert key is not None, "not a tensor of the memory tiers"
+        return self.swapper, key
+
+    # -- whole-state access (whole-model swaps) and accounting -------------------------------------------------------
     def load_all(self) -> None:
-        """Every shard of this rank resident, for a checkpoint save or load (not bounded by the tiers' memory)."""
+        """Every shard of this rank resident, for a swap of the whole model (not bounded by the tiers' memory)."""
         for unit in self._units:
             for bucket in unit.buckets:
                 self.acquire(bucket)
@@ -144,12 +187,25 @@ class MemoryTiers:
             self.swapper.evict_all()
             self.swapper.flush()
 
+    def host_copy_bytes(self) -> tuple[int, int]:
+        """(to the host, to the device): bytes the host tier has copied so far (Note [host tier data path])."""
+        hosts = [t.host for t in self.optimizer_tiers if t.host is not None]
+        down = sum(h.bytes_to_host for h in hosts)
+        up = sum(h.bytes_to_device for h in hosts)
+        if self.swapper is not None and self.host_params:
+            down, up = down + self.swapper.file.bytes_written, up + self.swapper.file.bytes_read
+        return down, up
+
+    def host_store_bytes(self) -> int:
+        """Bytes of stage-3 parameter shards kept in host memory by the host store (with copies to the device)."""
+        return self.swapper.disk_nbytes() if self.swapper is not None and self.host_params else 0
+
     def disk_bytes(self) -> int:
-        return self.swapper.disk_nbytes() if self.swapper is not None else 0
+        return self.swapper.disk_nbytes() if self.swapper is not None and self.directory is not None else 0
 
     def io_bytes(self) -> tuple[int, int]:
         """(read, written) bytes of the tier file so far."""
-        if self.swapper is None:
+        if self.swapper is None or self.directory is None:
             return 0, 0
         return self.swapper.file.bytes_read, self.swapper.file.bytes_written
 

@@ -1,32 +1,35 @@
 """``OptimizerTiers``: the masters and optimizer state of the tiered buckets, loaded around each bucket's step.
 
-Implements the optimizer's ``StateTiers`` (Note [tiered step] in ``sharding/sharded_optimizer.py``). Per bucket it
-knows the segments, their masters and the tensors those masters live in: a master run (mixed precision), or the
-parameter shard itself (fp32 at stage 3, in the parameter tier when ``offload_params="disk"``; at stages 1 and 2 the
-fp32 shard is a view of the full parameters, which stay in memory). The optimizer's per-element state (Adam's
-moments: every state tensor with the master's shape) is created by the user's optimizer in the first step, in memory,
-bucket by bucket, and goes to the tier as soon as that bucket is stepped; 0-d entries (a step count) stay in memory.
+Implements the optimizer's ``StateTiers`` (Note [tiered step] in ``sharding/sharded_optimizer.py``). It places the
+buckets (``offload_ratio``) when the optimizer builds its masters. Per disk bucket it knows the segments, their
+masters and the tensors those masters live in: a master run (mixed precision), or the parameter shard itself (fp32
+at stage 3, in the parameter tier when ``offload_params="disk"``; at stages 1 and 2 the fp32 shard is a view of the
+full parameters, which stay in memory). The optimizer's per-element state (Adam's moments: every state tensor with
+the master's shape) is created by the user's optimizer in the first step, in memory, bucket by bucket, and goes to
+the tier as soon as that bucket is stepped; 0-d entries (a step count) stay in memory.
 
 Note [host tier on this machine]
 ``"cpu"`` keeps masters and optimizer state in host memory. On a CPU device that is where they are already: the
-tier moves nothing and the step is the normal one. On a GPU the same placement needs pinned host masters, gradient
-shards copied device-to-host on a side stream as their reduce-scatter completes, the step on the host, and the
-updated shards copied back before the all-gather; that data path is not implemented yet, so ``"cpu"`` on a non-CPU
-device is refused at setup rather than silently left on the device.
+tier moves nothing and the step is the normal one. On a GPU (or on the CPU with ``host_copies.FORCE_COPIES``, as the
+tests run it) the host-tier buckets take the data path of Note [host tier data path] (``HostTier``): host masters,
+gradients copied from the device as their reduction completes, the step on the host, updated shards copied back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from lightning_zero.offload.host_tier import HostTier
 from lightning_zero.offload.tensor_swapper import TensorSwapper
 from lightning_zero.offload.tiered_grad_reducer import TieredGradReducer
 from lightning_zero.sharding.flat_bucket import FlatBucket
+from lightning_zero.sharding.param_groups import MasterRun, Segment, masters_for
 
 if TYPE_CHECKING:
     from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
@@ -34,6 +37,10 @@ if TYPE_CHECKING:
 
 def param_key(bucket: FlatBucket) -> tuple[str, int]:
     return ("param", id(bucket))
+
+
+def _state_key(optimizer: ZeroOptimizer, segment: int, name: str) -> Hashable:
+    return ("state", id(optimizer), segment, name)
 
 
 class _Chunk:
@@ -46,17 +53,26 @@ class _Chunk:
 
 
 class OptimizerTiers:
-    """Loads and unloads the tiered buckets of one ``ZeroOptimizer`` (``on_disk``: the buckets placed in the disk
-    tier by ``offload_ratio``; the others stay in memory)."""
+    """Loads and unloads the tiered buckets of one ``ZeroOptimizer``: those ``place`` puts in the optimizer's tier
+    (``offload_ratio``) go to the disk (``swapper``) or, with ``host``, take the host tier's data path; the others
+    stay in memory. ``swapper`` also holds stage-3 parameter shards of ``offload_params``."""
 
-    def __init__(self, swapper: TensorSwapper | None, place: Callable[[list[FlatBucket]], set[int]]) -> None:
+    def __init__(
+        self,
+        swapper: TensorSwapper | None,
+        place: Callable[[list[FlatBucket]], set[int]],
+        host: HostTier | None = None,
+    ) -> None:
         self.swapper = swapper
         self._place = place
+        self.host = host
         self.on_disk: set[int] = set()
-        """ids of the buckets whose masters and optimizer state are on disk (placed at ``attach``)."""
+        """ids of the buckets whose masters and optimizer state are on disk (placed in ``masters_for``)."""
+        self._in_step = False
         self._optimizer: ZeroOptimizer | None = None
         self._chunks: dict[int, _Chunk] = {}
         self._coefficient: Tensor | None = None
+        self._coefficients: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._clamp: float | None = None
 
     @property
@@ -69,11 +85,36 @@ class OptimizerTiers:
         return reducer if isinstance(reducer, TieredGradReducer) else None
 
     # -- StateTiers ---------------------------------------------------------------------------------------------------
+    def masters_for(
+        self, buckets: Sequence[FlatBucket], segments: Sequence[Segment], fp32: bool
+    ) -> tuple[list[Tensor], list[MasterRun]]:
+        placed = self._place(list(buckets))
+        if self.host is None and self.swapper is not None:
+            self.on_disk = placed
+        masters: list[Tensor] = []
+        runs: list[MasterRun] = []
+        for bucket in buckets:  # one bucket at a time: a tier keeps only that one's shard in memory
+            mine = [s for s in segments if s.bucket is bucket]
+            if not mine:
+                continue
+            if self.host is not None and id(bucket) in placed:
+                masters += self.host.masters(mine, fp32)  # no runs: the host tier copies them (Note [tiered step])
+                continue
+            with self.resident(bucket):
+                bucket_masters, bucket_runs = masters_for(mine, fp32)
+            masters += bucket_masters
+            runs += bucket_runs
+        return masters, runs
+
     def attach(self, optimizer: ZeroOptimizer) -> None:
         self._optimizer = optimizer
-        self.on_disk = self._place(optimizer.buckets) if self.swapper is not None else set()
         for i, seg in enumerate(optimizer.segments):
             self._chunks.setdefault(id(seg.bucket), _Chunk([])).segments.append(i)
+        if self.host is not None:
+            optimizer.reducer.reduced_hooks.append(partial(self.host.on_reduced, optimizer.reducer))
+            for group in optimizer.optimizer.param_groups:  # the multi-tensor kernels on the host tensors
+                if group.get("foreach", False) is None and not group.get("fused"):
+                    group["foreach"] = True
         if self.swapper is None:
             return
         for run in optimizer.master_runs:
@@ -94,40 +135,55 @@ class OptimizerTiers:
             self.swapper.release(key)
 
     def holds_gradient(self, bucket: FlatBucket) -> bool:
+        if self.host is not None and bucket in self.host:
+            return True
         reducer = self._reducer()
         return reducer is not None and reducer.offloads(bucket)
 
     def gradient_norms(self, norm_type: float) -> list[Tensor]:
-        reducer = self._reducer()
-        if reducer is None:
-            return []
         opt = self._opt
         norms: list[Tensor] = []
         for bucket in opt.buckets:
             chunk = self._chunks.get(id(bucket))
-            if chunk is None or not reducer.offloads(bucket):
+            used = [i for i in chunk.segments if opt.segment_used[i]] if chunk is not None else []
+            if not used or not self.holds_gradient(bucket):
                 continue
-            used = [i for i in chunk.segments if opt.segment_used[i]]
-            if not used:
-                continue
-            shard = reducer.load_grad(bucket)
-            pieces = [shard[opt.segments[i].start : opt.segments[i].stop] for i in used]
+            shard, first = self._tiered_gradient(bucket)
+            pieces = [shard[opt.segments[i].start - first : opt.segments[i].stop - first] for i in used]
             if norm_type == float("inf"):
-                norms.extend(p.abs().max().float() for p in pieces)
+                found = [p.abs().max().float() for p in pieces]
             else:
-                norms.extend(torch._foreach_norm(pieces, norm_type, dtype=torch.float32))
-            reducer.drop_grad(bucket)
+                found = list(torch._foreach_norm(pieces, norm_type, dtype=torch.float32))
+            norms.extend(n.to(bucket.device) for n in found)  # summed with the device's own: Note [tiered step]
+            if self.host is None or bucket not in self.host:
+                reducer = self._reducer()
+                assert reducer is not None
+                reducer.drop_grad(bucket)
         return norms
+
+    def _tiered_gradient(self, bucket: FlatBucket) -> tuple[Tensor, int]:
+        """The bucket's gradient shard from its tier, and the shard element it starts at."""
+        if self.host is not None and bucket in self.host:
+            return self.host.gradient(bucket, self._opt.reducer), self.host.offset(bucket)
+        reducer = self._reducer()
+        assert reducer is not None
+        return reducer.load_grad(bucket), 0
 
     def set_gradient_transform(self, coefficient: Tensor | None, clamp: float | None) -> None:
         self._coefficient = coefficient
+        self._coefficients.clear()
         self._clamp = clamp
+        self._in_step = True  # called as the step's gradients are reduced (and by clipping)
 
     def load(self, bucket: FlatBucket) -> None:
         chunk = self._chunks.get(id(bucket))
+        if chunk is not None and self.host is not None and bucket in self.host:
+            if self._in_step:  # outside a step (an EMA update) the host masters are all there is to load
+                self.host.adopt_edits(bucket)
+                self._set_gradients(bucket, chunk, *self._tiered_gradient(bucket))
+            return
         if chunk is None or self.swapper is None:
             return
-        opt = self._opt
         keys: list[Hashable] = [param_key(bucket)] if param_key(bucket) in self.swapper else []
         if id(bucket) in self.on_disk:
             keys += [k for k in self._master_keys(bucket) if k in self.swapper]
@@ -137,20 +193,38 @@ class OptimizerTiers:
         chunk.loaded = keys
         reducer = self._reducer()
         if reducer is not None and reducer.offloads(bucket):
-            shard = reducer.load_grad(bucket)
-            chunk.grad_loaded = True
-            if self._coefficient is not None:
-                shard.mul_(self._coefficient.to(shard.dtype))
-            if self._clamp is not None:
-                shard.clamp_(-self._clamp, self._clamp)
-            for i in chunk.segments:
-                seg, master = opt.segments[i], opt.masters[i]
-                grad = shard[seg.start : seg.stop]
-                if opt.segment_used[i]:
-                    master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+            self._set_gradients(bucket, chunk, reducer.load_grad(bucket), 0)
+
+    def _set_gradients(self, bucket: FlatBucket, chunk: _Chunk, shard: Tensor, first: int) -> None:
+        """The tiered gradient ``shard`` (from shard element ``first``), clipped, as the used masters' ``.grad``."""
+        opt = self._opt
+        chunk.grad_loaded = True
+        grads: list[Tensor] = []
+        for i in chunk.segments:
+            seg, master = opt.segments[i], opt.masters[i]
+            if opt.segment_used[i]:
+                grad = shard[seg.start - first : seg.stop - first]
+                master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+                grads.append(master.grad)
+        # In the masters' dtype, as the step without tiers clips them (ZeroOptimizer.clip_grad_*).
+        if grads and self._coefficient is not None:
+            key = (grads[0].device, grads[0].dtype)
+            if key not in self._coefficients:  # one copy per step: a device scalar read on the host waits for it
+                self._coefficients[key] = self._coefficient.to(device=key[0], dtype=key[1])
+            torch._foreach_mul_(grads, self._coefficients[key])
+        if grads and self._clamp is not None:
+            torch._foreach_clamp_min_(grads, -self._clamp)
+            torch._foreach_clamp_max_(grads, self._clamp)
 
     def unload(self, bucket: FlatBucket) -> None:
         chunk = self._chunks.get(id(bucket))
+        if chunk is not None and self.host is not None and bucket in self.host:
+            if chunk.grad_loaded:
+                for i in chunk.segments:
+                    self._opt.masters[i].grad = None
+                chunk.grad_loaded = False
+                self.host.write_back(bucket)  # stepped: the new values go to the parameter shard
+            return
         if chunk is None or self.swapper is None:
             return
         opt = self._opt
@@ -171,12 +245,27 @@ class OptimizerTiers:
             chunk.grad_loaded = False
 
     def end_step(self) -> None:
+        self._in_step = False
+        if self.host is not None:
+            self.host.end_step()
         if self.swapper is not None:
             self.swapper.end_step()
 
+    def new_state(self, master: Tensor, name: str) -> Tensor | None:
+        if self.swapper is None:
+            return None
+        opt = self._opt
+        i = next(k for k, m in enumerate(opt.masters) if m is master)
+        if id(opt.segments[i].bucket) not in self.on_disk:
+            return None
+        state = torch.empty(master.shape, dtype=master.dtype, device=master.device)
+        state.untyped_storage().resize_(0)  # no memory: a checkpoint load writes it in the tier file
+        self.swapper.add(_state_key(opt, i, name), state)
+        return state
+
     # -- outside the step ---------------------------------------------------------------------------------------------
     def load_all(self) -> None:
-        """Every tiered bucket resident (a checkpoint save or load reads or writes all of this rank's state)."""
+        """Every tiered bucket resident (a swap of the whole model reads or writes all of this rank's state)."""
         for bucket in self._opt.buckets:
             self.load(bucket)
 
@@ -204,5 +293,5 @@ class OptimizerTiers:
             master = opt.masters[i]
             for name, value in opt.optimizer.state.get(master, {}).items():
                 if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == master.numel():
-                    found.append((("state", id(opt), i, name), value))
+                    found.append((_state_key(opt, i, name), value))
         return found

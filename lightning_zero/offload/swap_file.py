@@ -19,6 +19,8 @@ import ctypes
 import errno
 import os
 import threading
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from torch import Tensor
@@ -74,12 +76,26 @@ class SwapFile:
         return self._end
 
     def write(self, key: object, tensor: Tensor) -> None:
-        offset, _ = self.region(key, tensor.numel() * tensor.element_size())
+        self.write_range(key, tensor.numel() * tensor.element_size(), 0, tensor)
+
+    def read(self, key: object, tensor: Tensor) -> None:
+        self.read_range(key, 0, tensor)
+
+    def start_write(self, key: object, tensor: Tensor) -> Callable[[], None]:
+        """The write, to run on a background thread (``TierStore``): file IO has nothing to start here."""
+        return partial(self.write, key, tensor)
+
+    def start_read(self, key: object, tensor: Tensor) -> Callable[[], None]:
+        return partial(self.read, key, tensor)
+
+    def write_range(self, key: object, nbytes: int, start: int, tensor: Tensor) -> None:
+        """Write ``tensor`` at byte ``start`` of ``key``'s region of ``nbytes`` (placed now if it is new)."""
+        offset, _ = self.region(key, nbytes)
         data = _bytes_of(tensor)
         done = 0
         try:
             while done < data.nbytes:
-                done += os.pwritev(self._fd, [_buffer(data, done)], offset + done)
+                done += os.pwritev(self._fd, [_buffer(data, done)], offset + start + done)
         except OSError as error:
             what = "the disk is full" if error.errno == errno.ENOSPC else os.strerror(error.errno or 0)
             raise TierIOError(
@@ -90,13 +106,14 @@ class SwapFile:
         with self._lock:
             self.bytes_written += data.nbytes
 
-    def read(self, key: object, tensor: Tensor) -> None:
+    def read_range(self, key: object, start: int, tensor: Tensor) -> None:
+        """Fill ``tensor`` from byte ``start`` of ``key``'s region."""
         placed = self._regions.get(key)
         assert placed is not None, f"{key} was never written to {self.path}"
         data = _bytes_of(tensor)
         done = 0
         while done < data.nbytes:
-            got = os.preadv(self._fd, [_buffer(data, done)], placed[0] + done)
+            got = os.preadv(self._fd, [_buffer(data, done)], placed[0] + start + done)
             if got == 0:
                 raise TierIOError(
                     errno.EIO, f"The tier file {self.path} ended before {key}'s {data.nbytes:,} bytes could be read."

@@ -19,18 +19,50 @@ the order of ``acquire`` calls in one step predicts the next: each ``acquire`` f
 order and starts reading the entries that follow it, up to ``budget_bytes``. That is the prefetch order stage 3
 already follows (Note [forward order]), extended to the optimizer's buckets. The first step runs without read-ahead;
 a prediction that fails (a step that takes another path) only costs memory until the step ends.
+
+Note [ranged tier access]
+A checkpoint reads and writes every tier entry once, in the checkpoint's order, not the step's. Making each entry
+resident for that (``acquire``) would read whole entries to save one parameter's slice of them and, done for all of
+them at once, hold this rank's whole model state in memory. ``read_range``/``write_range`` instead move the bytes of
+one slice between the caller's tensor and wherever the entry's current value is: its memory when it is resident
+(a write then makes it dirty, so it is written back as usual), otherwise its region of the file, which is read or
+written in place. A clean read-ahead copy is dropped before a ranged write (it would be stale). Nothing becomes
+resident, so a save or load holds one slice at a time, and the entries keep their read-ahead order.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable
+import threading
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
+import torch
 from torch import Tensor
 
-from lightning_zero.offload.swap_file import SwapFile
+
+class TierStore(Protocol):
+    """Where entries live between uses: the disk tier's ``SwapFile``, or the host tier's ``HostStore`` (pinned host
+    memory for device tensors, ``host_copies.py``). ``start_read``/``start_write`` begin a move on the calling thread
+    and return what finishes it, which the swapper runs on its reader or writer thread."""
+
+    bytes_read: int
+    bytes_written: int
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def start_read(self, key: Hashable, tensor: Tensor) -> Callable[[], None]: ...
+
+    def start_write(self, key: Hashable, tensor: Tensor) -> Callable[[], None]: ...
+
+    def read_range(self, key: Hashable, start: int, out: Tensor) -> None: ...
+
+    def write_range(self, key: Hashable, nbytes: int, start: int, values: Tensor) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Residency(enum.Enum):
@@ -65,9 +97,10 @@ def _check_owns_storage(key: Hashable, tensor: Tensor) -> int:
 
 
 class TensorSwapper:
-    """Tensors kept in ``file`` between uses, with one background reader and one writer (Note [tier IO])."""
+    """Tensors kept in ``file`` (a ``TierStore``) between uses, with one background reader and one writer (Note
+    [tier IO])."""
 
-    def __init__(self, file: SwapFile, io_entries: int) -> None:
+    def __init__(self, file: TierStore, io_entries: int) -> None:
         self.file = file
         self.io_entries = io_entries
         """Read-ahead and write-behind budgets, each in entries of the largest size: at most this many bytes are read
@@ -83,6 +116,12 @@ class TensorSwapper:
         """The previous step's ``acquire`` calls: (key, whether its value was read)."""
         self._recording: list[tuple[Hashable, bool]] = []
         self._cursor = 0
+        self._owners: dict[int, Hashable] = {}
+        """Storage (``UntypedStorage._cdata``, stable across resizes) -> the key of the entry that owns it."""
+        self._counter = threading.Lock()
+        self._resident = 0
+        self.peak_resident_nbytes = 0
+        """The most bytes of entries resident at once since ``reset_peak()`` (the writer thread frees too)."""
 
     # -- registration ----------------------------------------------------------------------------------------------
     def __contains__(self, key: Hashable) -> bool:
@@ -101,9 +140,19 @@ class TensorSwapper:
             assert old.users == 0, f"tier entry {key} replaced while in use"
             if old.tensor is not tensor:
                 self._free(old)
+            if old in self._prefetched:
+                self._prefetched.remove(old)
+            self._owners.pop(_storage_id(old.tensor), None)
         self._largest = max(self._largest, nbytes)
         state = Residency.RESIDENT if tensor.untyped_storage().nbytes() else Residency.ON_DISK
+        if state is Residency.RESIDENT and (old is None or old.tensor is not tensor):
+            self._count(nbytes)
         self._entries[key] = _Entry(key, tensor, nbytes, state)
+        self._owners[_storage_id(tensor)] = key
+
+    def owner(self, tensor: Tensor) -> Hashable | None:
+        """The key of the entry whose storage ``tensor`` (or a view of it) is, or None."""
+        return self._owners.get(_storage_id(tensor))
 
     def keys(self) -> list[Hashable]:
         return list(self._entries)
@@ -118,7 +167,7 @@ class TensorSwapper:
         if entry.state is Residency.ON_DISK:
             self._allocate(entry)
             if read and entry.on_disk:
-                self.file.read(key, entry.tensor)
+                self.file.start_read(key, entry.tensor)()
             entry.state = Residency.RESIDENT
             entry.version = entry.tensor._version if read else -1
         if entry in self._prefetched:
@@ -157,6 +206,38 @@ class TensorSwapper:
         for entry in self._entries.values():
             self._settle(entry)
 
+    # -- ranged access (checkpoints): Note [ranged tier access] ----------------------------------------------------
+    def read_range(self, key: Hashable, start: int, out: Tensor) -> None:
+        """Fill ``out`` with the entry's bytes from byte ``start``, without making the entry resident. An entry that
+        never had a value reads as zeros."""
+        entry = self._entries[key]
+        self._settle(entry)
+        if entry.state is Residency.RESIDENT:
+            out.copy_(_byte_range(entry.tensor, start, out))
+        elif entry.on_disk:
+            self.file.read_range(key, start, out)
+        else:
+            out.zero_()
+
+    def write_range(self, key: Hashable, start: int, values: Tensor) -> None:
+        """Write ``values`` over the entry's bytes from byte ``start``, in its memory if it is resident (and in use),
+        else straight into its region of the file."""
+        entry = self._entries[key]
+        self._settle(entry)
+        if entry.state is Residency.RESIDENT and entry in self._prefetched:  # a clean copy of what is in the file
+            self._prefetched.remove(entry)
+            self._free(entry)
+            entry.state = Residency.ON_DISK
+        if entry.state is Residency.RESIDENT:
+            _byte_range(entry.tensor, start, values).copy_(values)  # dirty now: written back when released
+            return
+        self.file.write_range(key, entry.nbytes, start, values.contiguous())
+        entry.on_disk = True
+
+    def reset_peak(self) -> None:
+        with self._counter:
+            self.peak_resident_nbytes = self._resident
+
     @property
     def budget_bytes(self) -> int:
         """The read-ahead budget, and the write-behind one."""
@@ -184,12 +265,18 @@ class TensorSwapper:
         while self._writing and sum(e.nbytes for e in self._writing) + entry.nbytes > self.budget_bytes:
             self._settle(self._writing[0])
         entry.state = Residency.WRITING
-        entry.future = self._writer.submit(self._write_and_free, entry)
+        entry.future = self._writer.submit(self._write_and_free, entry, self.file.start_write(entry.key, entry.tensor))
         self._writing.append(entry)
 
-    def _write_and_free(self, entry: _Entry) -> None:
-        self.file.write(entry.key, entry.tensor)
+    def _write_and_free(self, entry: _Entry, write: Callable[[], None]) -> None:
+        write()
         entry.tensor.untyped_storage().resize_(0)
+        self._count(-entry.nbytes)
+
+    def _count(self, nbytes: int) -> None:
+        with self._counter:
+            self._resident += nbytes
+            self.peak_resident_nbytes = max(self.peak_resident_nbytes, self._resident)
 
     def _settle(self, entry: _Entry) -> None:
         """Finish the entry's background IO, if any; an IO error is raised here, in the training thread."""
@@ -211,9 +298,13 @@ class TensorSwapper:
         storage = entry.tensor.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(entry.nbytes)
+            self._count(entry.nbytes)
 
     def _free(self, entry: _Entry) -> None:
-        entry.tensor.untyped_storage().resize_(0)
+        storage = entry.tensor.untyped_storage()
+        if storage.nbytes():
+            storage.resize_(0)
+            self._count(-entry.nbytes)
 
     def _read_ahead(self, use: tuple[Hashable, bool]) -> None:
         order = self._order
@@ -241,5 +332,15 @@ class TensorSwapper:
             budget -= entry.nbytes
             self._allocate(entry)
             entry.state = Residency.READING
-            entry.future = self._reader.submit(self.file.read, entry.key, entry.tensor)
+            entry.future = self._reader.submit(self.file.start_read(entry.key, entry.tensor))
             self._prefetched.append(entry)
+
+
+def _storage_id(tensor: Tensor) -> int:
+    return int(tensor.untyped_storage()._cdata)
+
+
+def _byte_range(tensor: Tensor, start: int, like: Tensor) -> Tensor:
+    """``like.numel()`` elements of ``like``'s dtype at byte ``start`` of ``tensor``'s (resident) memory: a view."""
+    nbytes = like.numel() * like.element_size()
+    return tensor.reshape(-1).view(torch.uint8)[start : start + nbytes].view(like.dtype)

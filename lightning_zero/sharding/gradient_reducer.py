@@ -104,6 +104,9 @@ class GradientReducer:
             self.pool.reserve(bucket.padded_numel, self._reduce_dtype(bucket), bucket.device)
         self._lent: list[list[Tensor]] = [[] for _ in self.buckets]
         """Pooled buffers an in-flight bucket's collective uses; back to the pool when it completes."""
+        self.reduced_hooks: list[Callable[[FlatBucket], None]] = []
+        """Called with each bucket whose reduction has completed (its shard is final for this round): the host tier
+        copies the shard to host memory then (Note [host tier data path] in ``offload/host_copies.py``)."""
         self.stream = CollectiveStream(self.buckets[0].device if self.buckets else torch.device("cpu"))
         """The reduce-scatters' side stream (Note [collective streams]); inert on the CPU."""
         self.reduce_scatter: Callable[..., PendingCollective] = reduce_scatter
@@ -271,6 +274,8 @@ class GradientReducer:
             self.pool.give(buffer)
         self._lent[bucket.index].clear()
         self.state[bucket.index] = BucketState.REDUCED
+        for hook in self.reduced_hooks:
+            hook(bucket)
 
     def wait(self) -> None:
         while self._in_flight:

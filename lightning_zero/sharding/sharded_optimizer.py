@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, Protocol
 
@@ -163,13 +163,12 @@ class ZeroOptimizer(Optimizer):
             self.buckets = mine
             self.resident_buckets = [b for b in mine if b.resident]
         self.segments = [seg for b in self.buckets for seg in segments_of(b, group_of)]
-        self.masters, self._runs = [], []
-        for bucket in self.buckets:  # one bucket at a time: a tier keeps only that one's shard in memory
-            with tiers.resident(bucket) if tiers is not None else nullcontext():
-                masters, runs = masters_for([s for s in self.segments if s.bucket is bucket], fp32_masters)
-            self.masters += masters
-            self._runs += runs
+        self.masters: list[Tensor]
         """This rank's fp32 master weights, one per segment (a view of the parameter shard when fp32)."""
+        if tiers is None:
+            self.masters, self._runs = masters_for(self.segments, fp32_masters)
+        else:  # the tiers place the buckets and build their masters where they live (Note [tiered step])
+            self.masters, self._runs = tiers.masters_for(self.buckets, self.segments, fp32_masters)
         for g, group in enumerate(optimizer.param_groups):
             group["params"] = [m for seg, m in zip(self.segments, self.masters, strict=True) if seg.group == g]
         optimizer.state.clear()
@@ -200,10 +199,16 @@ class ZeroOptimizer(Optimizer):
         if tiers is not None:
             if loss_scaler is not None and any(tiers.holds_gradient(b) for b in self.buckets):
                 raise ValueError(
-                    "16-mixed (loss scaling) with gradient shards on disk (stage 3, offload_optimizer='disk') is not "
-                    "supported. HINT: use precision='bf16-mixed' or '32-true', or offload_optimizer='cpu'."
+                    "16-mixed (loss scaling) with gradient shards kept by a memory tier (offload_optimizer='disk' at "
+                    "stage 3, or 'cpu' on a GPU) is not supported: unscaling and the overflow check read the "
+                    "gradients in memory. HINT: use precision='bf16-mixed' or '32-true'."
                 )
             tiers.attach(self)
+
+    @property
+    def _device(self) -> torch.device:
+        """Where the gradients are reduced and the step's flags and norms are summed (host-tier masters are not)."""
+        return self.buckets[0].device if self.buckets else torch.device("cpu")
 
     @property
     def master_runs(self) -> list[MasterRun]:
@@ -249,7 +254,7 @@ class ZeroOptimizer(Optimizer):
                 continue
             grad = self.reducer.grad_shard(seg.bucket)[seg.start : seg.stop]
             grads.append(grad if grad.dtype == master.dtype else grad.to(master.dtype))
-        device = self.masters[0].device if self.masters else torch.device("cpu")
+        device = self._device
         found = torch.zeros(1, dtype=torch.float32, device=device)
         present = [g for g in grads if g is not None]
         if self.loss_scaler is not None and present:
@@ -279,7 +284,7 @@ class ZeroOptimizer(Optimizer):
             )
         self.reduce_gradients()
         grads = [m.grad for m in self.masters if m.grad is not None]
-        device = self.masters[0].device if self.masters else torch.device("cpu")
+        device = self._device
         tiered = self.tiers.gradient_norms(norm_type) if self.tiers is not None else []  # Note [tiered step]
         if norm_type == float("inf"):
             maxima = [g.abs().max() for g in grads] + tiered

@@ -6,12 +6,13 @@ state and gradient shards go, and how they move, is the tiers' business.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from torch import Tensor
 
 from lightning_zero.sharding.flat_bucket import FlatBucket
+from lightning_zero.sharding.param_groups import MasterRun, Segment
 
 if TYPE_CHECKING:
     from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
@@ -22,12 +23,16 @@ class StateTiers(Protocol):
     3) gradient shards of some buckets live in a tier between steps; the step loads each bucket's around its update
     (Note [tiered step])."""
 
-    def attach(self, optimizer: ZeroOptimizer) -> None:
-        """Take over the tiered buckets' masters and state (called once, at the end of construction)."""
+    def masters_for(
+        self, buckets: Sequence[FlatBucket], segments: Sequence[Segment], fp32: bool
+    ) -> tuple[list[Tensor], list[MasterRun]]:
+        """Place the buckets in the tiers and build every segment's master (in ``segments`` order) where its bucket
+        lives, as ``param_groups.masters_for`` does in memory; a master the tiers copy to and from the parameter
+        shard themselves (the host tier's) is in no run."""
         ...
 
-    def resident(self, bucket: FlatBucket) -> AbstractContextManager[None]:
-        """The bucket's parameter shard in memory inside the context (views taken there stay valid)."""
+    def attach(self, optimizer: ZeroOptimizer) -> None:
+        """Take over the tiered buckets' masters and state (called once, at the end of construction)."""
         ...
 
     def holds_gradient(self, bucket: FlatBucket) -> bool:
@@ -51,3 +56,8 @@ class StateTiers(Protocol):
         ...
 
     def end_step(self) -> None: ...
+
+    def new_state(self, master: Tensor, name: str) -> Tensor | None:
+        """An element-wise optimizer-state tensor ``name`` for ``master`` that lives in the tier from the start (a
+        checkpoint load writes its values there), or None when ``master``'s state is kept in memory."""
+        ...
