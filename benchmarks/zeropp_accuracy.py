@@ -18,7 +18,8 @@ statistics are taken at the weights and data of that trajectory. Per variant, ov
 * ``zeroed``: the fraction of nonzero exact elements that come back as 0;
 * ``persistence``: ``|sum_t (q_t - e_t)|^2 / sum_t |q_t - e_t|^2`` per element over the steps, which is about 1
   when the errors of successive steps are independent and grows to the number of steps when the same error repeats
-  (a systematic effect); reported beside the same ratio of the exact gradients themselves.
+  (a systematic effect); reported beside the same ratio of the exact gradients themselves ("gradient itself");
+* ``shrunk``: the fraction of elements whose gain over the steps, ``sum_t q_t e_t / sum_t e_t^2``, is below 1/2.
 
 ``seeds`` runs plain stage 3 and each of ``--runs`` for every seed (initial weights and batch order) and optimizer
 (AdamW at lr 3e-3, or SGD with momentum 0.9 at lr 0.1, ``tests.zeropp_runs.OPTIMIZERS``) and reports the final loss
@@ -34,6 +35,8 @@ import math
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -52,8 +55,10 @@ from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.comm.collectives import PendingCollective, ProcessGroup, all_gather, reduce_scatter  # noqa: E402
 from lightning_zero.comm.hierarchical_reduce import HierarchicalReduceScatter  # noqa: E402
 from lightning_zero.comm.quantized_all_gather import quantized_all_gather  # noqa: E402
+from lightning_zero.comm.streams import CollectiveStream  # noqa: E402
 from lightning_zero.comm.topology import build_node_groups  # noqa: E402
 from lightning_zero.sharding.flat_bucket import FlatBucket  # noqa: E402
+from lightning_zero.stage3.secondary_shard import PlainGather  # noqa: E402
 from tests import zeropp_runs  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
 
@@ -78,16 +83,31 @@ def _variant(spec: str) -> tuple[int, int]:
     return int(bits.removeprefix("int")), int(block)
 
 
+@dataclass
+class _Accumulated:
+    """One variant and bucket, over this rank's shard, summed over the steps."""
+
+    error: Tensor
+    """Per element, sum_t (q_t - e_t)."""
+    error_squares: float
+    """sum_t |q_t - e_t|^2."""
+    qe: Tensor
+    """Per element, sum_t q_t e_t."""
+    ee: Tensor
+    """Per element, sum_t e_t^2."""
+
+
 class _Stats:
-    """Per variant and bucket: the sums of every step (reduced over ranks) and the per-element error summed over
-    steps (this rank's shard)."""
+    """Per variant and bucket: the sums of every step (reduced over ranks) and the per-element sums over steps
+    (this rank's shard)."""
 
     def __init__(self, group: ProcessGroup) -> None:
         self.group = group
         self.sums: dict[tuple[str, int], list[list[float]]] = {}
-        self.accumulated: dict[tuple[str, int], list[Tensor | float]] = {}
+        self.accumulated: dict[tuple[str, int], _Accumulated] = {}
 
     def add(self, variant: str, bucket: int, q: Tensor, e: Tensor) -> None:
+        """Record one step's quantized ``q`` against the exact ``e`` (this rank's part of the bucket)."""
         q, e = q.double().reshape(-1), e.double().reshape(-1)
         d = q - e
         local = torch.stack(
@@ -103,27 +123,23 @@ class _Stats:
         )
         dist.all_reduce(local, group=self.group)
         self.sums.setdefault((variant, bucket), []).append(local.tolist())
-        acc = self.accumulated.setdefault(
-            (variant, bucket), [torch.zeros_like(d), 0.0, torch.zeros_like(d), torch.zeros_like(d)]
-        )
-        acc[0] = acc[0] + d  # type: ignore[operator]
-        acc[1] = float(acc[1]) + float(d.dot(d))
-        acc[2] = acc[2] + q * e  # type: ignore[operator]
-        acc[3] = acc[3] + e * e  # type: ignore[operator]
+        zeros = torch.zeros_like(d)
+        acc = self.accumulated.setdefault((variant, bucket), _Accumulated(zeros, 0.0, zeros, zeros))
+        acc.error = acc.error + d
+        acc.error_squares += float(d.dot(d))
+        acc.qe = acc.qe + q * e
+        acc.ee = acc.ee + e * e
 
     def persistence(self) -> dict[tuple[str, int], dict[str, float]]:
-        """Per key, ``|sum_t d_t|^2 / sum_t |d_t|^2`` over every rank's shard, and per element its gain over the
-        steps ``sum_t q_t e_t / sum_t e_t^2``: the fraction of elements whose gain is below 1/2 (elements that the
-        quantizer shrinks step after step, which Adam's per-element normalization makes count as much as any)."""
+        """Per key, ``|sum_t d_t|^2 / sum_t |d_t|^2`` over every rank's shard, and the fraction of elements whose
+        gain over the steps ``sum_t q_t e_t / sum_t e_t^2`` is below 1/2 (elements that the quantizer shrinks step
+        after step, which Adam's per-element normalization makes count as much as any)."""
         out = {}
         for key in sorted(self.accumulated):
-            total, squares, qe, ee = self.accumulated[key]
-            assert isinstance(total, Tensor)
-            assert isinstance(qe, Tensor)
-            assert isinstance(ee, Tensor)
-            live = ee > 0
-            gain = qe[live] / ee[live]
-            local = [float(total.dot(total)), float(squares), float((gain < 0.5).sum()), float(live.sum())]
+            acc = self.accumulated[key]
+            live = acc.ee > 0
+            gain = acc.qe[live] / acc.ee[live]
+            local = [float(acc.error.dot(acc.error)), acc.error_squares, float((gain < 0.5).sum()), float(live.sum())]
             sums = torch.tensor(local, dtype=torch.float64)
             dist.all_reduce(sums, group=self.group)
             out[key] = {
@@ -137,7 +153,14 @@ class _ShadowReduceScatter:
     """Runs the exact fp32 reduce-scatter and each quantized variant on a bucket's input, records how they differ,
     then the run's own reduce-scatter (whose result training uses)."""
 
-    def __init__(self, own: Any, stats: _Stats, variants: list[str], intra: ProcessGroup, inter: ProcessGroup):
+    def __init__(
+        self,
+        own: Callable[..., PendingCollective],
+        stats: _Stats,
+        variants: list[str],
+        intra: ProcessGroup,
+        inter: ProcessGroup,
+    ) -> None:
         self.own = own
         self.stats = stats
         self.variants = {v: HierarchicalReduceScatter(intra, inter, *_variant(v)) for v in variants}  # type: ignore[arg-type]
@@ -160,17 +183,20 @@ class _ShadowReduceScatter:
         return pending
 
 
-class _ShadowGather:
+class _ShadowGather(PlainGather):
     """Runs the exact all-gather and each int8 variant of a bucket's shards, records how they differ, then the run's
     own gather."""
 
-    def __init__(self, own: Any, stats: _Stats, variants: list[int], index: dict[int, int]):
+    def __init__(self, own: PlainGather, stats: _Stats, variants: list[int], index: dict[int, int]) -> None:
         self.own = own
         self.stats = stats
         self.variants = variants
         self.index = index
 
-    def gather(self, bucket: FlatBucket, flat: Tensor, group: ProcessGroup, stream: Any = None) -> PendingCollective:
+    @override
+    def gather(
+        self, bucket: FlatBucket, flat: Tensor, group: ProcessGroup, stream: CollectiveStream | None = None
+    ) -> PendingCollective:
         exact = torch.empty_like(flat)
         all_gather(exact, bucket.param_shard.clone(), group).wait()
         number = self.index[id(bucket)]
@@ -183,12 +209,9 @@ class _ShadowGather:
         self.stats.add("used", number, _mine(flat, group), _mine(exact, group))
         return pending
 
+    @override
     def secondary_bytes(self) -> int:
-        return int(self.own.secondary_bytes())
-
-    def drop(self) -> None:
-        if hasattr(self.own, "drop"):
-            self.own.drop()
+        return self.own.secondary_bytes()
 
 
 def _mine(flat: Tensor, group: ProcessGroup) -> Tensor:
@@ -232,7 +255,7 @@ class ShadowCollectives(pl.Callback):
             own = unit.gather_comm
             if id(own) not in gathers:
                 gathers[id(own)] = _ShadowGather(own, self.weights, self.weight_variants, index)
-            unit.gather_comm = gathers[id(own)]  # type: ignore[assignment]
+            unit.gather_comm = gathers[id(own)]
 
 
 def _summarize(stats: _Stats) -> dict[str, Any]:
@@ -277,9 +300,13 @@ def measure_errors(
     return {"losses": result["losses"], "grads": _summarize(shadows.grads), "weights": _summarize(shadows.weights)}
 
 
-def fit_runs(zeros: list[dict[str, Any]], steps: int, root: str, model: str, seed: int, optimizer: str) -> list[Any]:
+def fit_runs(
+    zeros: list[dict[str, Any]], steps: int, root: str, model: str, seed: int, optimizer: str, lr: float | None = None
+) -> list[Any]:
     """In a rank: ``fit_gpt`` for each of ``zeros`` in turn; every run's per-step losses."""
-    return [zeropp_runs.fit_gpt(zero, steps, root, model, seed=seed, optimizer=optimizer)["losses"] for zero in zeros]
+    return [
+        zeropp_runs.fit_gpt(zero, steps, root, model, seed=seed, optimizer=optimizer, lr=lr)["losses"] for zero in zeros
+    ]
 
 
 def _print_errors(name: str, summary: dict[str, Any]) -> None:
@@ -322,29 +349,40 @@ def main() -> None:
     seeds.add_argument("--optimizers", default="adamw,sgd")
     seeds.add_argument("--runs", default="stage 3 + ZeRO++", help=f"compared with stage 3, of: {', '.join(RUNS)}")
     seeds.add_argument("--loss-window", type=int, default=20)
+    seeds.add_argument("--lr", type=float, default=None, help="instead of each optimizer's default learning rate")
     for p in (errors, seeds):
         p.add_argument("--steps", type=int, default=60)
         p.add_argument("--model", choices=["small", "tiny"], default="tiny")
         p.add_argument("--timeout", type=float, default=7200.0)
         p.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.command == "errors":
+        _errors(args)
+    else:
+        _seeds(args)
+
+
+def _errors(args: argparse.Namespace) -> None:
     from benchmarks import zeropp_accuracy as this  # rank functions must be importable by name
 
-    if args.command == "errors":
-        grad_variants = args.grad_variants.split(",")
-        weight_variants = [int(b) for b in args.weight_variants.split(",")]
-        with tempfile.TemporaryDirectory() as root:
-            ranks = run_distributed(
-                this.measure_errors, 4, RUNS[args.follow], args.steps, root, args.model, grad_variants,
-                weight_variants, init_process_group=False, timeout=args.timeout, collective_timeout=600,
-            )  # fmt: skip
-        result = ranks[0]
-        print(f"following {args.follow}, {args.steps} steps, {args.model} GPT")
-        _print_errors("gradients (reduce-scatter)", result["grads"])
-        _print_errors("weights (all-gather)", result["weights"])
-        if args.out is not None:
-            args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **result}, indent=1))
-        return
+    grad_variants = args.grad_variants.split(",")
+    weight_variants = [int(b) for b in args.weight_variants.split(",")]
+    with tempfile.TemporaryDirectory() as root:
+        ranks = run_distributed(
+            this.measure_errors, 4, RUNS[args.follow], args.steps, root, args.model, grad_variants, weight_variants,
+            init_process_group=False, timeout=args.timeout, collective_timeout=600,
+        )  # fmt: skip
+    result = ranks[0]  # every rank holds the same reduced statistics
+    print(f"following {args.follow}, {args.steps} steps, {args.model} GPT")
+    _print_errors("gradients (reduce-scatter)", result["grads"])
+    _print_errors("weights (all-gather)", result["weights"])
+    if args.out is not None:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **result}, indent=1))
+
+
+def _seeds(args: argparse.Namespace) -> None:
+    from benchmarks import zeropp_accuracy as this  # rank functions must be importable by name
+
     names = [n.strip() for n in args.runs.split(",")]
     zeros = [RUNS["stage 3"]] + [RUNS[n] for n in names]
     table: dict[str, Any] = {}
@@ -352,7 +390,7 @@ def main() -> None:
         for seed in [int(s) for s in args.seeds.split(",")]:
             with tempfile.TemporaryDirectory() as root:
                 ranks = run_distributed(
-                    this.fit_runs, 4, zeros, args.steps, root, args.model, seed, optimizer,
+                    this.fit_runs, 4, zeros, args.steps, root, args.model, seed, optimizer, args.lr,
                     init_process_group=False, timeout=args.timeout, collective_timeout=600,
                 )  # fmt: skip
             finals = [
@@ -367,11 +405,11 @@ def main() -> None:
                 "final": dict(zip(["stage 3", *names], finals, strict=True)),
                 "curves": curves,
             }
-            gaps = ", ".join(f"{n} {f / finals[0] - 1:+.2%}" for n, f in zip(names, finals[1:], strict=True))
+            changes = ", ".join(f"{n} {f / finals[0] - 1:+.2%}" for n, f in zip(names, finals[1:], strict=True))
             print(
                 f"{optimizer} seed {seed}: stage 3 {finals[0]:.4f}; "
                 + ", ".join(f"{n} {f:.4f}" for n, f in zip(names, finals[1:], strict=True))
-                + f" ({gaps})",
+                + f" ({changes})",
                 flush=True,
             )
     print("\n| optimizer | run | gap per seed | mean | spread (sd) |")

@@ -165,14 +165,16 @@ def fit_gpt(
     seed: int = 0,
     optimizer: str = "adamw",
     callbacks: list[pl.Callback] | None = None,
+    lr: float | None = None,
 ) -> dict[str, Any]:
     """The example GPT on the shipped corpus, through the Trainer with stage 3 and ``zero``'s fields, bf16-mixed,
     on the ranks of ``run_distributed(..., init_process_group=False)``; every rank's per-step record. ``seed``
-    sets the initial weights and the order of the batches; ``optimizer`` is a key of ``OPTIMIZERS``."""
+    sets the initial weights and the order of the batches; ``optimizer`` is a key of ``OPTIMIZERS``, ``lr`` overrides
+    its learning rate."""
     pl.seed_everything(seed)
     config = GPTConfig.small() if model == "small" else GPTConfig.tiny(vocab_size=256, block_size=64)
-    module, lr = OPTIMIZERS[optimizer]
-    lit = module(config, lr=lr)
+    module, default_lr = OPTIMIZERS[optimizer]
+    lit = module(config, lr=default_lr if lr is None else lr)
     data = ByteCorpusDataModule(path=CORPUS, seq_len=config.block_size, batch_size=8)
     recorder = StepRecorder(progress_every)
     trainer = _trainer(zero, steps, root, callbacks=[recorder, *(callbacks or [])])
