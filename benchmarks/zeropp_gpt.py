@@ -12,8 +12,11 @@ see the same initial weights and the same batches. Reported per run:
   ranks and steps after the first, whose gathers are rounds: Note [data-dependent units]);
 * the final loss: the training loss averaged over the last ``--loss-window`` steps and over the ranks (each rank
   sees other batches, so one rank's last loss is noise);
-* the median step time (wall, slowest rank), and the time the inter-node bytes would take at ``--bandwidth-gbit``
-  Gbit/s, the projection for a real cluster (on one machine "inter-node" bytes cross no wire).
+* the median step time (wall, slowest rank), the median CPU time per step and rank (all threads of the rank,
+  gloo's included: it barely moves when other processes compete for the cores), the cores other processes used
+  during the run (the machine's busy CPU time from ``/proc/stat`` minus the ranks' own, over the run's wall time),
+  and the time the inter-node bytes would take at ``--bandwidth-gbit`` Gbit/s, the projection for a real cluster
+  (on one machine "inter-node" bytes cross no wire).
 
 ``--runs`` picks other runs too (each switch alone), always against plain stage 3.
 """
@@ -22,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +55,31 @@ RUNS: dict[str, dict[str, Any]] = {
 DEFAULT_RUNS = "stage 3,stage 3 + ZeRO++"
 
 
-def summarize(ranks: list[dict[str, Any]], loss_window: int) -> dict[str, Any]:
+def summarize(ranks: list[dict[str, Any]], loss_window: int, busy: float, wall: float) -> dict[str, Any]:
+    """One run's figures from its ranks' records; ``busy``: the machine's busy CPU-seconds over the ``wall`` seconds
+    of the run."""
     steps = len(ranks[0]["losses"])
     after_first = range(1, steps)
     sent = {k: statistics.median(r["sent"][s][k] for r in ranks for s in after_first) for k in ("all", "inter_node")}
     final = statistics.fmean(loss for r in ranks for loss in r["losses"][-loss_window:])
     step_time = statistics.median(max(r["seconds"][s] for r in ranks) for s in after_first)
-    return {"sent_per_step": sent, "final_loss": final, "step_time_s": step_time, "steps": steps}
+    cpu = statistics.median(r["cpu_seconds"][s] for r in ranks for s in after_first)
+    own = sum(sum(r["cpu_seconds"]) for r in ranks)
+    return {
+        "sent_per_step": sent,
+        "final_loss": final,
+        "step_time_s": step_time,
+        "cpu_per_step_s": cpu,
+        "other_cores": max(busy - own, 0.0) / wall,
+        "steps": steps,
+    }
+
+
+def busy_cpu_seconds() -> float:
+    """CPU-seconds all processes on the machine have spent busy since boot (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -76,22 +99,24 @@ def main() -> None:
     raw: dict[str, Any] = {}
     for name in names:
         zero = RUNS[name]
+        busy, start = busy_cpu_seconds(), time.perf_counter()
         with tempfile.TemporaryDirectory() as root:
             ranks = run_distributed(
                 zeropp_runs.fit_gpt, 4, zero, args.steps, root, args.model, 25,
                 init_process_group=False, timeout=args.timeout, collective_timeout=600,
             )  # fmt: skip
+        busy, wall = busy_cpu_seconds() - busy, time.perf_counter() - start
         raw[name] = ranks
-        results[name] = summarize(ranks, args.loss_window)
+        results[name] = summarize(ranks, args.loss_window, busy, wall)
         print(name, json.dumps(results[name]), flush=True)
     plain = results["stage 3"]
     seconds_per_byte = 8 / (args.bandwidth_gbit * 1e9)
     print()
     print(
         f"| run | bytes sent / step | to the other node / step | vs stage 3 | at {args.bandwidth_gbit:g} Gbit/s "
-        "| final loss | vs stage 3 | step time |"
+        "| final loss | vs stage 3 | step time | CPU / step / rank | other processes |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         inter = r["sent_per_step"]["inter_node"]
         r["inter_node_ratio"] = inter / plain["sent_per_step"]["inter_node"]
@@ -99,7 +124,7 @@ def main() -> None:
         print(
             f"| {name} | {r['sent_per_step']['all'] / 1e6:.3f} MB | {inter / 1e6:.3f} MB | {r['inter_node_ratio']:.3f} "
             f"| {inter * seconds_per_byte * 1e3:.3f} ms | {r['final_loss']:.4f} | {r['final_loss_change'] * 100:+.2f}% "
-            f"| {r['step_time_s'] * 1e3:.0f} ms |"
+            f"| {r['step_time_s'] * 1e3:.0f} ms | {r['cpu_per_step_s'] * 1e3:.0f} ms | {r['other_cores']:.2f} cores |"
         )
     if args.out is not None:
         summary = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": results, "configs": RUNS}

@@ -23,6 +23,7 @@ from lightning_zero.comm.quantized_all_gather import quantized_all_gather
 from lightning_zero.comm.topology import LINKS, NodeTopology, build_node_groups
 from lightning_zero.models import GPTConfig, LitGPT
 from lightning_zero.models.data import ByteCorpusDataModule
+from lightning_zero.models.param_groups import param_groups_with_weight_decay
 from lightning_zero.stage3.sharded_init import shard_module
 from tests.parity import batch, build_model, build_optimizer, full_weights, loss_fn, native_collectives_on
 
@@ -113,20 +114,24 @@ def _world_size() -> int:
 
 
 class StepRecorder(pl.Callback):
-    """Per optimizer step: the training loss, the bytes this rank sent by link, and the wall time since the last."""
+    """Per optimizer step: the training loss, the bytes this rank sent by link, and the wall time and this process's
+    CPU time (all its threads, gloo's included) since the last."""
 
     def __init__(self, progress_every: int | None = None) -> None:
         self.progress_every = progress_every
         self.losses: list[float] = []
         self.sent: list[dict[str, int]] = []
         self.seconds: list[float] = []
+        self.cpu_seconds: list[float] = []
         self._last = time.perf_counter()
+        self._last_cpu = time.process_time()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         self.seconds.append(now - self._last)
-        self._last = now
+        self.cpu_seconds.append(cpu - self._last_cpu)
+        self._last, self._last_cpu = now, cpu
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss))
         strategy = trainer.strategy
@@ -138,17 +143,41 @@ class StepRecorder(pl.Callback):
             print(f"step {steps}: loss {self.losses[-1]:.4f}, {self.seconds[-1]:.2f} s", flush=True)
 
 
+class SgdGPT(LitGPT):
+    """``LitGPT`` with SGD and momentum instead of AdamW: a uniform error in the gradients' scale, which Adam's
+    normalization hides, changes SGD's steps."""
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(param_groups_with_weight_decay(self.gpt, 0.0), lr=self.lr, momentum=0.9)
+
+
+OPTIMIZERS: dict[str, tuple[type[LitGPT], float]] = {"adamw": (LitGPT, 3e-3), "sgd": (SgdGPT, 0.1)}
+"""The example GPT's module class and learning rate per optimizer."""
+
+
 def fit_gpt(
-    zero: dict[str, Any], steps: int, root: str, model: str = "small", progress_every: int | None = None
+    zero: dict[str, Any],
+    steps: int,
+    root: str,
+    model: str = "small",
+    progress_every: int | None = None,
+    seed: int = 0,
+    optimizer: str = "adamw",
+    callbacks: list[pl.Callback] | None = None,
+    lr: float | None = None,
 ) -> dict[str, Any]:
     """The example GPT on the shipped corpus, through the Trainer with stage 3 and ``zero``'s fields, bf16-mixed,
-    on the ranks of ``run_distributed(..., init_process_group=False)``; every rank's per-step record."""
-    pl.seed_everything(0)
+    on the ranks of ``run_distributed(..., init_process_group=False)``; every rank's per-step record. ``seed``
+    sets the initial weights and the order of the batches; ``optimizer`` is a key of ``OPTIMIZERS``, ``lr`` overrides
+    its learning rate."""
+    pl.seed_everything(seed)
     config = GPTConfig.small() if model == "small" else GPTConfig.tiny(vocab_size=256, block_size=64)
-    lit = LitGPT(config, lr=3e-3)
+    module, default_lr = OPTIMIZERS[optimizer]
+    lit = module(config, lr=default_lr if lr is None else lr)
     data = ByteCorpusDataModule(path=CORPUS, seq_len=config.block_size, batch_size=8)
     recorder = StepRecorder(progress_every)
-    trainer = _trainer(zero, steps, root, callbacks=[recorder])
+    trainer = _trainer(zero, steps, root, callbacks=[recorder, *(callbacks or [])])
     trainer.fit(lit, data)
     strategy = trainer.strategy
     assert isinstance(strategy, ZeroStrategy)
@@ -156,6 +185,7 @@ def fit_gpt(
         "losses": recorder.losses,
         "sent": recorder.sent,
         "seconds": recorder.seconds,
+        "cpu_seconds": recorder.cpu_seconds,
         "model_state": strategy.model_state_bytes()._asdict(),
     }
 
