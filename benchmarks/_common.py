@@ -290,10 +290,10 @@ class TrafficMeter:
     """Bytes this rank sends through ``torch.distributed``'s Python collectives, per step, for peers that keep no
     record of their own (FSDP2, DeepSpeed). Each collective is charged what a bandwidth-optimal algorithm sends,
     the same accounting as our ``CommLedger``: all-gather (N−1)·input, reduce-scatter and all-to-all (N−1)/N·input,
-    all-reduce 2·(N−1)/N·tensor, broadcast (N−1)·tensor from its source. Collectives issued from C++ (DDP's
-    reducer) are invisible to it. ``install()`` must run before the peer is built, since some capture the
-    functions then; a call nested in another counted one (a deprecated alias forwarding to its successor) counts
-    once."""
+    all-reduce 2·(N−1)/N·tensor, broadcast (N−1)·tensor from its source, a point-to-point send its tensor.
+    Collectives issued from C++ (DDP's reducer) are invisible to it. ``install()`` must run before the peer is
+    built, since some capture the functions then; a call nested in another counted one (a deprecated alias
+    forwarding to its successor) counts once."""
 
     def __init__(self) -> None:
         self.current: dict[str, int] = {}
@@ -326,6 +326,7 @@ class TrafficMeter:
             "all_to_all_single": scattered,
             "all_reduce": lambda w, a: 2 * _nbytes(_arg(a, 0)) * (w - 1) // w,
             "broadcast": broadcast,
+            "isend": lambda w, a: _nbytes(_arg(a, 0)),
         }
         for module in (dist, dist.distributed_c10d):
             for name, charge in charges.items():

@@ -1,5 +1,5 @@
-"""The collectives on gloo (all-to-all reduce-scatter, broadcast all-gather) against their definitions, and the pool
-of buffers the gradient reduction reuses."""
+"""The collectives on gloo (pairwise reduce-scatter and all-gather) against their definitions, and the pool of
+buffers the gradient reduction reuses."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from lightning_zero import ZeroConfig, ZeroOptimizer, shard_module
 from lightning_zero.comm.buffer_pool import BufferPool
-from lightning_zero.comm.collectives import all_gather, reduce_scatter
+from lightning_zero.comm.collectives import all_gather, receive_buffer_numel, reduce_scatter
 from lightning_zero.models.gpt import GPT, GPTConfig
 from tests.harness import run_distributed
 
@@ -21,27 +21,35 @@ def _contribution(rank: int, world: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(world * SHARD, generator=generator).to(dtype)
 
 
-def _reduce_scatter(dtype_name: str, with_scratch: bool) -> bool:
+def _reduce_scatter(dtype_name: str, with_scratch: bool, in_place: bool) -> bool:
     dtype = getattr(torch, dtype_name)
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = _contribution(rank, world, dtype)
-    expected = torch.stack([_contribution(r, world, dtype).float() for r in range(world)]).mean(0)
-    expected = expected[rank * SHARD : (rank + 1) * SHARD]
-    output = torch.full((SHARD,), float("nan"), dtype=dtype)
-    scratch = torch.full((world * SHARD,), float("nan"), dtype=dtype) if with_scratch else None
+    chunks = [_contribution(r, world, dtype)[rank * SHARD : (rank + 1) * SHARD] for r in range(world)]
+    expected = torch.stack(chunks).float().mean(0)
+    in_order = chunks[0].clone()  # Note [reduce-scatter on gloo]: summed in rank order, then divided
+    for chunk in chunks[1:]:
+        in_order.add_(chunk)
+    output = mine[rank * SHARD : (rank + 1) * SHARD] if in_place else torch.full((SHARD,), float("nan"), dtype=dtype)
+    spare = receive_buffer_numel(output, mine, dist.group.WORLD)
+    assert spare == (world - 1 if in_place else world - 2) * SHARD  # none at all for two ranks, out of place
+    scratch = torch.full((spare,), float("nan"), dtype=dtype) if with_scratch and spare else None
     pending = reduce_scatter(output, mine, dist.group.WORLD, scratch=scratch)
     assert pending.bytes_sent == (world - 1) * SHARD * mine.element_size()
     pending.wait()
     tolerance = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(output.float(), expected, rtol=tolerance, atol=tolerance)
+    if dtype != torch.float16:  # fp16 is divided before the sum (Note [when to average])
+        assert torch.equal(output, in_order.div_(world))
     return True
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float16"])
-def test_reduce_scatter_averages_this_ranks_shard(world_size, dtype_name):
-    assert all(run_distributed(_reduce_scatter, world_size, dtype_name, world_size == 2))
+@pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
+def test_reduce_scatter_averages_this_ranks_shard(world_size, dtype_name, in_place):
+    assert all(run_distributed(_reduce_scatter, world_size, dtype_name, world_size == 4, in_place))
 
 
 def _fp16_near_max() -> list[float]:

@@ -1,10 +1,11 @@
 """``BufferPool``: reusable flat scratch buffers for the gradient reduction.
 
-Every backward needs, per bucket, a full-size buffer to collect gradients in (stages 2 and 3) and, on gloo, one to
-receive the all-to-all in (Note [reduce-scatter on gloo]). Allocating them afresh each time costs a page fault per
-4 KiB page on every backward (~5 ms per 16 MB buffer when the allocator returns large blocks to the kernel, as glibc
-does above its mmap threshold and as any allocator does under memory pressure), and zeroing them costs a pass over
-the memory. A pool hands out buffers it already owns, with arbitrary content, so they are paid for once.
+Every backward needs, per bucket, a full-size buffer to collect gradients in (stages 2 and 3) and, on gloo beyond
+two ranks, one to receive the other ranks' chunks in (Note [reduce-scatter on gloo]). Allocating them afresh each
+time costs a page fault per 4 KiB page on every backward (~5 ms per 16 MB buffer when the allocator returns large
+blocks to the kernel, as glibc does above its mmap threshold and as any allocator does under memory pressure), and
+zeroing them costs a pass over the memory. A pool hands out buffers it already owns, with arbitrary content, so
+they are paid for once.
 
 Note [size classes]
 Buckets are of about one size, except a few holding one large parameter (an embedding can be twice a bucket). A
@@ -66,10 +67,9 @@ class BufferPool:
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A 1-D tensor of ``numel`` elements, uninitialized (it holds whatever its last user left)."""
         key = (dtype, device)
-        classes = self._classes.get(key, [])
-        if not classes or classes[-1] < numel:
+        if numel not in self._sizes.get(key, ()):  # a size not announced: give it its class (Note [size classes])
             self.reserve(numel, dtype, device)
-            classes = self._classes[key]
+        classes = self._classes[key]
         size = classes[bisect.bisect_left(classes, numel)]
         free = self._free.setdefault((key, size), [])
         if free:

@@ -20,16 +20,30 @@ parameter gathers), and because the test harness hands the environment to every 
 Note [reduce-scatter on gloo]
 Measured on the 2-core CPU machine, 2 ranks, one thread each (``benchmarks/collectives.py``): averaging a 4M-element
 fp32 bucket took 21 ms with ``reduce_scatter_single``, 17 ms with ``all_reduce`` (which also moves twice the bytes)
-and 15 ms with ``all_to_all_single`` followed by a local sum over the received chunks (85 ms vs 146 ms at 25M).
-The all-to-all form moves exactly the bandwidth-optimal (N-1)/N of the input, so on gloo we use it; on every other
-backend (NCCL) the native ``reduce_scatter_single`` is both fastest and optimal. The receive buffer is the caller's
-(``scratch``, from its ``BufferPool``): allocated per call it cost ~5 ms of page faults per 16 MB bucket.
+and 15 ms with ``all_to_all_single`` followed by a local sum over the received chunks (85 ms vs 146 ms at 25M). The
+all-to-all needs a receive buffer as large as the bucket, though, of which one chunk is a copy of our own. So on gloo
+a reduce-scatter is a pairwise exchange instead: to each peer, ``isend`` the chunk it owns and ``irecv`` its chunk
+of ours. The first peer's chunk lands straight in ``output`` and only the others (N-2 chunks) in the caller's
+``scratch`` (``receive_buffer_numel``; none at N = 2), then ours is added in place: the same (N-1)/N of the input on
+the wire, no copy of our own chunk, and no receive buffer at all on two ranks. It is also faster: 5.0 against
+7.0 ms for a 4.2M-element bucket with its local sum, 2 ranks. The chunks are summed in rank order, c0 + c1 + ...,
+as the all-to-all's sum over its rows did, then divided by N. When ``output`` is our own chunk of ``input`` (stage
+1's in-place reduction) it cannot receive: N-1 chunks go to ``scratch``. On every other backend (NCCL) the native
+``reduce_scatter_single`` is both fastest and optimal and needs no buffer.
 
 Note [all-gather on gloo]
 Gloo's ``all_gather_single`` gathers into a temporary and then copies it into the output: 15.8 ms per 4M-element
 fp32 bucket against 6.9 ms for N in-place broadcasts, one rooted at each rank, over the shard views of the output
-(``benchmarks/collectives.py``, 2 ranks). Each rank sends its shard to the N-1 others and receives theirs: the same
-(N-1)·shard bytes as a ring all-gather, with no temporary and no copy. NCCL's all-gather is in place already.
+(``benchmarks/collectives.py``, 2 ranks), and less again for the pairwise form the reduce-scatter uses: ``isend``
+our shard to each peer and ``irecv`` theirs into their views of the output (6.9-7.5 against 8.5-8.8 ms for a
+6M-element unit). Each rank sends its shard to the N-1 others and receives theirs: the same (N-1)·shard bytes as a
+ring all-gather, with no temporary and no copy. NCCL's all-gather is in place already.
+
+Note [pairwise tags]
+Point-to-point messages between two ranks are matched by tag, in the order they were posted. Reduce-scatters and
+all-gathers each have a tag of their own, so that a message of one kind can never complete a receive of the other;
+within a kind, every rank issues the collectives of a group in the same order (what pairs any collective), and that
+order pairs the messages.
 
 Note [when to average]
 Gradients are averaged, not summed. Dividing the summed 1/N shard by N after the reduction is N times less work
@@ -56,6 +70,10 @@ from lightning_zero.comm.streams import CollectiveStream
 ProcessGroup = dist.ProcessGroup
 
 NATIVE_COLLECTIVES_ENV = "LIGHTNING_ZERO_NATIVE_COLLECTIVES"
+REDUCE_SCATTER_TAG = 0x5253
+"""Tag of gloo's pairwise reduce-scatter messages (Note [pairwise tags])."""
+ALL_GATHER_TAG = 0x4147
+"""Tag of gloo's pairwise all-gather messages (Note [pairwise tags])."""
 """Set to ``1`` to run the native (NCCL) branch of every collective on gloo too: Note [native collectives]."""
 
 
@@ -129,24 +147,40 @@ def native_collectives() -> bool:
     )
 
 
-def _runs_on_gloo(tensor: Tensor, group: ProcessGroup) -> bool:
+def _runs_on_gloo(device: torch.device, group: ProcessGroup) -> bool:
     backend = str(dist.get_backend(group))
     if ":" not in backend:  # a single backend for every device, e.g. "gloo" or "nccl"
         return backend == "gloo"
     # A per-device mapping such as "cpu:gloo,cuda:nccl".
     per_device = dict(entry.split(":") for entry in backend.split(","))
-    return per_device.get(tensor.device.type) == "gloo"
+    return per_device.get(device.type) == "gloo"
 
 
 def _gloo_form(tensor: Tensor, group: ProcessGroup) -> bool:
     """Whether this collective takes gloo's own form (Notes [reduce-scatter on gloo], [all-gather on gloo])."""
-    return _runs_on_gloo(tensor, group) and not native_collectives()
+    return _runs_on_gloo(tensor.device, group) and not native_collectives()
 
 
-def needs_receive_buffer(input: Tensor, group: ProcessGroup) -> bool:
-    """Whether ``reduce_scatter(..., input, group)`` would use a ``scratch`` receive buffer: only gloo's all-to-all
-    form does, so callers borrow one only then (on NCCL it would be an unused bucket-sized buffer per bucket)."""
-    return group.size() > 1 and _gloo_form(input, group)
+def receive_buffer_sizes(shard_numel: int, device: torch.device, group: ProcessGroup) -> tuple[int, ...]:
+    """Every ``receive_buffer_numel`` a reduce-scatter of ``shard_numel``-element shards may ask for on ``device``:
+    out of place and in place. A pool reserves them ahead (Note [size classes] in ``buffer_pool.py``)."""
+    world = group.size()
+    if world == 1 or not _runs_on_gloo(device, group) or native_collectives():
+        return ()
+    return tuple(n * shard_numel for n in (world - 2, world - 1) if n > 0)
+
+
+def receive_buffer_numel(output: Tensor, input: Tensor, group: ProcessGroup) -> int:
+    """Elements of the ``scratch`` receive buffer ``reduce_scatter(output, input, group)`` needs: in gloo's pairwise
+    form, the chunks of the peers that cannot land in ``output`` (Note [reduce-scatter on gloo]); 0 on NCCL."""
+    world = group.size()
+    if world == 1 or not _gloo_form(input, group):
+        return 0
+    return (world - 1 - (0 if _aliases(output, input) else 1)) * output.numel()
+
+
+def _aliases(a: Tensor, b: Tensor) -> bool:
+    return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
 
 def _native(new: str, old: str) -> Callable[..., Any]:
@@ -180,8 +214,8 @@ def reduce_scatter(
     """Average ``input`` (world * shard elements) across ranks; this rank's shard lands in ``output``.
 
     ``input`` must not change until the collective completes; fp16 input is divided by the world size in place
-    first (Note [when to average]). ``scratch``: in gloo's form (``needs_receive_buffer``), a buffer of ``input``'s
-    size and dtype to receive into, lent by the caller until ``wait()`` returns; without it one is allocated.
+    first (Note [when to average]). ``scratch``: in gloo's form, a buffer of ``receive_buffer_numel`` elements of
+    ``input``'s dtype to receive into, lent by the caller until ``wait()`` returns; without it one is allocated.
     ``output`` may be this rank's own chunk of ``input`` (an in-place reduce-scatter): gloo writes it only once the
     exchange is complete, NCCL supports that aliasing.
     """
@@ -195,22 +229,7 @@ def reduce_scatter(
         input.div_(world)
     wire_bytes = _nbytes(input) * (world - 1) // world
     if _gloo_form(input, group):
-        # See Note [reduce-scatter on gloo].
-        if scratch is None:
-            scratch = torch.empty_like(input)
-        assert scratch.numel() == input.numel(), (scratch.shape, input.shape)
-        assert scratch.dtype == input.dtype, (scratch.dtype, input.dtype)
-        received = scratch.view(input.shape)  # chunk r is rank r's contribution to our shard
-        with stream.launch() if stream is not None else nullcontext():
-            work = dist.all_to_all_single(received, input, group=group, async_op=True)
-
-        def finish() -> None:
-            # One pass: mean is the sum then the division, bit for bit, without a second sweep over the shard.
-            reduce = torch.sum if divide_first else torch.mean
-            reduce(received.view(world, -1), dim=0, out=output.view(-1))
-
-        send = make_send(dist.all_to_all_single, input, wire_bytes, group)
-        return PendingCollective(Collective.REDUCE_SCATTER, (work,), (received, input, output), (send,), finish, stream)
+        return _pairwise_reduce_scatter(output, input, group, scratch, stream, divide_first)
     function = _native("reduce_scatter_single", "reduce_scatter_tensor")
     with stream.launch() if stream is not None else nullcontext():
         work = function(output, input, group=group, async_op=True)
@@ -249,21 +268,77 @@ def all_gather(
         own = shards[rank]
         if own.data_ptr() != input.data_ptr():
             own.copy_(input.view(-1))
-        with stream.launch() if stream is not None else nullcontext():
-            works = tuple(
-                dist.broadcast(shards[r], src=dist.get_global_rank(group, r), group=group, async_op=True)
-                for r in range(world)
-            )
-        sends = tuple(
-            make_send(dist.broadcast, shards[r], _nbytes(shards[r]) * (world - 1) if r == rank else 0, group)
-            for r in range(world)
-        )
-        return PendingCollective(Collective.ALL_GATHER, works, (output, input), sends, None, stream)
+        exchange = [(r, own, shards[r]) for r in range(world) if r != rank]
+        return _exchange(Collective.ALL_GATHER, exchange, group, ALL_GATHER_TAG, (output, input), None, stream)
     function = _native("all_gather_single", "all_gather_into_tensor")
     with stream.launch() if stream is not None else nullcontext():
         work = function(output, input, group=group, async_op=True)
     send = make_send(function, input, _nbytes(input) * (world - 1), group)
     return PendingCollective(Collective.ALL_GATHER, (work,), (output, input), (send,), None, stream)
+
+
+def _pairwise_reduce_scatter(
+    output: Tensor,
+    input: Tensor,
+    group: ProcessGroup,
+    scratch: Tensor | None,
+    stream: CollectiveStream | None,
+    divide_first: bool,
+) -> PendingCollective:
+    """Gloo's reduce-scatter: Note [reduce-scatter on gloo]."""
+    world, rank = group.size(), group.rank()
+    chunks = input.view(world, -1)
+    out = output.view(-1)
+    in_place = _aliases(output, input)
+    spare = receive_buffer_numel(output, input, group)
+    if scratch is None and spare:
+        scratch = torch.empty(spare, dtype=input.dtype, device=input.device)
+    assert spare == 0 or (scratch is not None and scratch.numel() == spare), (spare, scratch)
+    rows = iter(scratch.view(-1, out.numel()) if scratch is not None and spare else ())
+    peers_in_order = [r for r in range(world) if r != rank]
+    landing = {r: (out if (r == peers_in_order[0] and not in_place) else next(rows)) for r in peers_in_order}
+    exchange = [(r, chunks[r], landing[r]) for r in peers_in_order]
+    parts = [chunks[r] if r == rank else landing[r] for r in range(world)]
+
+    def finish() -> None:
+        # Sum in rank order, c0 + c1 first, into ``out`` if it holds one of the two, else into c0's receive row (our
+        # own chunk is ``out`` or read-only input).
+        total = out if out.data_ptr() in (parts[0].data_ptr(), parts[1].data_ptr()) else parts[0]
+        total.add_(parts[1] if total.data_ptr() == parts[0].data_ptr() else parts[0])
+        for part in parts[2:]:
+            total.add_(part)
+        if total.data_ptr() != out.data_ptr():
+            out.copy_(total)
+        if not divide_first:
+            out.div_(world)
+
+    return _exchange(
+        Collective.REDUCE_SCATTER, exchange, group, REDUCE_SCATTER_TAG, (input, output), finish, stream, scratch
+    )
+
+
+def _exchange(
+    kind: Collective,
+    exchange: list[tuple[int, Tensor, Tensor]],
+    group: ProcessGroup,
+    tag: int,
+    buffers: tuple[Tensor, ...],
+    finish: Callable[[], None] | None,
+    stream: CollectiveStream | None,
+    scratch: Tensor | None = None,
+) -> PendingCollective:
+    """Post, for each ``(peer, send, receive)`` (``peer`` a rank of ``group``), an ``isend`` of ``send`` and an
+    ``irecv`` into ``receive``, tagged ``tag`` (Note [pairwise tags])."""
+    works: list[dist.Work] = []
+    sends: list[Send] = []
+    with stream.launch() if stream is not None else nullcontext():
+        for peer, send, receive in exchange:
+            other = dist.get_global_rank(group, peer)
+            works.append(dist.isend(send, dst=other, group=group, tag=tag))
+            works.append(dist.irecv(receive, src=other, group=group, tag=tag))
+            sends.append(Send("isend", send.numel(), send.dtype, _nbytes(send), (other,)))
+    held = buffers + (() if scratch is None else (scratch,))
+    return PendingCollective(kind, tuple(works), held, tuple(sends), finish, stream)
 
 
 def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> PendingCollective:

@@ -46,7 +46,13 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.comm.buffer_pool import BufferPool
-from lightning_zero.comm.collectives import PendingCollective, ProcessGroup, needs_receive_buffer, reduce_scatter
+from lightning_zero.comm.collectives import (
+    PendingCollective,
+    ProcessGroup,
+    receive_buffer_numel,
+    receive_buffer_sizes,
+    reduce_scatter,
+)
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.comm.streams import CollectiveStream
 from lightning_zero.config import ZeroConfig, dtype_from_name
@@ -101,7 +107,8 @@ class GradientReducer:
         self.pool = BufferPool()
         """Receive buffers (and stage 2's staging buffers), reused across buckets (Note [buffers between steps])."""
         for bucket in self.buckets:
-            self.pool.reserve(bucket.padded_numel, self._reduce_dtype(bucket), bucket.device)
+            for numel in (bucket.padded_numel, *receive_buffer_sizes(bucket.shard_numel, bucket.device, group)):
+                self.pool.reserve(numel, self._reduce_dtype(bucket), bucket.device)
         self._lent: list[list[Tensor]] = [[] for _ in self.buckets]
         """Pooled buffers an in-flight bucket's collective uses; back to the pool when it completes."""
         self.reduced_hooks: list[Callable[[FlatBucket], None]] = []
@@ -258,11 +265,13 @@ class GradientReducer:
             self.pool.clear()  # Note [buffers between steps]
 
     def _reduce_scatter(self, bucket: FlatBucket, output: Tensor, input: Tensor) -> PendingCollective:
-        """Issue the bucket's reduce-scatter on the reduce-scatter stream. Only gloo's form receives into a separate
-        buffer; that one is pooled and held until the bucket completes (NCCL needs none)."""
+        """Issue the bucket's reduce-scatter on the reduce-scatter stream. Only gloo's form may receive into a
+        separate buffer (N-2 chunks, or N-1 in place; none on two ranks): that one is pooled and held until the
+        bucket completes (NCCL needs none)."""
         scratch = None
-        if needs_receive_buffer(input, self.group):
-            scratch = self.pool.take(input.numel(), input.dtype, input.device)
+        numel = receive_buffer_numel(output, input, self.group)
+        if numel:
+            scratch = self.pool.take(numel, input.dtype, input.device)
             self._lent[bucket.index].append(scratch)
         return self.reduce_scatter(output, input, self.group, scratch=scratch, stream=self.stream)
 

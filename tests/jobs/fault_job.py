@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.comm.collectives import ALL_GATHER_TAG, REDUCE_SCATTER_TAG
 from lightning_zero.models.mlp import MLP
 
 FAULTS = ("raise", "kill-backward", "kill-reduce-scatter", "kill-all-gather", "stop", "hang")
@@ -50,9 +51,9 @@ class FaultyMLP(pl.LightningModule):
         if self.fault == "kill-backward":
             self.model.net[0].weight.register_hook(self._kill_in_backward)
         if self.fault in ("kill-reduce-scatter", "kill-all-gather"):
-            # On gloo the reduce-scatter is an all-to-all and the all-gather N broadcasts (comm/collectives.py).
-            name = "all_to_all_single" if self.fault == "kill-reduce-scatter" else "broadcast"
-            _die_inside(name, self)
+            # On gloo both are pairwise isend/irecv exchanges, told apart by their tags (comm/collectives.py).
+            tag = REDUCE_SCATTER_TAG if self.fault == "kill-reduce-scatter" else ALL_GATHER_TAG
+            _die_inside("isend", self, tag)
 
     def _kill_in_backward(self, grad: Tensor) -> Tensor:
         if self._armed():
@@ -76,13 +77,13 @@ class FaultyMLP(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def _die_inside(name: str, module: FaultyMLP) -> None:
-    """Issue the real collective, then die while the peers are inside it."""
+def _die_inside(name: str, module: FaultyMLP, tag: int) -> None:
+    """Issue the real call, then die while the peers are inside the collective it belongs to (``tag``)."""
     real = getattr(dist, name)
 
     def issue_then_die(*args: Any, **kwargs: Any) -> Any:
         work = real(*args, **kwargs)
-        if module._armed():
+        if module._armed() and kwargs.get("tag") == tag:
             module._mark_fault()
             os.kill(os.getpid(), signal.SIGKILL)
         return work
