@@ -7,14 +7,12 @@ For a bucket of ``size`` fp32 elements (the full, unsharded bucket) each rank ti
 
 * ``all_reduce``: in place over the bucket (what DDP does);
 * ``reduce_scatter_single``: the bucket in, this rank's 1/N shard out (torch's native gloo reduce-scatter);
-* ``all_to_all_single+sum``: every rank sends chunk r to rank r, then sums the N received chunks into its shard (the
-  form ``lightning_zero`` used before its pairwise one);
+* ``all_to_all_single+sum``: every rank sends chunk r to rank r, then sums the N received chunks into its shard;
 * ``lightning_zero reduce_scatter``: ``lightning_zero.comm.collectives.reduce_scatter`` end to end, with a reused
-  receive buffer of the size it asks for, as the gradient reducer's pool lends it (on gloo: an ``isend`` of each
-  peer's chunk and an ``irecv`` of its chunk of ours, the first straight into the output shard, then the average);
+  receive buffer as the gradient reducer's pool lends it (on gloo: the all-to-all form above plus the average of the
+  shard);
 * ``all_gather_single``: a 1/N shard in, the whole bucket out (torch's native gloo all-gather);
-* ``lightning_zero all_gather``: ``lightning_zero.comm.collectives.all_gather`` in place (on gloo: pairwise
-  ``isend``/``irecv`` of the shards);
+* ``lightning_zero all_gather``: ``lightning_zero.comm.collectives.all_gather`` in place (on gloo: N broadcasts);
 * two alternatives built from N in-place rooted collectives on the bucket's shard views, one per rank: ``reduce``
   (chunk r summed into rank r: a reduce-scatter) and ``broadcast`` (rank r's shard sent to all: an all-gather). For
   N = 2 they put the same bytes on the wire as the bandwidth-optimal reduce-scatter and all-gather.
@@ -40,7 +38,7 @@ import _common as bench
 import torch
 import torch.distributed as dist
 
-from lightning_zero.comm.collectives import all_gather, receive_buffer_numel, reduce_scatter
+from lightning_zero.comm.collectives import all_gather, reduce_scatter
 
 Op = Callable[[int, int], Callable[[], None]]
 """(bucket numel, world size) -> a closure running the collective once on preallocated buffers."""
@@ -67,9 +65,7 @@ def _all_to_all_sum(numel: int, world: int) -> Callable[[], None]:
 
 
 def _lightning_zero_reduce_scatter(numel: int, world: int) -> Callable[[], None]:
-    inp, out = torch.ones(numel), torch.empty(numel // world)
-    spare = receive_buffer_numel(out, inp, dist.group.WORLD)
-    scratch = torch.empty(spare) if spare else None
+    inp, out, scratch = torch.ones(numel), torch.empty(numel // world), torch.empty(numel)
     return lambda: reduce_scatter(out, inp, dist.group.WORLD, scratch=scratch).wait()
 
 
@@ -115,7 +111,7 @@ OPS: dict[str, tuple[Op, Callable[[int, int], int]]] = {
     "lightning_zero reduce_scatter": (_lightning_zero_reduce_scatter, lambda n, w: n * (w - 1) // w),
     "all_gather_single": (_all_gather_single, lambda n, w: n * (w - 1) // w),
     "lightning_zero all_gather": (_lightning_zero_all_gather, lambda n, w: n * (w - 1) // w),
-    # N in-place collectives, one rooted at each rank (the broadcasts were lightning_zero's all-gather before).
+    # N in-place collectives, one rooted at each rank (lightning_zero's all-gather is the broadcast form).
     "alt: reduce × N (a reduce-scatter)": (_reduce_per_rank, lambda n, w: n * (w - 1) // w),
     "alt: broadcast × N (an all-gather)": (_broadcast_per_rank, lambda n, w: n * (w - 1) // w),
 }

@@ -73,9 +73,8 @@ class ZeroConfig:
 
     prefetch_limit_numel: int | None = None
     """Stage 3: the next unit's all-gather (next in forward order during forward, previous during backward) is
-    issued ahead only if the gathered elements, counting units in use and the prefetched one, stay at or below this;
-    the optimizer step gathers the next forward's first two units ahead within the same limit. None: always prefetch
-    one unit ahead. 0: never prefetch."""
+    issued ahead only if the gathered elements, counting units in use and the prefetched one, stay at or below this.
+    None: always prefetch one unit ahead. 0: never prefetch."""
 
     reshard_root_after_forward: bool = True
     """Stage 3: whether the root unit (the parameters outside every unit: embeddings, final norm, an output head)

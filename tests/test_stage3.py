@@ -114,9 +114,7 @@ def test_stage3_model_state_is_16_psi_over_n_and_traffic_is_3_psi(world_size):
         # Plus one tiny all-reduce: which parameters got a gradient (Note [unused parameters]).
         assert 0 < sent.pop("all_reduce") < one_way // 100
         assert sent == {"all_gather": 2 * one_way, "reduce_scatter": one_way}
-        # Between steps only the next forward's first two units (root, blocks.0) are gathered, by the step (Note
-        # [gathered ahead of the forward]); their gathers count in the step that issued them.
-        assert states == ["gathering"] * 2 + ["sharded"] * (len(states) - 2), states
+        assert set(states) == {"sharded"}  # nothing stays gathered between steps
 
 
 def _root_numel_and_bytes() -> tuple[int, int, dict[str, int], dict[str, int], list[str]]:
@@ -140,8 +138,7 @@ def test_keeping_the_root_gathered_into_backward_saves_exactly_its_second_gather
         assert root_gather > 0
         assert kept["reduce_scatter"] == resharded["reduce_scatter"]
         assert kept["all_gather"] == resharded["all_gather"] - root_gather
-        # Kept only into backward: freed when it ends, and gathered again by the step for the next forward.
-        assert states == ["gathering"] * 2 + ["sharded"] * (len(states) - 2), states
+        assert set(states) == {"sharded"}  # kept only into backward: freed when it ends
 
 
 def _shard_bytes_around_zero_grad(stage: int) -> tuple[int, int, int, int]:
@@ -395,4 +392,4 @@ def test_gathers_reuse_released_memory_within_a_pass_and_nothing_changes():
         assert with_reuse["losses"] == without["losses"]
         for name, value in with_reuse["weights"].items():
             assert torch.equal(value, without["weights"][name]), name
-        assert set(with_reuse["states"][2:]) == {"sharded"}  # the first two are gathered ahead by the step
+        assert set(with_reuse["states"]) == {"sharded"}

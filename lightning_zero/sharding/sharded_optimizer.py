@@ -106,14 +106,6 @@ class ShardedParameters(Protocol):
         """Re-gather whatever is gathered right now, so that it reflects the shards."""
         ...
 
-    def lead_units(self) -> list[Any]:
-        """The units the next forward gathers first, which the step may gather ahead of it."""
-        ...
-
-    def gather_ahead(self, units: list[Any]) -> None:
-        """Issue the gathers of ``lead_units()`` once their shards are stepped."""
-        ...
-
 
 class ZeroOptimizer(Optimizer):
     """Wraps ``optimizer`` so that it holds optimizer state and master weights for this rank's shard only.
@@ -187,7 +179,9 @@ class ZeroOptimizer(Optimizer):
         self._step_chunks: list[tuple[FlatBucket, list[int], list[Tensor], list[MasterRun]]] = []
         """Stages 1 and 2 with ``overlap_comm``: each bucket's segments' groups, masters and master runs, stepped
         one bucket at a time (Note [step in chunks]); empty when the step runs in one piece."""
-        if tiers is not None or (config.overlap_comm and self.world_size > 1 and len(self.buckets) > 1):
+        if tiers is not None or (
+            gatherer is None and config.overlap_comm and self.world_size > 1 and len(self.buckets) > 1
+        ):
             for bucket in self.buckets:
                 chunk = [(seg, m) for seg, m in zip(self.segments, self.masters, strict=True) if seg.bucket is bucket]
                 runs = [run for run in self._runs if run.bucket is bucket]
@@ -390,18 +384,12 @@ class ZeroOptimizer(Optimizer):
 
     def _step_in_chunks(self) -> None:
         """Step the shard bucket by bucket, all-gathering each bucket while the next is stepped (Note [step in
-        chunks]); at stage 3, the next forward's first units first, gathered while the rest is stepped (Note
-        [gathered ahead of the forward] in ``stage3/gathered_ahead.py``)."""
+        chunks])."""
         groups = self.optimizer.param_groups
         everything = [group["params"] for group in groups]
         pending = []
-        chunks = self._step_chunks
-        lead = [] if self.gatherer is None or self.tiers is not None else self.gatherer.lead_units()
-        waiting = {id(b) for unit in lead for b in unit.buckets} & {id(chunk[0]) for chunk in chunks}
-        if waiting:
-            chunks = sorted(chunks, key=lambda chunk: id(chunk[0]) not in waiting)  # stable: lead buckets first
         try:
-            for bucket, group_of, masters, runs in chunks:
+            for bucket, group_of, masters, runs in self._step_chunks:
                 for g, group in enumerate(groups):
                     group["params"] = [m for k, m in zip(group_of, masters, strict=True) if k == g]
                 if self.tiers is not None:
@@ -413,11 +401,6 @@ class ZeroOptimizer(Optimizer):
                 if bucket.resident:
                     assert bucket.data is not None
                     pending.append(self.ledger.record(all_gather(bucket.data, bucket.param_shard, self.group)))
-                waiting.discard(id(bucket))
-                if lead and not waiting:
-                    assert self.gatherer is not None
-                    self.gatherer.gather_ahead(lead)
-                    lead = []
         finally:
             for group, params in zip(groups, everything, strict=True):
                 group["params"] = params

@@ -49,7 +49,6 @@ from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
 from lightning_zero.stage3.autograd_hooks import hook_inputs, tensors_in
 from lightning_zero.stage3.divergence import NOTHING, RankDivergenceError, UnitExchange
-from lightning_zero.stage3.gathered_ahead import GatheredAhead
 from lightning_zero.stage3.gathered_buffers import GatheredBuffers
 from lightning_zero.stage3.sharded_unit import ShardedUnit, UnitState
 
@@ -98,8 +97,6 @@ class ParameterGatherer:
         self._backward_callback_queued = False
         self.buffers = GatheredBuffers(device)
         """Memory of released units kept for the next gathers of this pass (Note [gathered buffers reused])."""
-        self.ahead = GatheredAhead()
-        """Units the optimizer step gathered for the next forward (Note [gathered ahead of the forward])."""
         self.exchange = UnitExchange(units, group, device)
         """The index exchanges that keep ranks' gathers paired (Note [divergence check])."""
         self._rounds = group.size() > 1
@@ -263,11 +260,6 @@ class ParameterGatherer:
     # -- gathering --------------------------------------------------------------------------------------------------
     def _gather(self, unit: ShardedUnit, prefetch: bool = False) -> None:
         """Issue the all-gather of ``unit`` and of the units merged into it."""
-        if not prefetch and unit in self.ahead:  # its first use: Note [gathered ahead of the forward]
-            fresh = self.ahead.fresh(unit, self._member_buckets(unit))
-            self.ahead.discard(unit)
-            if not fresh:
-                self._release(unit)
         if unit.state is not UnitState.SHARDED:
             return
         if self._rounds and not self._order_frozen:
@@ -328,7 +320,6 @@ class ParameterGatherer:
     def _release(self, unit: ShardedUnit, reuse: bool = False) -> None:
         """Free ``unit`` and the units merged into it; with ``reuse``, keep their memory for the next gathers
         (Note [gathered buffers reused])."""
-        self.ahead.discard(unit)
         if self._checks_later:
             self.exchange.verify(unit)
         keep_in = self.buffers if reuse else None
@@ -352,32 +343,6 @@ class ParameterGatherer:
             ):
                 return True
         return False
-
-    def _member_buckets(self, unit: ShardedUnit) -> list[FlatBucket]:
-        return [b for member in (unit, *self._children[unit.index]) for b in member.buckets]
-
-    def lead_units(self) -> list[ShardedUnit]:
-        """The units the next forward gathers first, once the order is known and if they may be gathered ahead of
-        it (Note [gathered ahead of the forward]): as many as ``prefetch_limit_numel`` allows, none when the shards
-        live in a memory tier."""
-        if not self._order_frozen or self.group.size() == 1:
-            return []
-        lead = [self.units[i] for i in self._forward_order[:2]]
-        if any(m.shard_source is not None for u in lead for m in (u, *self._children[u.index])):
-            return []
-        limit = self.config.prefetch_limit_numel
-        if limit is not None:
-            sizes = [sum(m.numel for m in (u, *self._children[u.index])) for u in lead]
-            lead = [u for k, u in enumerate(lead) if sum(sizes[: k + 1]) <= limit]
-        return lead
-
-    def gather_ahead(self, units: list[ShardedUnit]) -> None:
-        """Issue the gathers of ``units`` (from ``lead_units``; their shards are final for the next forward), in
-        order, on every rank (Note [gathered ahead of the forward])."""
-        for unit in units:
-            if unit.state is UnitState.SHARDED:
-                self._gather(unit, prefetch=True)
-                self.ahead.record(unit, self._member_buckets(unit))
 
     def _prefetch(self, unit: ShardedUnit, order: list[int], only: set[int] | None = None) -> None:
         """Issue the gather of the unit after ``unit`` in ``order`` if the live-elements limit allows; in backward,
@@ -436,8 +401,6 @@ class ParameterGatherer:
         for unit in self.units:
             if unit.state is UnitState.SHARDED or self._owner(unit) is not unit:
                 continue
-            if unit in self.ahead and self.ahead.fresh(unit, self._member_buckets(unit)):
-                continue  # gathered from the stepped shards already (Note [gathered ahead of the forward])
             self._release(unit)
             if self._depth[unit.index] > 0:
                 self._gather(unit)
