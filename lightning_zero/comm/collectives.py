@@ -334,8 +334,12 @@ def _exchange(
     with stream.launch() if stream is not None else nullcontext():
         for peer, send, receive in exchange:
             other = dist.get_global_rank(group, peer)
-            works.append(dist.isend(send, dst=other, group=group, tag=tag))
-            works.append(dist.irecv(receive, src=other, group=group, tag=tag))
+            for work in (
+                dist.isend(send, dst=other, group=group, tag=tag),
+                dist.irecv(receive, src=other, group=group, tag=tag),
+            ):
+                assert work is not None, "this rank is a member of the group"
+                works.append(work)
             sends.append(Send("isend", send.numel(), send.dtype, _nbytes(send), (other,)))
     held = buffers + (() if scratch is None else (scratch,))
     return PendingCollective(kind, tuple(works), held, tuple(sends), finish, stream)
