@@ -3,13 +3,21 @@ buffers the gradient reduction reuses."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from lightning_zero import ZeroConfig, ZeroOptimizer, shard_module
 from lightning_zero.comm.buffer_pool import BufferPool
-from lightning_zero.comm.collectives import all_gather, receive_buffer_numel, reduce_scatter
+from lightning_zero.comm.collectives import (
+    NATIVE_COLLECTIVES_ENV,
+    all_gather,
+    receive_buffer_numel,
+    reduce_scatter,
+    reduce_scatter_pieces,
+)
 from lightning_zero.models.gpt import GPT, GPTConfig
 from tests.harness import run_distributed
 
@@ -50,6 +58,51 @@ def _reduce_scatter(dtype_name: str, with_scratch: bool, in_place: bool) -> bool
 @pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
 def test_reduce_scatter_averages_this_ranks_shard(world_size, dtype_name, in_place):
     assert all(run_distributed(_reduce_scatter, world_size, dtype_name, world_size == 4, in_place))
+
+
+def _pieces_against_flat(dtype_name: str) -> bool:
+    """The input cut into uneven pieces (a piece may straddle no chunk boundary) reduces bit for bit as the flat
+    input does (Note [gradients sent from where autograd put them])."""
+    dtype = getattr(torch, dtype_name)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = _contribution(rank, world, dtype)
+    flat = torch.empty(SHARD, dtype=dtype)
+    reduce_scatter(flat, mine.clone(), dist.group.WORLD).wait()
+    cuts = [
+        0,
+        1,
+        7,
+        300,
+        999,
+        1000,
+        1001,
+        1500,
+        2600,
+        2999,
+        3000,
+        3001,
+        3999,
+    ]  # chunk boundaries are multiples of SHARD
+    edges = sorted({c for c in cuts if c < world * SHARD} | {SHARD * r for r in range(world + 1)})
+    chunks: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    for start, end in itertools.pairwise(edges):
+        chunks[start // SHARD].append(mine[start:end].clone())  # separate tensors, as gradients are
+    spare = (world - 2) * SHARD
+    scratch = torch.full((spare,), float("nan"), dtype=dtype) if spare else None
+    output = torch.full((SHARD,), float("nan"), dtype=dtype)
+    pending = reduce_scatter_pieces(output, chunks, dist.group.WORLD, scratch=scratch)
+    assert pending.bytes_sent == (world - 1) * SHARD * mine.element_size()
+    assert len(pending.sends) == sum(len(chunks[r]) for r in range(world) if r != rank)
+    pending.wait()
+    assert torch.equal(output, flat)
+    return True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_reduce_scatter_of_pieces_equals_the_flat_reduce_scatter(world_size, dtype_name):
+    assert all(run_distributed(_pieces_against_flat, world_size, dtype_name))
 
 
 def _fp16_near_max() -> list[float]:
@@ -139,12 +192,18 @@ def _reducer_buffers(stage: int) -> list[tuple[int, int]]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [1, 2])
-def test_reduction_buffers_are_reused_across_steps_and_all_returned(stage):
-    for seen in run_distributed(_reducer_buffers, 2, stage):
+@pytest.mark.parametrize(("stage", "native"), [(1, False), (2, True), (2, False)], ids=["1", "2-native", "2-gloo"])
+def test_reduction_buffers_are_reused_across_steps_and_all_returned(stage, native):
+    env = {NATIVE_COLLECTIVES_ENV: "1" if native else "0"}
+    for seen in run_distributed(_reducer_buffers, 2, stage, env=env):
         sizes = {nbytes for nbytes, _ in seen}
         assert len(sizes) == 1, seen  # allocated in the first step, reused after
-        assert sizes.pop() > 0, seen
+        if stage == 2 and not native:
+            # Two gloo ranks: gradients are sent from .grad and received into the shard (Note [gradients sent from
+            # where autograd put them]), nothing to pool. Stage 1 receives its in-place reduction into a buffer.
+            assert sizes.pop() == 0, seen
+        else:
+            assert sizes.pop() > 0, seen
         assert all(lent == 0 for _, lent in seen), seen
 
 
@@ -173,6 +232,8 @@ def _stage3_buffers_after_backward() -> tuple[int, int]:
 
 @pytest.mark.timeout(60)
 def test_stage3_frees_its_reduction_buffers_before_the_next_forward():
-    for used, kept in run_distributed(_stage3_buffers_after_backward, 2):
+    # The native branch stages every bucket (gloo's two ranks pool nothing at all: Note [gradients sent from where
+    # autograd put them]).
+    for used, kept in run_distributed(_stage3_buffers_after_backward, 2, env={NATIVE_COLLECTIVES_ENV: "1"}):
         assert used > 0
         assert kept == 0  # Note [buffers between steps]

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_zero import ZeroConfig
 from tests.harness import run_distributed
-from tests.parity import assert_runs_match, ddp_and_zero
+from tests.parity import Run, assert_runs_match, ddp_and_zero, native_collectives_on, train, zero
 
 
 @pytest.mark.timeout(120)
@@ -42,3 +43,29 @@ def test_zero_matches_ddp_with_one_inflight_bucket_and_one_bucket_per_parameter(
 def test_world_size_one_is_a_degenerate_shard(stage):
     ((reference, sharded),) = run_distributed(ddp_and_zero, 1, "gpt", "adamw", 10, 2, ZeroConfig(stage=stage))
     assert_runs_match(reference, sharded)
+
+
+def _staged_and_sent_from_grad(model: str, accumulate: int, grad_accumulation: str) -> tuple[Run, Run]:
+    config = ZeroConfig(stage=2, bucket_numel=2_000, grad_accumulation=grad_accumulation)  # type: ignore[arg-type]
+    sent = train(model, "adamw", 4, accumulate, zero(config))
+    with native_collectives_on():  # NCCL's branch: every bucket staged in a flat buffer
+        staged = train(model, "adamw", 4, accumulate, zero(config))
+    return sent, staged
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("model", "accumulate", "grad_accumulation"),
+    [("gpt", 1, "sharded"), ("moe", 1, "sharded"), ("reentrant", 1, "sharded"), ("lora", 2, "local"),
+     ("gpt", 2, "sharded")],
+)  # fmt: skip
+def test_gradients_sent_from_autograds_tensors_equal_the_staged_reduction_bit_for_bit(
+    model, accumulate, grad_accumulation
+):
+    # Note [gradients sent from where autograd put them]: on two ranks both sum the same two numbers per element.
+    # moe: experts some ranks never run (zeros sent); reentrant: a second gradient arrives in one round; lora:
+    # frozen buckets and local accumulation across micro-batches.
+    for sent, staged in run_distributed(_staged_and_sent_from_grad, 2, model, accumulate, grad_accumulation):
+        assert sent.losses == staged.losses
+        for name, value in staged.weights.items():
+            assert torch.equal(sent.weights[name], value), name

@@ -55,7 +55,7 @@ With N a power of two both orders give bit-identical results.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from enum import Enum
@@ -229,7 +229,8 @@ def reduce_scatter(
         input.div_(world)
     wire_bytes = _nbytes(input) * (world - 1) // world
     if _gloo_form(input, group):
-        return _pairwise_reduce_scatter(output, input, group, scratch, stream, divide_first)
+        chunks = [[chunk] for chunk in input.view(world, -1)]
+        return _pairwise_reduce_scatter(output, chunks, group, scratch, stream, divide_first, (input,))
     function = _native("reduce_scatter_single", "reduce_scatter_tensor")
     with stream.launch() if stream is not None else nullcontext():
         work = function(output, input, group=group, async_op=True)
@@ -268,7 +269,7 @@ def all_gather(
         own = shards[rank]
         if own.data_ptr() != input.data_ptr():
             own.copy_(input.view(-1))
-        exchange = [(r, own, shards[r]) for r in range(world) if r != rank]
+        exchange = [(r, [own], [shards[r]]) for r in range(world) if r != rank]
         return _exchange(Collective.ALL_GATHER, exchange, group, ALL_GATHER_TAG, (output, input), None, stream)
     function = _native("all_gather_single", "all_gather_into_tensor")
     with stream.launch() if stream is not None else nullcontext():
@@ -277,49 +278,86 @@ def all_gather(
     return PendingCollective(Collective.ALL_GATHER, (work,), (output, input), (send,), None, stream)
 
 
+def reduce_scatter_pieces(
+    output: Tensor,
+    chunks: Sequence[Sequence[Tensor]],
+    group: ProcessGroup,
+    *,
+    scratch: Tensor | None = None,
+    stream: CollectiveStream | None = None,
+) -> PendingCollective:
+    """``reduce_scatter`` of an input that exists only in pieces: ``chunks[r]`` lists the contiguous tensors whose
+    concatenation is rank r's chunk of this rank's input, cut the same way on every rank. Gloo's pairwise form only
+    (``takes_pieces``), which sends each piece as it is: no flat copy of the input is made (Note [gradients sent
+    from where autograd put them] in ``sharding/sharded_grad_reducer.py``). ``scratch``: (N-2) chunks, as
+    ``receive_buffer_numel``. Not for fp16, which is divided before the sum (Note [when to average])."""
+    world = group.size()
+    assert world > 1, "a world of one has nothing to exchange"
+    assert len(chunks) == world, (len(chunks), world)
+    assert all(sum(p.numel() for p in chunk) == output.numel() for chunk in chunks)
+    assert output.dtype != torch.float16, "fp16 is averaged before the sum: reduce a flat copy"
+    return _pairwise_reduce_scatter(output, [list(c) for c in chunks], group, scratch, stream, False, ())
+
+
+def takes_pieces(device: torch.device, group: ProcessGroup) -> bool:
+    """Whether a reduce-scatter on ``device`` over ``group`` takes gloo's pairwise form, which ``reduce_scatter_pieces``
+    needs (Note [reduce-scatter on gloo])."""
+    return group.size() > 1 and _runs_on_gloo(device, group) and not native_collectives()
+
+
 def _pairwise_reduce_scatter(
     output: Tensor,
-    input: Tensor,
+    chunks: list[list[Tensor]],
     group: ProcessGroup,
     scratch: Tensor | None,
     stream: CollectiveStream | None,
     divide_first: bool,
+    held: tuple[Tensor, ...],
 ) -> PendingCollective:
-    """Gloo's reduce-scatter: Note [reduce-scatter on gloo]."""
+    """Gloo's reduce-scatter (Note [reduce-scatter on gloo]) of ``chunks[r]``: rank r's chunk, in pieces."""
     world, rank = group.size(), group.rank()
-    chunks = input.view(world, -1)
     out = output.view(-1)
-    in_place = _aliases(output, input)
-    spare = receive_buffer_numel(output, input, group)
+    own = chunks[rank]
+    in_place = len(own) == 1 and _aliases(output, own[0])
+    spare = (world - 1 - (0 if in_place else 1)) * out.numel()
     if scratch is None and spare:
-        scratch = torch.empty(spare, dtype=input.dtype, device=input.device)
+        scratch = torch.empty(spare, dtype=output.dtype, device=output.device)
     assert spare == 0 or (scratch is not None and scratch.numel() == spare), (spare, scratch)
     rows = iter(scratch.view(-1, out.numel()) if scratch is not None and spare else ())
     peers_in_order = [r for r in range(world) if r != rank]
     landing = {r: (out if (r == peers_in_order[0] and not in_place) else next(rows)) for r in peers_in_order}
-    exchange = [(r, chunks[r], landing[r]) for r in peers_in_order]
-    parts = [chunks[r] if r == rank else landing[r] for r in range(world)]
+    sizes = [piece.numel() for piece in own]  # how each peer cuts our chunk too
+
+    def add(total: Tensor, r: int) -> None:
+        if r != rank:
+            total.add_(landing[r])
+            return
+        offset = 0
+        for piece in own:
+            if piece.data_ptr() != total[offset:].data_ptr():  # not our chunk itself (in place)
+                total[offset : offset + piece.numel()].add_(piece)
+            offset += piece.numel()
 
     def finish() -> None:
-        # Sum in rank order, c0 + c1 first, into ``out`` if it holds one of the two, else into c0's receive row (our
-        # own chunk is ``out`` or read-only input).
-        total = out if out.data_ptr() in (parts[0].data_ptr(), parts[1].data_ptr()) else parts[0]
-        total.add_(parts[1] if total.data_ptr() == parts[0].data_ptr() else parts[0])
-        for part in parts[2:]:
-            total.add_(part)
+        # Sum in rank order, c0 + c1 first, into ``out`` when it holds one of the two, else into c0's receive row.
+        holds = peers_in_order[0] if not in_place else rank
+        total, first = (out, holds) if holds < 2 else (landing[0], 0)
+        add(total, 1 - first)
+        for r in range(2, world):
+            add(total, r)
         if total.data_ptr() != out.data_ptr():
             out.copy_(total)
         if not divide_first:
             out.div_(world)
 
-    return _exchange(
-        Collective.REDUCE_SCATTER, exchange, group, REDUCE_SCATTER_TAG, (input, output), finish, stream, scratch
-    )
+    exchange = [(r, chunks[r], list(landing[r].split(sizes))) for r in peers_in_order]
+    buffers = (output, *held, *(p for chunk in chunks for p in chunk))
+    return _exchange(Collective.REDUCE_SCATTER, exchange, group, REDUCE_SCATTER_TAG, buffers, finish, stream, scratch)
 
 
 def _exchange(
     kind: Collective,
-    exchange: list[tuple[int, Tensor, Tensor]],
+    exchange: Sequence[tuple[int, Sequence[Tensor], Sequence[Tensor]]],
     group: ProcessGroup,
     tag: int,
     buffers: tuple[Tensor, ...],
@@ -327,22 +365,21 @@ def _exchange(
     stream: CollectiveStream | None,
     scratch: Tensor | None = None,
 ) -> PendingCollective:
-    """Post, for each ``(peer, send, receive)`` (``peer`` a rank of ``group``), an ``isend`` of ``send`` and an
-    ``irecv`` into ``receive``, tagged ``tag`` (Note [pairwise tags])."""
+    """Post, for each ``(peer, sends, receives)`` (``peer`` a rank of ``group``), an ``isend`` of every tensor of
+    ``sends`` and an ``irecv`` into every tensor of ``receives``, in order, tagged ``tag`` (Note [pairwise tags])."""
     works: list[dist.Work] = []
-    sends: list[Send] = []
+    records: list[Send] = []
     with stream.launch() if stream is not None else nullcontext():
-        for peer, send, receive in exchange:
+        for peer, sends, receives in exchange:
             other = dist.get_global_rank(group, peer)
-            for work in (
-                dist.isend(send, dst=other, group=group, tag=tag),
-                dist.irecv(receive, src=other, group=group, tag=tag),
-            ):
+            posted = [dist.isend(t, dst=other, group=group, tag=tag) for t in sends]
+            posted += [dist.irecv(t, src=other, group=group, tag=tag) for t in receives]
+            for work in posted:
                 assert work is not None, "this rank is a member of the group"
                 works.append(work)
-            sends.append(Send("isend", send.numel(), send.dtype, _nbytes(send), (other,)))
+            records += [Send("isend", t.numel(), t.dtype, _nbytes(t), (other,)) for t in sends]
     held = buffers + (() if scratch is None else (scratch,))
-    return PendingCollective(kind, tuple(works), held, tuple(sends), finish, stream)
+    return PendingCollective(kind, tuple(works), held, tuple(records), finish, stream)
 
 
 def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> PendingCollective:
