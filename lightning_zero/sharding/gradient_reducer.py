@@ -17,7 +17,9 @@ The receive and staging buffers come from a pool, so a backward allocates a few 
 By default (``ZeroConfig.keep_reduce_buffers``) stages 1 and 2 keep the pool between steps: a few buffers of
 ``bucket_numel`` (as DDP and DeepSpeed keep their bucket buffers). Stage 3 empties it at the end of every backward:
 its buckets are whole units, the largest often the root with the embeddings, and buffers of that size held through
-the next forward would sit on top of the activations, at the step's memory peak.
+the next forward would sit on top of the activations, at the step's memory peak. On gloo, stages 2 and 3 stage
+nothing (Note [gradients sent from where autograd put them] in ``sharded_grad_reducer.py``) and receive straight
+into their shards, so on two ranks the pool stays empty; beyond two it holds the receive rows of N-2 chunks.
 
 Note [bucket flush]
 A bucket is launched when all its parameters' gradients have arrived, but some parameters may get no gradient in a
