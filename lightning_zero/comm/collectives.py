@@ -19,24 +19,25 @@ parameter gathers), and because the test harness hands the environment to every 
 
 Note [reduce-scatter on gloo]
 Measured on the 2-core CPU machine, 2 ranks, one thread each (``benchmarks/collectives.py``): averaging a 4M-element
-fp32 bucket took 21 ms with ``reduce_scatter_single``, 17 ms with ``all_reduce`` (which also moves twice the bytes)
-and 15 ms with ``all_to_all_single`` followed by a local sum over the received chunks (85 ms vs 146 ms at 25M). The
-all-to-all needs a receive buffer as large as the bucket, though, of which one chunk is a copy of our own. So on gloo
-a reduce-scatter is a pairwise exchange instead: to each peer, ``isend`` the chunk it owns and ``irecv`` its chunk
-of ours. The first peer's chunk lands straight in ``output`` and only the others (N-2 chunks) in the caller's
-``scratch`` (``receive_buffer_numel``; none at N = 2), then ours is added in place: the same (N-1)/N of the input on
-the wire, no copy of our own chunk, and no receive buffer at all on two ranks. It is also faster: 5.0 against
-7.0 ms for a 4.2M-element bucket with its local sum, 2 ranks. The chunks are summed in rank order, c0 + c1 + ...,
-as the all-to-all's sum over its rows did, then divided by N. When ``output`` is our own chunk of ``input`` (stage
-1's in-place reduction) it cannot receive: N-1 chunks go to ``scratch``. On every other backend (NCCL) the native
+fp32 bucket took 21 ms with ``reduce_scatter_single``, 17 ms with ``all_reduce`` (which also moves twice the bytes) and
+15 ms with ``all_to_all_single`` followed by a local sum over the received chunks (85 ms vs 146 ms at 25M). The
+all-to-all needs a receive buffer as large as the bucket, though, of which one chunk is a copy of our own. So on gloo a
+reduce-scatter is a pairwise exchange instead: to each peer, ``isend`` the chunk it owns and ``irecv`` its chunk of
+ours. The first peer's chunk lands straight in ``output`` and only the others (N-2 chunks) in the caller's ``scratch``
+(``receive_buffer_numel``; none at N = 2), then ours is added in place: the same (N-1)/N of the input on the wire, no
+copy of our own chunk, and no receive buffer at all on two ranks. It is also faster, local sum included: 7.5 against
+10.4 ms at 4M elements and 42.0 against 64.7 ms at 25M (2 ranks, same run). The chunks are summed in rank order, c0 + c1
++ ..., as the all-to-all's sum over its rows did, then divided by N. When ``output`` is our own chunk of ``input``
+(stage 1's in-place reduction) it cannot receive: N-1 chunks go to ``scratch``. On every other backend (NCCL) the native
 ``reduce_scatter_single`` is both fastest and optimal and needs no buffer.
 
 Note [all-gather on gloo]
-Gloo's ``all_gather_single`` gathers into a temporary and then copies it into the output: 15.8 ms per 4M-element
-fp32 bucket against 6.9 ms for N in-place broadcasts, one rooted at each rank, over the shard views of the output
-(``benchmarks/collectives.py``, 2 ranks), and less again for the pairwise form the reduce-scatter uses: ``isend``
-our shard to each peer and ``irecv`` theirs into their views of the output (6.9-7.5 against 8.5-8.8 ms for a
-6M-element unit). Each rank sends its shard to the N-1 others and receives theirs: the same (N-1)·shard bytes as a
+Gloo's ``all_gather_single`` gathers into a temporary and then copies it into the output: 15.8 ms per 4M-element fp32
+bucket against 6.9 ms for N in-place broadcasts, one rooted at each rank, over the shard views of the output
+(``benchmarks/collectives.py``, 2 ranks). The pairwise form the reduce-scatter uses (``isend`` our shard to each peer,
+``irecv`` theirs into their views of the output) costs the same within the noise (5.6 against 5.4 ms at 4M elements and
+36.0 against 37.0 ms at 25M in one run, 4.3 against 5.9 and 30.2 against 35.4 in another) and keeps one form, and one
+set of tags, for both. Each rank sends its shard to the N-1 others and receives theirs: the same (N-1)·shard bytes as a
 ring all-gather, with no temporary and no copy. NCCL's all-gather is in place already.
 
 Note [pairwise tags]
