@@ -46,9 +46,10 @@ class ZeroConfig:
     stage 2 reduces each bucket as it completes but waits for it at once (no overlap; easier to debug)."""
 
     max_inflight_buckets: int = 2
-    """Stage 2: how many buckets may be in flight at once during backward. Each one holds a transient full-size
-    gradient buffer, so this bounds stage 2's gradient memory at ``max_inflight_buckets * bucket_numel`` elements
-    above the sharded gradients."""
+    """Stage 2: how many buckets may be in flight at once during backward. Each one holds a bucket's full gradients
+    until its reduce-scatter completes (a staging buffer on NCCL, the gradients autograd computed on gloo), so this
+    bounds stage 2's gradient memory at ``max_inflight_buckets * bucket_numel`` elements above the sharded
+    gradients."""
 
     grad_accumulation: Literal["sharded", "local"] = "sharded"
     """Stages 2 and 3, on the micro-batches of gradient accumulation (``accumulate_grad_batches`` > 1, or backward
