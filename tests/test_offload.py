@@ -124,6 +124,13 @@ def test_host_tier_copy_path_in_bf16_steps_exactly_as_the_host_tier_in_memory(st
                 torch.testing.assert_close(copied["weights"][name], value, rtol=0, atol=0, msg=name)
 
 
+def _assert_resumed_like_straight(resumed: dict, straight: dict) -> None:
+    """The run resumed from a checkpoint ends as the straight run does: last two losses and final weights."""
+    torch.testing.assert_close(resumed["losses"][-2:], straight["losses"][-2:], rtol=1e-5, atol=0)
+    for name, value in straight["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     ("first", "second"),
@@ -137,9 +144,7 @@ def test_resume_from_and_into_the_host_tier_copy_path(first, second):
         for straight, resumed in run_distributed(
             resume_across_tiers_with_host_copies, 2, root, first, second, init_process_group=False, timeout=180
         ):
-            torch.testing.assert_close(resumed["losses"][-2:], straight["losses"][-2:], rtol=1e-5, atol=0)
-            for name, value in straight["weights"].items():
-                torch.testing.assert_close(resumed["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+            _assert_resumed_like_straight(resumed, straight)
 
 
 @pytest.mark.timeout(200)
@@ -156,9 +161,7 @@ def test_resume_from_a_tiered_checkpoint_into_another_tier_and_back(first, secon
         for straight, resumed in run_distributed(
             resume_across_tiers, 2, root, first, second, init_process_group=False, timeout=180
         ):
-            torch.testing.assert_close(resumed["losses"][-2:], straight["losses"][-2:], rtol=1e-5, atol=0)
-            for name, value in straight["weights"].items():
-                torch.testing.assert_close(resumed["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+            _assert_resumed_like_straight(resumed, straight)
 
 
 @pytest.mark.slow  # ~1 minute on an idle machine: 2 + 2 models built into the tiers and trained

@@ -71,11 +71,11 @@ from lightning_zero.comm.streams import CollectiveStream
 ProcessGroup = dist.ProcessGroup
 
 NATIVE_COLLECTIVES_ENV = "LIGHTNING_ZERO_NATIVE_COLLECTIVES"
+"""Set to ``1`` to run the native (NCCL) branch of every collective on gloo too: Note [native collectives]."""
 REDUCE_SCATTER_TAG = 0x5253
 """Tag of gloo's pairwise reduce-scatter messages (Note [pairwise tags])."""
 ALL_GATHER_TAG = 0x4147
 """Tag of gloo's pairwise all-gather messages (Note [pairwise tags])."""
-"""Set to ``1`` to run the native (NCCL) branch of every collective on gloo too: Note [native collectives]."""
 
 
 class Collective(str, Enum):
@@ -162,22 +162,33 @@ def _gloo_form(tensor: Tensor, group: ProcessGroup) -> bool:
     return _runs_on_gloo(tensor.device, group) and not native_collectives()
 
 
+def takes_pieces(device: torch.device, group: ProcessGroup) -> bool:
+    """Whether a reduce-scatter on ``device`` over ``group`` takes gloo's pairwise form, which ``reduce_scatter_pieces``
+    needs (Note [reduce-scatter on gloo])."""
+    return group.size() > 1 and _runs_on_gloo(device, group) and not native_collectives()
+
+
+def _received_apart(world: int, in_place: bool) -> int:
+    """Chunks of the pairwise reduce-scatter that land in ``scratch``: every peer's but the first, which lands in the
+    output, unless the output is our own chunk of the input (Note [reduce-scatter on gloo])."""
+    return world - 1 - (0 if in_place else 1)
+
+
 def receive_buffer_sizes(shard_numel: int, device: torch.device, group: ProcessGroup) -> tuple[int, ...]:
     """Every ``receive_buffer_numel`` a reduce-scatter of ``shard_numel``-element shards may ask for on ``device``:
     out of place and in place. A pool reserves them ahead (Note [size classes] in ``buffer_pool.py``)."""
-    world = group.size()
-    if world == 1 or not _runs_on_gloo(device, group) or native_collectives():
+    if not takes_pieces(device, group):
         return ()
-    return tuple(n * shard_numel for n in (world - 2, world - 1) if n > 0)
+    sizes = (_received_apart(group.size(), in_place) * shard_numel for in_place in (False, True))
+    return tuple(n for n in sizes if n > 0)
 
 
 def receive_buffer_numel(output: Tensor, input: Tensor, group: ProcessGroup) -> int:
     """Elements of the ``scratch`` receive buffer ``reduce_scatter(output, input, group)`` needs: in gloo's pairwise
     form, the chunks of the peers that cannot land in ``output`` (Note [reduce-scatter on gloo]); 0 on NCCL."""
-    world = group.size()
-    if world == 1 or not _gloo_form(input, group):
+    if not takes_pieces(input.device, group):
         return 0
-    return (world - 1 - (0 if _aliases(output, input) else 1)) * output.numel()
+    return _received_apart(group.size(), _aliases(output, input)) * output.numel()
 
 
 def _aliases(a: Tensor, b: Tensor) -> bool:
@@ -300,12 +311,6 @@ def reduce_scatter_pieces(
     return _pairwise_reduce_scatter(output, [list(c) for c in chunks], group, scratch, stream, False, ())
 
 
-def takes_pieces(device: torch.device, group: ProcessGroup) -> bool:
-    """Whether a reduce-scatter on ``device`` over ``group`` takes gloo's pairwise form, which ``reduce_scatter_pieces``
-    needs (Note [reduce-scatter on gloo])."""
-    return group.size() > 1 and _runs_on_gloo(device, group) and not native_collectives()
-
-
 def _pairwise_reduce_scatter(
     output: Tensor,
     chunks: list[list[Tensor]],
@@ -320,7 +325,7 @@ def _pairwise_reduce_scatter(
     out = output.view(-1)
     own = chunks[rank]
     in_place = len(own) == 1 and _aliases(output, own[0])
-    spare = (world - 1 - (0 if in_place else 1)) * out.numel()
+    spare = _received_apart(world, in_place) * out.numel()
     if scratch is None and spare:
         scratch = torch.empty(spare, dtype=output.dtype, device=output.device)
     assert spare == 0 or (scratch is not None and scratch.numel() == spare), (spare, scratch)

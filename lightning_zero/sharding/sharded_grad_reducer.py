@@ -76,6 +76,7 @@ class ShardedGradReducer(GradientReducer):
         """Per bucket sent in pieces this round: slot offset -> the gradient autograd left in ``.grad`` (Note
         [gradients sent from where autograd put them]); None for a bucket that stages its gradients."""
         self._zeros: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+        self._cuts: dict[int, list[tuple[int, int, int, int]]] = {}
 
     def _communicates_now(self) -> bool:
         # Inside no_sync(), "local" accumulation keeps adding into the staging buffers until the last micro-batch.
@@ -150,22 +151,16 @@ class ShardedGradReducer(GradientReducer):
         self._held[bucket.index] = None
         for param in bucket.params:
             param.grad = None  # the gradients live on in the collective until it completes, then in the shard
-        flat: list[Tensor] = []  # the bucket's content in order: gradients (zeros where none arrived), padding
+        # The bucket's content, item by item: each gradient (zeros where none arrived; a .grad of another dtype, a
+        # hook's, converted as a copy into a staging buffer would), then the padding.
+        items: list[Tensor] = []
         for slot in bucket.slots:
             grad = held.get(slot.offset)
-            flat.append(self._zeros_of(slot.numel, bucket) if grad is None else grad.reshape(-1))
-        if bucket.padded_numel > bucket.numel:
-            flat.append(self._zeros_of(bucket.padded_numel - bucket.numel, bucket))
+            items.append(self._zeros_of(slot.numel, bucket) if grad is None else grad.reshape(-1).to(bucket.dtype))
+        items.append(self._zeros_of(bucket.padded_numel - bucket.numel, bucket))
         chunks: list[list[Tensor]] = [[] for _ in range(self.world_size)]
-        start = 0  # of the current tensor within the bucket
-        for tensor in flat:
-            offset, end = start, start + tensor.numel()
-            while offset < end:  # cut at chunk boundaries
-                rank, boundary = offset // bucket.shard_numel, (offset // bucket.shard_numel + 1) * bucket.shard_numel
-                stop = min(end, boundary)
-                chunks[rank].append(tensor[offset - start : stop - start])
-                offset = stop
-            start = end
+        for item, start, stop, rank in self._cuts_of(bucket):
+            chunks[rank].append(items[item][start:stop])
         spare = (self.world_size - 2) * bucket.shard_numel
         scratch = self.pool.take(spare, bucket.dtype, bucket.device) if spare else None
         if scratch is not None:
@@ -175,6 +170,25 @@ class ShardedGradReducer(GradientReducer):
             return reduce_scatter_pieces(output, chunks, self.group, scratch=scratch, stream=self.stream)
 
         return self._into_shard(bucket, reduce)
+
+    def _cuts_of(self, bucket: FlatBucket) -> list[tuple[int, int, int, int]]:
+        """How the bucket's content (its slots in order, then the padding as item ``len(slots)``) is cut at chunk
+        boundaries: ``(item, start, stop, rank)`` per piece, ``start:stop`` within the item. Computed once."""
+        cuts = self._cuts.get(bucket.index)
+        if cuts is None:
+            cuts = []
+            extents = [slot.numel for slot in bucket.slots] + [bucket.padded_numel - bucket.numel]
+            start = 0  # of the item within the bucket
+            for item, numel in enumerate(extents):
+                offset, end = start, start + numel
+                while offset < end:
+                    rank = offset // bucket.shard_numel
+                    stop = min(end, (rank + 1) * bucket.shard_numel)
+                    cuts.append((item, offset - start, stop - start, rank))
+                    offset = stop
+                start = end
+            self._cuts[bucket.index] = cuts
+        return cuts
 
     def _zeros_of(self, numel: int, bucket: FlatBucket) -> Tensor:
         """A zero contribution of ``numel`` elements (padding, or a gradient that never arrived), read-only."""
