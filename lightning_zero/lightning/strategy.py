@@ -28,51 +28,33 @@ coalesced broadcast of every buffer, as DDP does.
 from __future__ import annotations
 
 import dataclasses
-import logging
-import os
 from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only  # type: ignore[attr-defined]
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
-from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.comm.fault_monitor import FaultMonitor
 from lightning_zero.comm.topology import Link, ranks_per_node_from_environment
 from lightning_zero.config import ZeroConfig
 from lightning_zero.lightning.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
 from lightning_zero.lightning.offload_setup import build_memory_tiers, check_optimizer_space
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.lightning.strategy_checkpoint import ShardedCheckpointing, as_zero_optimizer, iter_zero_optimizers
+from lightning_zero.lightning.strategy_processes import StartMethod
 from lightning_zero.offload.memory_tiers import MemoryTiers, TierBytes
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 from lightning_zero.stage3.sharded_init import ParamInitFn, shard_module
 from lightning_zero.stage3.zeropp import metering_topology
-
-log = logging.getLogger(__name__)
-
-StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
 class ZeroStrategy(ShardedCheckpointing):
@@ -105,31 +87,24 @@ class ZeroStrategy(ShardedCheckpointing):
         param_init_fn: ParamInitFn | None = None,
         **config_kwargs: Any,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
         if config is not None and config_kwargs:
             raise TypeError(
                 f"Pass either `config=ZeroConfig(...)` or ZeroConfig fields as keywords, not both (got "
                 f"{sorted(config_kwargs)} as well). HINT: use `dataclasses.replace(config, ...)` to change a config."
             )
         self.config = config if config is not None else ZeroConfig.from_kwargs(**config_kwargs)
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(
-                f"Invalid ZeroStrategy start_method: {start_method!r}. Expected 'popen', 'spawn', 'fork' or "
-                "'forkserver'."
-            )
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout or timedelta(seconds=self.config.collective_timeout_s)
-        self._start_method: StartMethod = start_method
-        self._num_nodes = 1
+        super().__init__(
+            timeout=timeout or timedelta(seconds=self.config.collective_timeout_s),
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
+        )
         self._param_init_fn = param_init_fn
         self._gatherer: ParameterGatherer | None = None
-        self._fault_monitor: FaultMonitor | None = None
         self._broadcast_next_forward = True  # Note [buffers follow rank 0]
         self._accumulating = False  # inside block_backward_sync
         self._tiers: MemoryTiers | None = None
@@ -149,77 +124,6 @@ class ZeroStrategy(ShardedCheckpointing):
         # The Trainer reads `_precision_plugin` to learn that a plugin was given to the strategy itself; left None,
         # `ZeroStrategy(precision_plugin=...)` would be replaced by the Trainer's default precision without a word.
         self._precision_plugin = self._zero_precision if plugin is not None else None
-
-    # -- topology (as DDPStrategy) -------------------------------------------------------------------------------
-    @property
-    def is_distributed(self) -> bool:
-        # Lightning asks custom strategies this to decide whether to give each rank its own DistributedSampler
-        # shard of the data; without it every rank would silently train on the same batches.
-        return True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        assert self.cluster_environment is not None
-        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        if "nccl" in self._process_group_backend and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "0":
-            # See "Faults on NCCL" in the README: without error handling nothing ever ends a hung collective.
-            log.warning(
-                "TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a collective whose peer died or hangs will block this rank "
-                "forever; `collective_timeout_s` (%s s) only takes effect with error handling on. HINT: unset it "
-                "(torch's default tears the process down once the timeout expires).",
-                self.config.collective_timeout_s,
-            )
-        # Names the rank that failed, died or hangs in the errors of the others (see ``comm/fault_monitor.py``).
-        if self._fault_monitor is None:
-            self._fault_monitor = FaultMonitor.from_default_group()
-            if self._fault_monitor is not None:
-                self._fault_monitor.start()
 
     # -- model and optimizers ------------------------------------------------------------------------------------
     @override
@@ -441,34 +345,9 @@ class ZeroStrategy(ShardedCheckpointing):
                 total[kind] = total.get(kind, 0) + nbytes
         return total
 
-    # -- collectives Lightning asks of a strategy (as DDPStrategy) ------------------------------------------------
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        container = [obj]
-        dist.broadcast_object_list(container, src)
-        return container[0]
-
-    @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
     @override
     def on_exception(self, exception: BaseException) -> None:
-        if self._fault_monitor is not None:
-            self._fault_monitor.on_exception(exception)
+        super().on_exception(exception)
         self._close_tiers()
 
     def _close_tiers(self) -> None:
@@ -490,9 +369,7 @@ class ZeroStrategy(ShardedCheckpointing):
         sharded on their device with their hooks, and the next run's ``setup`` finds them as it left them (a new
         ``fit`` builds fresh optimizers over the same shards, as it would for DDP).
         """
-        if self._fault_monitor is not None:
-            self._fault_monitor.stop()
-            self._fault_monitor = None
+        self._stop_fault_monitor()
         if self._tiers is not None:
             self._tiers.restore()
         self._close_tiers()

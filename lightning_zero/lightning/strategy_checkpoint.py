@@ -1,7 +1,8 @@
 """The checkpoint hooks of ``ZeroStrategy``: a sharded directory per checkpoint, written and read by every rank.
 
-``ShardedCheckpointing`` routes Lightning's checkpoint hooks to ``lightning_zero.checkpoint``; ``ZeroStrategy``
-(``strategy.py``) inherits them and adds everything else.
+``ShardedCheckpointing`` routes Lightning's checkpoint hooks to ``lightning_zero.checkpoint``, on top of the processes
+and their group (``ProcessPerDevice``, ``strategy_processes.py``); ``ZeroStrategy`` (``strategy.py``) inherits them and
+adds everything else.
 
 Note [Lightning's WeightAveraging]
 Lightning's ``WeightAveraging`` callbacks (``EMAWeightAveraging``, SWA) deep-copy the module into an
@@ -23,9 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.pytorch import callbacks
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -38,12 +37,13 @@ from lightning_zero.checkpoint.sharded_checkpoint import (
     sharded_optimizer_state,
 )
 from lightning_zero.config import ZeroConfig
+from lightning_zero.lightning.strategy_processes import ProcessPerDevice
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 
 
-class ShardedCheckpointing(ParallelStrategy):
+class ShardedCheckpointing(ProcessPerDevice):
     """Lightning's checkpoint hooks for a strategy whose optimizers are ``ZeroOptimizer``s."""
 
     config: ZeroConfig
@@ -52,12 +52,6 @@ class ShardedCheckpointing(ParallelStrategy):
     ``checkpoint/tiered.py``)."""
     _gatherer: ParameterGatherer | None
     """Stage 3's sharded model; None for stages 1 and 2."""
-
-    @property
-    def process_group(self) -> dist.ProcessGroup:
-        group = dist.group.WORLD
-        assert group is not None, "the process group is created in setup_environment()"
-        return group
 
     @override
     def connect(self, model: pl.LightningModule) -> None:

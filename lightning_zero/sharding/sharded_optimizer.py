@@ -13,7 +13,8 @@ Construction takes a model and an optimizer built over its parameters, exactly a
 
 A step is: finish the gradient reduce-scatters -> master grads -> the user's ``optimizer.step()`` on the shards ->
 copy masters into the parameter shards -> all-gather the resident buckets in place (stage 3 gathers the others
-when they are next used).
+when they are next used). Gradient clipping: ``gradient_clipping.py``; torch's optimizer hooks: Note [step hooks] in
+``optimizer_hooks.py``; parameters without gradient: Note [unused parameters] in ``gradient_presence.py``.
 
 Note [step in chunks]
 After the step every rank waits for the all-gather of the updated parameters, with nothing to compute meanwhile:
@@ -23,7 +24,7 @@ narrowed to that bucket's masters, and issue the bucket's all-gather before step
 returns once every gather is done, so nothing outside the step ever sees stale parameters. Element-wise optimizers
 (everything sharding supports, see ``param_groups.check_elementwise``) compute the same update whether their
 parameters come in one call or several: each parameter still takes exactly one step with its own state. Step hooks
-still run once per step: Note [step hooks].
+still run once per step: Note [step hooks] in ``optimizer_hooks.py``.
 
 Note [tiered step]
 With memory tiers (``ZeroConfig.offload_optimizer``, ``lightning_zero.offload``) the masters and optimizer state of
@@ -33,30 +34,12 @@ the bucket's masters, state and gradients (read ahead while the previous bucket 
 steps them, and the tiers write back what changed (in the background) before the next bucket. Gradients of buckets
 held in a tier never become ``master.grad`` outside the step; clipping reaches them through the tiers
 (``gradient_norms``, ``set_gradient_transform``: Note [gradients on disk] in ``offload/tiered_grad_reducer.py``).
-
-Note [step hooks]
-``register_step_pre_hook``/``register_step_post_hook`` (and torch's global optimizer hooks) work on the
-``ZeroOptimizer`` and run once per ``step()``. The wrapped optimizer's own update is called without torch's hook
-wrapper, once per chunk, and the hooks registered on the wrapped optimizer itself run once around the whole step, so
-code that holds the optimizer from ``configure_optimizers`` sees one step too. State-dict hooks run on both objects.
-
-Note [unused parameters]
-As DDP with ``find_unused_parameters=True`` and plain torch: a parameter that got no gradient on any rank since the
-last step keeps ``.grad = None`` on its master, so the wrapped optimizer skips it (no step count, no weight decay,
-no momentum); one used on some ranks only is averaged over all ranks (the others add zeros), as DDP averages. Each
-rank records which of its parameters' gradient hooks fired (during every backward since the last step), and the
-flags are summed across ranks in one all-reduce per step, together with the fp16 overflow flag: 4 bytes per
-parameter tensor of the optimizer, a latency-bound collective (0.6 ms for the 52 tensors of ``GPTConfig.small`` on
-two gloo CPU ranks; a 7B model's ~300 tensors are 1.2 kB).
-Every rank therefore skips the same parameters; a step with no gradient anywhere is a no-op.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -67,10 +50,19 @@ from torch.optim import Optimizer
 from lightning_zero.comm.collectives import ProcessGroup, all_gather, all_reduce_sum
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig
+from lightning_zero.sharding import gradient_clipping
 from lightning_zero.sharding.flat_bucket import FlatBucket, build_buckets
 from lightning_zero.sharding.full_grad_reducer import FullGradReducer
+from lightning_zero.sharding.gradient_presence import GradientPresence
 from lightning_zero.sharding.gradient_reducer import GradientReducer
 from lightning_zero.sharding.loss_scaler import DynamicLossScaler
+from lightning_zero.sharding.optimizer_hooks import (
+    init_hook_registries,
+    inner_step_hooks,
+    load_state_dict_with_hooks,
+    state_dict_with_hooks,
+    without_step_hooks,
+)
 from lightning_zero.sharding.param_groups import (
     MasterRun,
     ParamGroupView,
@@ -186,16 +178,10 @@ class ZeroOptimizer(Optimizer):
                 chunk = [(seg, m) for seg, m in zip(self.segments, self.masters, strict=True) if seg.bucket is bucket]
                 runs = [run for run in self._runs if run.bucket is bucket]
                 self._step_chunks.append((bucket, [seg.group for seg, _ in chunk], [m for _, m in chunk], runs))
-        self._init_hooks()
-        # Note [unused parameters]: one flag per trainable parameter of this optimizer, in the same order on every
-        # rank (bucket order, then slot order), set by a hook when its gradient is accumulated.
-        flagged = [(b, i) for b in self.buckets for i, p in enumerate(b.params) if id(p) in group_of]
-        self._flag_of = {(id(b), i): k for k, (b, i) in enumerate(flagged)}
-        self._used = [False] * len(flagged)
-        for k, (bucket, i) in enumerate(flagged):
-            bucket.params[i].register_post_accumulate_grad_hook(partial(_mark_used, self._used, k))
-        self._any_gradient = False
-        self._raw_step = _without_step_hooks(type(optimizer).step)
+        init_hook_registries(self)  # Note [step hooks]
+        self.presence = GradientPresence(self.buckets, group_of)
+        """Which parameters got a gradient since the last step (Note [unused parameters])."""
+        self._raw_step = without_step_hooks(type(optimizer).step)  # Note [step hooks]
         if tiers is not None:
             if loss_scaler is not None and any(tiers.holds_gradient(b) for b in self.buckets):
                 raise ValueError(
@@ -261,14 +247,13 @@ class ZeroOptimizer(Optimizer):
             inv_scale = torch.full_like(found, 1.0 / self.loss_scaler.scale_of_gradients)
             torch._amp_foreach_non_finite_check_and_unscale_(present, found, inv_scale)
         # One collective decides both, identically on every rank: (1 + parameters,) of 0/1 flags, summed.
-        flags = torch.cat([found, torch.tensor(self._used, dtype=torch.float32).to(device)])
+        flags = torch.cat([found, self.presence.local_flags(device)])
         self.ledger.record(all_reduce_sum(flags, self.group)).wait()
         decided = flags.tolist()
         self._found_inf = self.loss_scaler is not None and decided[0] > 0
-        used = decided[1:]
-        self._any_gradient = any(count > 0 for count in used)
+        self.presence.decide(decided[1:])
         for i, (seg, master, reduced) in enumerate(zip(self.segments, self.masters, grads, strict=True)):
-            self.segment_used[i] = used[self._flag_of[(id(seg.bucket), seg.slot)]] > 0
+            self.segment_used[i] = self.presence.used(seg.bucket, seg.slot)
             master.grad = reduced if self.segment_used[i] else None
         if self.tiers is not None:
             self.tiers.set_gradient_transform(None, None)
@@ -277,50 +262,22 @@ class ZeroOptimizer(Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the norm over all shards and param groups: what ``torch.nn.utils.clip_grad_norm_`` computes on
         the full gradients of a DDP model. Returns that total norm."""
-        if not max_norm > 0:  # also NaN, which would turn every gradient into NaN
-            raise ValueError(
-                f"Invalid gradient clip value {max_norm!r} for clipping by norm. Expected > 0. HINT: to train "
-                "without clipping, do not call clip_grad_norm_."
-            )
+        gradient_clipping.check_clip_value(max_norm, "norm")
         self.reduce_gradients()
         grads = [m.grad for m in self.masters if m.grad is not None]
-        device = self._device
         tiered = self.tiers.gradient_norms(norm_type) if self.tiers is not None else []  # Note [tiered step]
-        if norm_type == float("inf"):
-            maxima = [g.abs().max() for g in grads] + tiered
-            local = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
-            total = local.float().reshape(1)
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
-        else:
-            # fp32 partial norms: bf16 ones (bf16-true) would round per segment, so the total, and then the clip
-            # coefficient, would depend on how the shards happen to be cut (stage 3 cuts them per unit).
-            norms = list(torch._foreach_norm(grads, norm_type, dtype=torch.float32)) if grads else []
-            norms += tiered
-            local = torch.stack([n.double() ** norm_type for n in norms]).sum() if norms else torch.zeros(())
-            total = local.to(device=device, dtype=torch.float64).reshape(1)
-            self.ledger.record(all_reduce_sum(total, self.group)).wait()
-            total = total ** (1.0 / norm_type)
-        total_norm = total.reshape(()).float()
-        # As torch does: scale by min(1, max_norm / (norm + 1e-6)), also when that is 1, for identical rounding.
-        coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
+        norm = gradient_clipping.total_norm(grads, norm_type, self.group, self.ledger, self._device, tiered)
+        coefficient = gradient_clipping.clip_coefficient(norm, max_norm)
+        gradient_clipping.scale_(grads, coefficient)
         if self.tiers is not None:
             self.tiers.set_gradient_transform(coefficient, None)
-        return total_norm
+        return norm
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to [-clip_value, clip_value] (element-wise: shards need no communication)."""
-        if not clip_value > 0:
-            raise ValueError(
-                f"Invalid gradient clip value {clip_value!r} for clipping by value. Expected > 0. HINT: to train "
-                "without clipping, do not call clip_grad_value_."
-            )
+        gradient_clipping.check_clip_value(clip_value, "value")
         self.reduce_gradients()
-        grads = [m.grad for m in self.masters if m.grad is not None]
-        if grads:
-            torch._foreach_clamp_min_(grads, -clip_value)
-            torch._foreach_clamp_max_(grads, clip_value)
+        gradient_clipping.clamp_([m.grad for m in self.masters if m.grad is not None], clip_value)
         if self.tiers is not None:
             self.tiers.set_gradient_transform(None, clip_value)
 
@@ -342,9 +299,9 @@ class ZeroOptimizer(Optimizer):
         self.reduce_gradients()
         self._check_requires_grad()
         adopt_edits(self._runs)
-        skip = self._found_inf or not self._any_gradient
+        skip = self._found_inf or not self.presence.any
         if not skip:
-            with self._wrapped_optimizer_hooks():
+            with inner_step_hooks(self.optimizer):  # Note [step hooks]
                 if self._step_chunks:
                     self._step_in_chunks()
                 else:
@@ -353,7 +310,7 @@ class ZeroOptimizer(Optimizer):
                     self.gather_parameters()
             if self.gatherer is not None:
                 self.gatherer.refresh_gathered()  # units still in use must not keep pre-step weights
-        if self.loss_scaler is not None and self._any_gradient:
+        if self.loss_scaler is not None and self.presence.any:
             self.loss_scaler.update(self._found_inf)
         self._end_of_step()
         self.ledger.end_step()
@@ -407,17 +364,6 @@ class ZeroOptimizer(Optimizer):
             for p in pending:
                 p.wait()
 
-    @contextmanager
-    def _wrapped_optimizer_hooks(self) -> Iterator[None]:
-        """Run the step hooks registered on the wrapped optimizer once around the whole step (Note [step hooks])."""
-        inner = self.optimizer
-        for hook in getattr(inner, "_optimizer_step_pre_hooks", {}).values():
-            hook(inner, (), {})
-        yield
-        inner._opt_called = True  # type: ignore[attr-defined]  # what an LR scheduler's step() checks for
-        for hook in getattr(inner, "_optimizer_step_post_hooks", {}).values():
-            hook(inner, (), {})
-
     def gather_parameters(self) -> None:
         """All-gather every resident bucket from its shard into the full flat parameters (after a step or a load)."""
         pending = []
@@ -438,7 +384,7 @@ class ZeroOptimizer(Optimizer):
     def _forget_gradients(self) -> None:
         for master in self.masters:
             master.grad = None
-        self._used[:] = [False] * len(self._used)
+        self.presence.reset()
         self._grads_ready = False
         if self.loss_scaler is not None:
             self.loss_scaler.gradient_scale = None  # Note [one loss scale per optimizer]
@@ -454,46 +400,17 @@ class ZeroOptimizer(Optimizer):
 
     # -- state dicts: this rank's shard only (sharded checkpointing composes these per rank) ---------------------
     def state_dict(self) -> dict[str, Any]:
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        state_dict = self.optimizer.state_dict()
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            changed = post_hook(self, state_dict)
-            state_dict = changed if changed is not None else state_dict
-        return state_dict
+        return state_dict_with_hooks(self, self.optimizer)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            changed = pre_hook(self, state_dict)
-            state_dict = changed if changed is not None else state_dict
-        self.optimizer.load_state_dict(state_dict)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        load_state_dict_with_hooks(self, self.optimizer, state_dict)
         # torch replaces the group dicts on load: point the user-facing views at the new ones.
         self._views = [
             ParamGroupView(g, v["params"]) for g, v in zip(self.optimizer.param_groups, self._views, strict=True)
         ]
-
-    def _init_hooks(self) -> None:
-        """The hook registries ``Optimizer.__init__`` would create (it is not called): Note [step hooks]."""
-        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(
             "ZeroOptimizer does not support add_param_group after sharding. HINT: create every param group in "
             "`configure_optimizers` (or before wrapping the optimizer)."
         )
-
-
-def _mark_used(flags: list[bool], index: int, param: Tensor) -> None:
-    flags[index] = True  # Note [unused parameters]; holds the flags, not the optimizer, so no reference cycle
-
-
-def _without_step_hooks(step: Callable[..., Any]) -> Callable[..., Any]:
-    """The optimizer class's ``step`` without torch's hook-running wrapper (Note [step hooks])."""
-    return step.__wrapped__ if getattr(step, "hooked", False) else step  # type: ignore[attr-defined]

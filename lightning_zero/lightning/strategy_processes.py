@@ -1,0 +1,195 @@
+"""``ProcessPerDevice``: the processes under ``ZeroStrategy``, one per device, as ``DDPStrategy`` has them.
+
+What every ZeRO stage shares with DDP and nothing of ZeRO itself: the launcher (a re-run script per rank, like
+``torchrun``, or ``multiprocessing``), the topology Lightning asks a strategy for (nodes, processes, the sampler's
+shard of the data), the process group created from the cluster environment with its collective timeout, the
+collectives Lightning calls on a strategy (barrier, broadcast, reduce of logged metrics) and the fault monitor that
+names a rank that failed, died or hangs (``comm/fault_monitor.py``). ``ShardedCheckpointing``
+(``strategy_checkpoint.py``) and ``ZeroStrategy`` (``strategy.py``) build on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only  # type: ignore[attr-defined]
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed import ReduceOp
+from typing_extensions import override
+
+from lightning_zero.comm.fault_monitor import FaultMonitor
+
+log = logging.getLogger(__name__)
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class ProcessPerDevice(ParallelStrategy):
+    """One process per device in one process group, launched and torn down as Lightning's ``DDPStrategy`` does.
+
+    Args:
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: nccl on CUDA, gloo on CPU.
+        timeout: how long a collective waits for the other ranks.
+        start_method: ``"popen"`` re-runs the script per rank (like ``torchrun``); ``"spawn"``/``"fork"``/
+            ``"forkserver"`` start ranks with ``multiprocessing`` (notebooks, tests).
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout: timedelta,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        start_method: StartMethod = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(
+                f"Invalid ZeroStrategy start_method: {start_method!r}. Expected 'popen', 'spawn', 'fork' or "
+                "'forkserver'."
+            )
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method: StartMethod = start_method
+        self._num_nodes = 1
+        self._fault_monitor: FaultMonitor | None = None
+
+    # -- topology ----------------------------------------------------------------------------------------------
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning asks custom strategies this to decide whether to give each rank its own DistributedSampler
+        # shard of the data; without it every rank would silently train on the same batches.
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        group = dist.group.WORLD
+        assert group is not None, "the process group is created in setup_environment()"
+        return group
+
+    # -- processes and their group -------------------------------------------------------------------------------
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if "nccl" in self._process_group_backend and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "0":
+            # See "Faults on NCCL" in the README: without error handling nothing ever ends a hung collective.
+            log.warning(
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a collective whose peer died or hangs will block this rank "
+                "forever; `collective_timeout_s` (%s s) only takes effect with error handling on. HINT: unset it "
+                "(torch's default tears the process down once the timeout expires).",
+                self._timeout.total_seconds(),
+            )
+        # Names the rank that failed, died or hangs in the errors of the others (see ``comm/fault_monitor.py``).
+        if self._fault_monitor is None:
+            self._fault_monitor = FaultMonitor.from_default_group()
+            if self._fault_monitor is not None:
+                self._fault_monitor.start()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._fault_monitor is not None:
+            self._fault_monitor.on_exception(exception)
+
+    def _stop_fault_monitor(self) -> None:
+        if self._fault_monitor is not None:
+            self._fault_monitor.stop()
+            self._fault_monitor = None
+
+    # -- collectives Lightning asks of a strategy ----------------------------------------------------------------
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        container = [obj]
+        dist.broadcast_object_list(container, src)
+        return container[0]
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
