@@ -12,7 +12,6 @@ import torch.distributed as dist
 from lightning_zero import ZeroConfig, ZeroOptimizer, shard_module
 from lightning_zero.__main__ import main as cli
 from lightning_zero.cli.estimate import (
-    GATHER_PERSISTENT,
     Precisions,
     StageEstimate,
     Traffic,
@@ -21,6 +20,7 @@ from lightning_zero.cli.estimate import (
     load_model,
     paper_estimates,
 )
+from lightning_zero.cli.estimate_tables import GATHER_PERSISTENT
 from lightning_zero.lightning.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.models import GPTConfig
 from lightning_zero.models.gpt import GPT

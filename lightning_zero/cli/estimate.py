@@ -34,9 +34,21 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero.cli.estimate_tables import (
+    ALL_REDUCE,
+    GATHER_AFTER_STEP,
+    GATHER_BACKWARD,
+    GATHER_FORWARD,
+    GATHER_PERSISTENT,
+    REDUCE_SCATTER,
+    format_estimates,
+    format_tiers,
+    format_traffic,
+    format_units,
+)
 from lightning_zero.cli.estimate_zeropp import format_zeropp
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes, model_state_by_tier
+from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes
 from lightning_zero.models.lightning_gpt import LitGPT
 from lightning_zero.sharding.flat_bucket import FlatBucket, build_buckets
 from lightning_zero.sharding.param_groups import segments_of, trainable_named_groups
@@ -45,20 +57,11 @@ from lightning_zero.stage3.wrap_policy import assign_parameters, find_unit_roots
 
 Precision = Literal["bf16", "fp16", "fp32"]
 PARAM_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
-STAGE_LABELS = {0: "DDP", 1: "1", 2: "2", 3: "3"}
-FORMULAS = {0: "(2+2+K)Ψ", 1: "(2+2)Ψ + KΨ/N", 2: "2Ψ + (2+K)Ψ/N", 3: "(2+2+K)Ψ/N"}
 RANK = 0  # Note [estimate for rank 0]
 DEFAULT_CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 WIDTH = 118  # prose lines; the tables are as wide as they need
 
-# The collectives of one optimizer step, and the paper's elements each rank sends in them.
-ALL_REDUCE = "all-reduce of the gradients"
-REDUCE_SCATTER = "reduce-scatter of the gradients"
-GATHER_AFTER_STEP = "all-gather of the parameters after the step"
-GATHER_FORWARD = "all-gather of each unit before its forward"
-GATHER_BACKWARD = "all-gather of each unit before its backward"
-GATHER_PERSISTENT = "all-gather of the persistent parameters after the step"
-TRAFFIC_FORMULAS = {ALL_REDUCE: "2Ψ(N-1)/N", GATHER_PERSISTENT: "-"}  # every other one: Ψ(N-1)/N
+# The collectives of each stage's optimizer step, in the order the traffic table lists them.
 STAGE_COLLECTIVES = {
     0: (ALL_REDUCE,),
     1: (REDUCE_SCATTER, GATHER_AFTER_STEP),
@@ -152,7 +155,7 @@ def _paper_traffic(num_params: int, world_size: int, stage: int, param_bytes: in
 def paper_estimates(num_params: int, world_size: int, precisions: Precisions) -> list[StageEstimate]:
     """Every stage by the ZeRO paper's formula: model state and bytes sent per step by each rank."""
     out = []
-    for stage in STAGE_LABELS:
+    for stage in STAGE_COLLECTIVES:
         formula = _formula(num_params, world_size, stage, precisions)
         traffic = _paper_traffic(num_params, world_size, stage, precisions.param)
         out.append(StageEstimate(stage, formula, formula, traffic, 0, 0))
@@ -266,82 +269,6 @@ def _stage3(
     padding = sum(b.padded_numel - b.numel for b in every)
     traffic = _traffic(3, sent, num_params, n, p)
     return StageEstimate(3, state, _formula(num_params, n, 3, p), traffic, len(every), padding, tuple(units))
-
-
-# -- showing -----------------------------------------------------------------------------------------------------------
-def _human(nbytes: int) -> str:
-    """Decimal units, as the paper counts, each value in its own: stage 3's shards are MB where DDP's state is GB."""
-    for name, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {name}"
-    return f"{nbytes} B"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], text_columns: int) -> str:
-    """Columns right-aligned, except the last ``text_columns`` (words), left-aligned."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    first_text = len(header) - text_columns
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(
-            c.ljust(w) if i >= first_text else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ).rstrip()
-
-    return "\n".join([line(header), *(line(r) for r in rows)])
-
-
-def format_estimates(estimates: Sequence[StageEstimate], exact: bool) -> str:
-    """A table of model state, one row per stage. ``exact``: also the layout's bytes, to the byte, and padding."""
-    header = ["stage", "params", "grads", "masters", "optim", "total", "sent/step"]
-    if exact:
-        header += ["total bytes", "formula bytes", "buckets", "padding"]
-    header.append("formula")
-    rows = []
-    for e in estimates:
-        s = e.state
-        values = (s.parameters, s.gradients, s.master_weights, s.optimizer_state, s.total, e.sent)
-        row = [STAGE_LABELS[e.stage], *(_human(v) for v in values)]
-        if exact:
-            row += [f"{s.total:,}", f"{e.formula.total:,}", str(e.buckets or "-"), f"{e.padding:,}"]
-        rows.append([*row, FORMULAS[e.stage]])
-    return _table(header, rows, text_columns=1)
-
-
-def format_traffic(estimates: Sequence[StageEstimate], exact: bool) -> str:
-    """A table of the bytes each rank sends per step, one row per stage and collective."""
-    header = ["stage", "bytes", "", *(["formula bytes"] if exact else []), "formula", "collective"]
-    rows = []
-    for e in estimates:
-        for t in e.traffic:
-            paper = [f"{t.formula:,}"] if exact else []
-            formula = TRAFFIC_FORMULAS.get(t.collective, "Ψ(N-1)/N")
-            rows.append([STAGE_LABELS[e.stage], f"{t.sent:,}", _human(t.sent), *paper, formula, t.collective])
-    return _table(header, rows, text_columns=2)
-
-
-def format_units(stage3: StageEstimate, param_bytes: int) -> str:
-    """Stage 3's units: how many, and the largest one, which every rank gathers in full while it runs."""
-    root, largest = stage3.units[0], stage3.largest_unit
-    assert largest is not None, "shard_module always makes a root unit"
-
-    def size(u: UnitSize) -> str:
-        return f"{u.name!r}, {u.numel:,} elements = {_human(u.numel * param_bytes)}"
-
-    text = f"Stage 3: {len(stage3.units)} gather units; the largest, gathered in full on every rank while in use: "
-    text += size(largest)
-    if largest is not root:
-        text += f"; the root unit, gathered around the whole forward and backward: {size(root)}"
-    return text + "."
-
-
-def format_tiers(estimates: Sequence[StageEstimate], optimizer: str, params: str, ratio: float) -> str:
-    """Each stage's model state per rank split by where it lives between uses (device, host, disk)."""
-    rows = []
-    for e in estimates:
-        # Tiers exist for ZeRO only, and parameter shards only at stage 3: other stages keep what they cannot move.
-        tiers = model_state_by_tier(e.state, e.stage, optimizer if e.stage else "none", params, ratio)
-        rows.append([STAGE_LABELS.get(e.stage, str(e.stage)), *(_human(v) for v in tiers), f"{sum(tiers):,}"])
-    return _table(["stage", "device", "host", "disk", "total bytes"], rows, text_columns=1)
 
 
 def _tier_settings(args: argparse.Namespace) -> str:
