@@ -2,6 +2,7 @@
 
 - ``consolidate``: a sharded checkpoint directory to one plain checkpoint file.
 - ``estimate``: model-state memory and communication per rank for each stage, by formula or from a model config.
+- ``estimate_tables``: the tables ``estimate`` prints.
 - ``estimate_zeropp``: ``estimate --ranks-per-node``: ZeRO++'s traffic by link and hpZ's memory, by formula.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,

@@ -4,7 +4,9 @@
 - ``gradient_reducer``: the reduction protocol (hooks, ordered launch, end-of-backward flush); the stage-1
   (``full_grad_reducer``) and stage-2 (``sharded_grad_reducer``) storages plug into it.
 - ``param_groups``: the user's param groups over this rank's shard (segments, masters, views, the checks).
-- ``sharded_optimizer``: ``ZeroOptimizer``, the user's optimizer stepping only this rank's shard.
+- ``sharded_optimizer``: ``ZeroOptimizer``, the user's optimizer stepping only this rank's shard; with
+  ``gradient_clipping`` (by norm and value, over shards), ``gradient_presence`` (which parameters got a gradient on
+  some rank: DDP's unused-parameter semantics) and ``optimizer_hooks`` (torch's optimizer hooks on the wrapper).
 - ``loss_scaler``: the cross-rank dynamic loss scaler of fp16 training.
 - ``state_tiers``: ``StateTiers``, the hooks through which memory tiers (``lightning_zero.offload``) hold masters,
   optimizer state and gradient shards between steps.
