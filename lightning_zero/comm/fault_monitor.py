@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import socket
 import threading
@@ -47,12 +48,16 @@ from torch.distributed.distributed_c10d import _get_default_store
 
 __all__ = ["FaultMonitor", "is_collective_failure"]
 
+log = logging.getLogger(__name__)
+
 # Note [monitor must not hang shutdown]
 # The store may be hosted by a process that is dead or stopped (rank 0 under torchrun-like launchers), so any store
 # call can block. The monitor therefore talks to the store through its own clients with a short timeout (never
 # through the default store, whose timeout is the collective timeout), runs its heartbeat on a daemon thread that
 # `stop()` waits for only briefly, and bounds every wait in `diagnose()`. A failure of the monitor itself is
-# reported in the note, never raised over the user's exception.
+# reported in the note, never raised over the user's exception. Nor does it stop training: a rank whose clients
+# cannot connect (a store slow to accept while every rank starts at once) runs without a monitor and says so; raising
+# there would fail that rank's setup while its peers go on into their first collective and wait for it until timeout.
 
 _COLLECTIVE_ERROR_MARKERS = (
     "gloo",
@@ -110,11 +115,12 @@ class FaultMonitor:
         world_size: int,
         interval_s: float = 2.0,
         store_timeout_s: float = 5.0,
+        connect_timeout_s: float = 60.0,
     ) -> None:
-        if not interval_s > 0 or not store_timeout_s > 0:
+        if not interval_s > 0 or not store_timeout_s > 0 or not connect_timeout_s > 0:
             raise ValueError(
-                f"Invalid FaultMonitor interval_s={interval_s!r} / store_timeout_s={store_timeout_s!r}. Expected "
-                "positive numbers of seconds."
+                f"Invalid FaultMonitor interval_s={interval_s!r} / store_timeout_s={store_timeout_s!r} / "
+                f"connect_timeout_s={connect_timeout_s!r}. Expected positive numbers of seconds."
             )
         self.rank = rank
         self.world_size = world_size
@@ -122,22 +128,51 @@ class FaultMonitor:
         self._store_timeout = timedelta(seconds=store_timeout_s)
         prefix = f"{_NAMESPACE}/{next(_starts)}"
         # Two clients: the heartbeat thread and the failing main thread never wait on each other's calls.
-        self._beat_store: Store = PrefixStore(prefix, _client(store, self._store_timeout))
-        self._store: Store = PrefixStore(prefix, _client(store, self._store_timeout))
+        connect = timedelta(seconds=connect_timeout_s)
+        self._beat_store: Store = PrefixStore(prefix, _client(store, connect, self._store_timeout))
+        self._store: Store = PrefixStore(prefix, _client(store, connect, self._store_timeout))
         self._store_address = _address(store)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     @classmethod
     def from_default_group(cls, interval_s: float = 2.0, store_timeout_s: float = 5.0) -> FaultMonitor | None:
-        """A monitor over the default process group's store; None without a group or store (e.g. one process)."""
+        """A monitor over the default process group's store; None without a group or store (e.g. one process), or
+        when its store clients cannot connect (then with a warning: Note [monitor must not hang shutdown])."""
         if not dist.is_initialized() or dist.get_world_size() < 2:
             return None
         try:
             store = _get_default_store()
         except (RuntimeError, ValueError):
             return None
-        return cls(store, dist.get_rank(), dist.get_world_size(), interval_s, store_timeout_s)
+        return cls.connect(store, dist.get_rank(), dist.get_world_size(), interval_s, store_timeout_s)
+
+    @classmethod
+    def connect(
+        cls,
+        store: Store,
+        rank: int,
+        world_size: int,
+        interval_s: float = 2.0,
+        store_timeout_s: float = 5.0,
+        connect_timeout_s: float = 60.0,
+    ) -> FaultMonitor | None:
+        """``FaultMonitor(...)``, or None with a warning if its store clients cannot connect within
+        ``connect_timeout_s``: the rank trains on without naming failed peers (Note [monitor must not hang
+        shutdown])."""
+        try:
+            return cls(store, rank, world_size, interval_s, store_timeout_s, connect_timeout_s)
+        except dist.DistError as error:
+            log.warning(
+                "Rank %d runs without a fault monitor: its store clients could not connect to %s within %g s. "
+                "Training is not affected, but a failure of another rank will not be named in this rank's errors. "
+                "Cause: %s",
+                rank,
+                _address(store),
+                connect_timeout_s,
+                str(error).splitlines()[0] if str(error) else type(error).__name__,
+            )
+            return None
 
     # -- lifecycle ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -303,10 +338,16 @@ def _unwrap(store: Store) -> Store:
     return store
 
 
-def _client(store: Store, timeout: timedelta) -> Store:
+def _client(store: Store, connect_timeout: timedelta, timeout: timedelta) -> Store:
+    """A new client of ``store``'s server: connecting may take up to ``connect_timeout`` (every rank connects at
+    once at start), each call afterwards ``timeout``."""
     base = _unwrap(store)
     if isinstance(base, TCPStore):
-        return TCPStore(base.host, base.port, is_master=False, timeout=timeout, wait_for_workers=False)
+        client = TCPStore(
+            base.host, base.port, is_master=False, timeout=max(connect_timeout, timeout), wait_for_workers=False
+        )
+        client.set_timeout(timeout)
+        return client
     return base  # FileStore / HashStore: local, they do not block on a dead host
 
 
