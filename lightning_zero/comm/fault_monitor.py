@@ -53,11 +53,13 @@ log = logging.getLogger(__name__)
 # Note [monitor must not hang shutdown]
 # The store may be hosted by a process that is dead or stopped (rank 0 under torchrun-like launchers), so any store
 # call can block. The monitor therefore talks to the store through its own clients with a short timeout (never
-# through the default store, whose timeout is the collective timeout), runs its heartbeat on a daemon thread that
-# `stop()` waits for only briefly, and bounds every wait in `diagnose()`. A failure of the monitor itself is
-# reported in the note, never raised over the user's exception. Nor does it stop training: a rank whose clients
-# cannot connect (a store slow to accept while every rank starts at once) runs without a monitor and says so; raising
-# there would fail that rank's setup while its peers go on into their first collective and wait for it until timeout.
+# through the default store, whose timeout is the collective timeout) and runs its heartbeat on a daemon thread that
+# `stop()` waits for only briefly. The client's timeout does not bound every call: when the store's host is stopped
+# or unreachable rather than dead, `check` and `get` were measured still blocked after 40 s with a 1 s timeout. So
+# `diagnose()` runs on a daemon thread too, waited for a bounded time. A failure of the monitor itself is reported in
+# the note, never raised over the user's exception. Nor does it stop training: a rank whose clients cannot connect
+# (a store slow to accept while every rank starts at once) runs without a monitor and says so; raising there would
+# fail that rank's setup while its peers go on into their first collective and wait for it until timeout.
 
 _COLLECTIVE_ERROR_MARKERS = (
     "gloo",
@@ -218,13 +220,28 @@ class FaultMonitor:
     def diagnose(self) -> str:
         """A sentence naming the ranks that failed first, died, stopped, or never joined; bounded in time."""
         head = f"lightning_zero: rank {self.rank} failed in a collective because another rank did not take part."
-        try:
-            verdicts = self._verdicts()
-        except Exception as error:
+        budget = self._diagnosis_budget_s()
+        outcome: list[dict[int, str] | Exception] = []
+
+        def judge() -> None:
+            try:
+                outcome.append(self._verdicts())
+            except Exception as error:
+                outcome.append(error)
+
+        # Note [monitor must not hang shutdown]: a store whose host is stopped (not dead) or unreachable leaves a
+        # call blocked past the client's timeout, so the diagnosis runs on a daemon thread this rank stops waiting
+        # for.
+        judge_thread = threading.Thread(target=judge, name=f"lightning_zero-diagnosis-rank{self.rank}", daemon=True)
+        judge_thread.start()
+        judge_thread.join(budget)
+        verdicts = outcome[0] if outcome else None
+        if not isinstance(verdicts, dict):
+            why = type(verdicts).__name__ if verdicts is not None else f"no answer within {budget:g} s"
             return (
-                f"{head} The c10d store at {self._store_address} does not answer ({type(error).__name__}), so the "
-                "failed rank cannot be named: the process hosting the store (rank 0 under torchrun or "
-                "Lightning's launcher) died or is stopped. HINT: look at rank 0's log and exit status first."
+                f"{head} The c10d store at {self._store_address} does not answer ({why}), so the failed rank "
+                "cannot be named: the process hosting the store (rank 0 under torchrun or Lightning's launcher) "
+                "died or is stopped. HINT: look at rank 0's log and exit status first."
             )
         if not verdicts:
             return (
@@ -232,6 +249,11 @@ class FaultMonitor:
                 "the ranks probably issued different collectives. HINT: check that every rank runs the same steps."
             )
         return head + " " + " ".join(f"Rank {rank} {what}." for rank, what in sorted(verdicts.items()))
+
+    def _diagnosis_budget_s(self) -> float:
+        """How long ``diagnose`` waits: the polls of ``_verdicts`` (settling, then a heartbeat's staleness) plus a
+        few store calls at their timeout."""
+        return self.interval_s + 0.5 + self._stale_s() + 2 * self._store_timeout.total_seconds()
 
     def _verdicts(self) -> dict[int, str]:
         """Poll for an origin or a dead/stopped peer on this host; failing that, judge the ranks that reported
