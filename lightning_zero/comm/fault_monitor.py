@@ -51,15 +51,16 @@ __all__ = ["FaultMonitor", "is_collective_failure"]
 log = logging.getLogger(__name__)
 
 # Note [monitor must not hang shutdown]
-# The store may be hosted by a process that is dead or stopped (rank 0 under torchrun-like launchers), so any store
-# call can block. The monitor therefore talks to the store through its own clients with a short timeout (never
-# through the default store, whose timeout is the collective timeout) and runs its heartbeat on a daemon thread that
-# `stop()` waits for only briefly. The client's timeout does not bound every call: when the store's host is stopped
-# or unreachable rather than dead, `check` and `get` were measured still blocked after 40 s with a 1 s timeout. So
-# `diagnose()` runs on a daemon thread too, waited for a bounded time. A failure of the monitor itself is reported in
-# the note, never raised over the user's exception. Nor does it stop training: a rank whose clients cannot connect
-# (a store slow to accept while every rank starts at once) runs without a monitor and says so; raising there would
-# fail that rank's setup while its peers go on into their first collective and wait for it until timeout.
+# The store may be hosted by a process that is dead or stopped (rank 0 under torchrun-like launchers), so any store call
+# can block. The monitor therefore talks to the store through its own clients with a short timeout (never through the
+# default store, whose timeout is the collective timeout) and runs its heartbeat on a daemon thread that `stop()` waits
+# for only briefly. The client's timeout does not bound every call: when the store's host is stopped or unreachable
+# rather than dead, `check` and `get` were measured still blocked after 40 s (`check`: 420 s, the whole measurement)
+# with a 1 s timeout. So `diagnose()` runs on a daemon thread too, waited for a bounded time. A failure of the monitor
+# itself is reported in the note, never raised over the user's exception. Nor does it stop training: a rank whose
+# clients cannot connect (a store slow to accept while every rank starts at once) runs without a monitor and says so;
+# raising there would fail that rank's setup while its peers go on into their first collective and wait for it until
+# timeout.
 
 _COLLECTIVE_ERROR_MARKERS = (
     "gloo",
