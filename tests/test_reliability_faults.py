@@ -36,8 +36,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_job(tmp: Path, fault: str, bound_s: float, world: int = 2, timeout_s: float = 1800.0) -> dict[int, RankExit]:
-    """Start the job, inject ``fault`` on rank 1, wait up to ``bound_s`` after the fault for the others to exit.
+def run_job(
+    tmp: Path, fault: str, bound_s: float, world: int = 2, timeout_s: float = 1800.0, fault_rank: int = 1
+) -> dict[int, RankExit]:
+    """Start the job, inject ``fault`` on ``fault_rank``, wait up to ``bound_s`` after the fault for the others to
+    exit.
 
     Whatever is still running then (the stopped or hanging rank itself, or a survivor that missed the bound) is
     SIGKILLed, as torchrun's agent would, and reported with ``returncode=None``.
@@ -49,6 +52,7 @@ def run_job(tmp: Path, fault: str, bound_s: float, world: int = 2, timeout_s: fl
     base |= {"LOCAL_WORLD_SIZE": str(world), "NODE_RANK": "0", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     base["PYTHONPATH"] = os.pathsep.join([str(ROOT), base.get("PYTHONPATH", "")])
     command = [sys.executable, str(JOB), "--fault", fault, "--out", str(tmp), "--timeout", str(timeout_s)]
+    command += ["--fault-rank", str(fault_rank)]
     exited: dict[int, tuple[int, float]] = {}
     try:
         for rank in range(world):
@@ -67,8 +71,8 @@ def run_job(tmp: Path, fault: str, bound_s: float, world: int = 2, timeout_s: fl
         assert fault_file.exists(), "the fault was never injected:\n" + _stderr(tmp, 0) + _stderr(tmp, 1)
         fault_at = float(fault_file.read_text())
         stop_waiting = time.monotonic() + bound_s + 5  # beyond the bound, to measure a miss rather than hide it
-        # A stopped or hanging rank 1 never exits on its own: stop waiting once every other rank has.
-        awaited = set(range(world)) if fault in ("raise", *KILLS) else set(range(world)) - {1}
+        # A stopped or hanging rank never exits on its own: stop waiting once every other rank has.
+        awaited = set(range(world)) if fault in ("raise", *KILLS) else set(range(world)) - {fault_rank}
         while not awaited <= exited.keys() and time.monotonic() < stop_waiting:
             for rank, p in procs.items():
                 if rank not in exited and p.poll() is not None:
@@ -122,6 +126,15 @@ def test_stopped_rank_fails_the_others_within_the_collective_timeout(tmp_path):
     assert_exited_naming(exits[0], 10 + 30, "Rank 1 (pid", "is stopped")
     assert exits[0].seconds_after_fault is not None
     assert exits[0].seconds_after_fault >= 10 - 1  # it waited out the timeout, not sooner
+
+
+@pytest.mark.timeout(150)
+def test_stopped_store_host_fails_the_others_saying_the_store_does_not_answer(tmp_path):
+    # Rank 0 hosts the c10d store here, as under Lightning's launcher: with it frozen, store calls block past their
+    # timeout, and the diagnosis must still end (Note [monitor must not hang shutdown]).
+    exits = run_job(tmp_path, "stop", bound_s=10 + 40, timeout_s=10, fault_rank=0)
+    assert exits[0].returncode is None
+    assert_exited_naming(exits[1], 10 + 40, "store at 127.0.0.1:", "does not answer", "look at rank 0")
 
 
 @pytest.mark.timeout(120)
