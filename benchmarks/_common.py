@@ -252,6 +252,21 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl on cuda, else gloo")
 
 
+def add_contention_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--idle-wait``, ``--max-other-cores``, ``--attempts``: how ``run_ranks`` waits for an idle machine and re-runs a
+    measurement that other processes disturbed."""
+    parser.add_argument("--idle-wait", type=float, default=120.0, help="max seconds to wait for an idle machine")
+    parser.add_argument("--max-other-cores", type=float, default=0.25, help="rerun a run others disturbed more")
+    parser.add_argument("--attempts", type=int, default=3, help="runs at most, per measurement, see --max-other-cores")
+
+
+def add_mmap_threshold_argument(parser: argparse.ArgumentParser) -> None:
+    """``--mmap-threshold``: the ranks' ``MALLOC_MMAP_THRESHOLD_`` (see ``mmap_threshold_active``)."""
+    parser.add_argument(
+        "--mmap-threshold", type=int, default=65536, help="MALLOC_MMAP_THRESHOLD_ of the ranks; 0: glibc's default"
+    )
+
+
 def check_device_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Fill in the backend and refuse combinations that cannot run, naming the flag and the fix."""
     args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")

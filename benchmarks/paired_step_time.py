@@ -152,12 +152,8 @@ def main() -> None:
         "--variants", default="ddp,zero1,zero2,zero3,fsdp2", help=f"subset of {list(step_time.RUNNERS)}"
     )
     parser.add_argument("--baseline", default="ddp", help="the variant every ratio is taken against")
-    parser.add_argument(
-        "--mmap-threshold", type=int, default=65536, help="MALLOC_MMAP_THRESHOLD_ of the ranks; 0: glibc's default"
-    )
-    parser.add_argument("--idle-wait", type=float, default=120.0, help="max seconds to wait for an idle machine")
-    parser.add_argument("--max-other-cores", type=float, default=0.25, help="rerun a run others disturbed more")
-    parser.add_argument("--attempts", type=int, default=2, help="runs at most, see --max-other-cores")
+    bench.add_mmap_threshold_argument(parser)
+    bench.add_contention_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/paired_step_time.json"))
     ns = parser.parse_args()
     bench.check_device_arguments(parser, ns)

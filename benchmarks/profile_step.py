@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--world-size", type=int, default=2)
     bench.add_device_arguments(parser)
-    parser.add_argument("--mmap-threshold", type=int, default=65536, help="0: glibc's default")
+    bench.add_mmap_threshold_argument(parser)
     parser.add_argument("--bucket-numel", type=int, default=None)
     parser.add_argument("--max-inflight-buckets", type=int, default=None)
     parser.add_argument("--no-overlap", action="store_true")
@@ -176,9 +176,7 @@ def main() -> None:
         metavar="FIELD=JSON",
         help="any other ZeroConfig field for our stages, e.g. reshard_root_after_forward=false (repeatable)",
     )
-    parser.add_argument("--idle-wait", type=float, default=120.0, help="max seconds to wait for an idle machine")
-    parser.add_argument("--max-other-cores", type=float, default=0.25, help="rerun a run others disturbed more")
-    parser.add_argument("--attempts", type=int, default=3, help="runs at most, per measurement, see above")
+    bench.add_contention_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_step.json"))
     ns = parser.parse_args()
     bench.check_device_arguments(parser, ns)

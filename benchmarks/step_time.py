@@ -400,12 +400,8 @@ def main() -> None:
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     parser.add_argument("--repeats", type=int, default=1, help="run all variants round-robin this many times")
     parser.add_argument("--variants", default=",".join(RUNNERS), help=f"comma-separated subset of {list(RUNNERS)}")
-    parser.add_argument(
-        "--mmap-threshold", type=int, default=65536, help="MALLOC_MMAP_THRESHOLD_ of the ranks; 0: glibc's default"
-    )
-    parser.add_argument("--idle-wait", type=float, default=120.0, help="max seconds to wait for an idle machine")
-    parser.add_argument("--max-other-cores", type=float, default=0.25, help="rerun a run others disturbed more")
-    parser.add_argument("--attempts", type=int, default=3, help="runs at most, per measurement, see above")
+    bench.add_mmap_threshold_argument(parser)
+    bench.add_contention_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step_time.json"))
     ns = parser.parse_args()
     bench.check_device_arguments(parser, ns)
