@@ -1,5 +1,6 @@
 """The third-party fixtures of ``tests/third_party_models.py``: each one runs, and trains through the Trainer with
-DDP's numbers under every stage (``benchmarks/probe_third_party.py`` prints the whole table)."""
+DDP's numbers under every stage (``benchmarks/probe_third_party.py`` prints the whole table), and generates as under DDP
+afterwards."""
 
 from __future__ import annotations
 
@@ -99,6 +100,7 @@ def _check(builder: str, strategies: list[str], optimizer: str = "adamw") -> Non
     [
         "hf_lora",
         "hf_prompt_tuning",
+        "hf_t5",
         "frozen_norm_before_linear",
         "reentrant_checkpointing",
         "batchnorm_mlp",
@@ -117,6 +119,8 @@ def test_stages_1_and_2_match_ddp(builder):
         "hf_causal_lm",
         "hf_prompt_tuning",
         "hf_lora",
+        "hf_gpt2",
+        "hf_t5",
         "frozen_norm_before_linear",
         "reentrant_checkpointing",
         "dataclass_output",
@@ -145,3 +149,42 @@ def test_compiled_model_matches_ddp_with_compile_at_every_stage():
     """``torch.compile`` of the model's body (the fixture compiles it) through the Trainer: stage 3 breaks the graph
     at each unit boundary and gathers there, eagerly (Note [placeholders under compile])."""
     _check("compiled_mlp", ["ddp", "zero1", "zero2", "zero3"])
+
+
+def _fit_and_generate(builder: str, strategies: list[str]) -> list[tuple[list[list[int]], torch.Tensor]]:
+    import lightning_zero  # noqa: F401  (registers "zero1", "zero2", "zero3")
+    from tests.third_party_models import ProbeModule, probe_trainer
+
+    generated = []
+    for strategy in strategies:
+        module = ProbeModule(builder, steps=3)
+        probe_trainer(strategy, steps=3).fit(module)
+        assert module.model is not None
+        prompt = torch.arange(3, 11).view(2, 4)  # the same on every rank: generation is collective under stage 3
+        with torch.no_grad():
+            out = module.model.generate(  # type: ignore[operator]
+                input_ids=prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=6,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        generated.append((out.sequences.tolist(), torch.stack(out.scores)))
+    return generated
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("builder", "length"), [("hf_causal_lm", 4 + 6), ("hf_t5", 1 + 6)])
+def test_hugging_face_generate_after_fit_gives_ddps_tokens_under_stage_3(builder, length):
+    """``generate`` after ``fit``: every forward of the loop runs outside a training step (T5's decoder many times
+    without its encoder), each unit gathered when called and freed after. Greedy decoding gives DDP's tokens and
+    DDP's scores at every position."""
+    ranks = run_distributed(_fit_and_generate, 2, builder, ["ddp", "zero3"], init_process_group=False)
+    for (ddp_tokens, ddp_scores), (tokens, scores) in ranks:
+        assert len(ddp_tokens) == 2
+        assert all(len(row) == length for row in ddp_tokens), ddp_tokens
+        assert tokens == ddp_tokens
+        assert scores.shape == ddp_scores.shape == (6, 2, 96)
+        torch.testing.assert_close(scores, ddp_scores, rtol=1e-5, atol=1e-5)
+    assert ranks[0][1][0] == ranks[1][1][0]  # both ranks generated the same

@@ -104,6 +104,48 @@ def hf_prompt_tuning() -> Fixture:
     return Fixture(get_peft_model(base, config), _token_batch, _hf_loss, mixed_precision=True)
 
 
+def hf_gpt2() -> Fixture:
+    """``GPT2LMHeadModel`` from a config: ``Conv1D`` projections, the LM head tied to the token embedding."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=HF_VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0
+    )
+    config.attn_pdrop = 0.0
+    torch.manual_seed(SEED)
+    return Fixture(GPT2LMHeadModel(config), _token_batch, _hf_loss, mixed_precision=True)
+
+
+def _seq2seq_batch(rank: int, step: int) -> dict[str, Tensor]:
+    g = _generator(rank, step)
+    return {
+        "input_ids": torch.randint(1, HF_VOCAB, (4, HF_SEQ), generator=g),
+        "labels": torch.randint(1, HF_VOCAB, (4, HF_SEQ // 2), generator=g),
+    }
+
+
+def hf_t5() -> Fixture:
+    """``T5ForConditionalGeneration`` from a config: one embedding shared by the encoder, the decoder and the tied
+    LM head (three uses in three places of the forward), and a relative position bias computed by the first block
+    of each stack and passed as a tensor to the next blocks."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=HF_VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    torch.manual_seed(SEED)
+    return Fixture(T5ForConditionalGeneration(config), _seq2seq_batch, _hf_loss, mixed_precision=True)
+
+
 # -- patterns in plain torch ----------------------------------------------------------------------------------------
 
 
@@ -388,6 +430,8 @@ BUILDERS: dict[str, Callable[[], Fixture]] = {
         hf_causal_lm,
         hf_lora,
         hf_prompt_tuning,
+        hf_gpt2,
+        hf_t5,
         frozen_norm_before_linear,
         reentrant_checkpointing,
         moe,
