@@ -18,11 +18,26 @@ A buffer built on meta has no values: what ``__init__`` computed (RoPE's ``inv_f
 table) is gone, and only the module's initializer can restore it. It is allocated (in its own dtype, on the target
 device) before the initializer runs, and afterwards it must have been written, in place or by assigning a new
 tensor; otherwise sharding stops with an error naming the module and the buffer, instead of training with zeros.
-A module that owns only buffers is initialized the same way.
+A module that owns only buffers is initialized the same way. Parameters are allocated filled with NaN, and one
+the initializer left with any NaN stops sharding too: an initializer that forgets a parameter would otherwise train
+from whatever the allocator returned.
+
+Note [Hugging Face initialization]
+A ``transformers`` model initializes itself in two passes: each layer's constructor (torch's defaults), then the
+model's ``_init_weights`` applied to every module children-first (``post_init``), which also covers its own layers
+that have no ``reset_parameters()`` (RMSNorms, rotary embeddings' ``inv_freq``). Built on meta, both are lost. So a
+module inside a ``PreTrainedModel`` (the innermost one around it, found without importing ``transformers``) is
+initialized as that model would: ``reset_parameters()`` if it has one, then the model's ``_init_weights``, when the
+walk leaves its subtree, so that a parent's ``_init_weights`` (T5's scales the shared embedding) runs after its
+children's as in ``post_init``. The weights follow the model's own initialization, not bit for bit (each unit's
+random draws happen before the next unit's constructors'). A module of another library inside (peft's adapter
+layers, which initialize their adapters in their own constructor) keeps the default path; ``param_init_fn``
+replaces all of it.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -64,44 +79,115 @@ def _default_init(module: nn.Module) -> None:
     reset()
 
 
-def _materialize(
-    module: nn.Module, device: torch.device, init: ParamInitFn, was_meta: set[int], done: set[int], name: str = ""
-) -> None:
-    """Allocate and initialize ``module``'s own meta parameters and buffers (see Note [initialization order] and
-    Note [meta buffers]); ``name`` is the module's qualified name, for the error.
+def _library(module: nn.Module) -> str:
+    return type(module).__module__.split(".")[0]
+
+
+def _hugging_face_owners(root: nn.Module) -> dict[int, nn.Module]:
+    """For every module a Hugging Face model initializes (Note [Hugging Face initialization]): the innermost
+    ``PreTrainedModel`` around it. Modules of another library on the way (peft's adapter layers) break the chain."""
+    transformers = sys.modules.get("transformers")  # no model of it exists unless it was imported
+    if transformers is None:
+        return {}
+    owners: dict[int, nn.Module] = {}
+
+    def visit(module: nn.Module, owner: nn.Module | None) -> None:
+        if isinstance(module, transformers.PreTrainedModel):
+            owner = module
+        elif _library(module) not in ("transformers", "torch"):
+            owner = None
+        if owner is not None:
+            owners[id(module)] = owner
+        for child in module.children():
+            visit(child, owner)
+
+    visit(root, None)
+    return owners
+
+
+def _hugging_face_init(owner: nn.Module, constructed: bool) -> ParamInitFn:
+    """``constructed``: the module has parameters or buffers of its own to create, as its constructor did."""
+
+    def init(module: nn.Module) -> None:
+        reset = getattr(module, "reset_parameters", None)
+        if constructed and callable(reset):  # what the constructor did before the model's own initialization
+            reset()
+        init_weights: ParamInitFn = getattr(owner, "_init_weights")  # noqa: B009  (not a Tensor: nn.Module's typing)
+        try:
+            init_weights(module)
+        except RuntimeError as error:  # most likely it wrote to a placeholder: a unit inside it is sharded already
+            raise RuntimeError(
+                f"The Hugging Face initialization (_init_weights) of {type(module).__name__} failed, most likely "
+                f"writing parameters of a stage-3 unit inside it that is sharded already: {error} HINT: make units "
+                "no smaller than the modules whose _init_weights sets their children's parameters (the default "
+                "policy wraps the decoder layers; `wrap_module_classes` names them), or pass `param_init_fn`."
+            ) from error
+
+    return init
+
+
+class _Fresh:
+    """A module's parameters and buffers just allocated for initialization, and the tied parameters it shares with
+    modules initialized before it (whose values it must keep)."""
+
+    def __init__(self, module: nn.Module, device: torch.device, was_meta: set[int], done: set[int]) -> None:
+        direct = list(module.parameters(recurse=False))
+        self.params = [p for p in direct if p.is_meta]
+        self.kept = {id(p): p.detach().clone() for p in direct if id(p) in done}
+        self.direct = direct
+        self.needed = any(id(p) in was_meta for p in direct) or any(b.is_meta for b in module.buffers(recurse=False))
+        for p in self.params:
+            # swap_tensors keeps the Parameter object: ties and references held elsewhere stay valid. NaN until the
+            # initializer writes it (Note [meta buffers]).
+            value = torch.empty_like(p, device=device)
+            if value.is_floating_point() or value.is_complex():
+                value.fill_(float("nan"))
+            torch.utils.swap_tensors(p, nn.Parameter(value, p.requires_grad))
+        self.buffers: dict[str, torch.Tensor] = {}
+        for key, buffer in module.named_buffers(recurse=False):
+            if buffer.is_meta:
+                self.buffers[key] = torch.zeros_like(buffer, device=device)
+                setattr(module, key, self.buffers[key])
+
+
+def _allocate(module: nn.Module, device: torch.device, was_meta: set[int], done: set[int]) -> _Fresh | None:
+    """Allocate ``module``'s own meta parameters and buffers; None if it has nothing to initialize.
 
     ``was_meta``: parameters that were on meta when sharding began; a module owning any of them is initialized even
     if a tied parameter was allocated by an earlier module. ``done``: parameters initialized so far.
     """
-    direct = list(module.parameters(recurse=False))
-    if not any(id(p) in was_meta for p in direct) and not any(b.is_meta for b in module.buffers(recurse=False)):
-        return
-    kept = {id(p): p.detach().clone() for p in direct if id(p) in done}
-    for p in direct:
-        if p.is_meta:
-            # swap_tensors keeps the Parameter object: ties and references held elsewhere stay valid.
-            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
-    allocated: dict[str, torch.Tensor] = {}
-    for key, buffer in module.named_buffers(recurse=False):
-        if buffer.is_meta:
-            allocated[key] = torch.zeros_like(buffer, device=device)
-            setattr(module, key, allocated[key])
+    fresh = _Fresh(module, device, was_meta, done)
+    return fresh if fresh.needed else None
+
+
+def _initialize(module: nn.Module, fresh: _Fresh, init: ParamInitFn, done: set[int], name: str = "") -> None:
+    """Run ``module``'s initializer on what ``_allocate`` gave it, and check that it wrote all of it (Note [meta
+    buffers]); ``name`` is the module's qualified name, for the error."""
     with torch.no_grad():
         init(module)
-        for p in direct:
-            if id(p) in kept:
-                p.copy_(kept[id(p)])
-    done.update(id(p) for p in direct)
-    untouched = [k for k, b in allocated.items() if module._buffers.get(k) is b and b._version == 0]
-    if untouched:  # Note [meta buffers]
-        where = ", ".join(repr(f"{name}.{k}" if name else k) for k in untouched)
-        raise RuntimeError(
-            f"Buffer(s) {where} of {type(module).__name__} were built on the meta device and its initializer "
-            "(reset_parameters() or param_init_fn) did not set them: what __init__ computed is lost, and training "
-            f"would use zeros. HINT: compute them in {type(module).__name__}.reset_parameters() (e.g. "
-            f"`self.{untouched[0]}.copy_(...)`), or set them in `param_init_fn`, or build the model in `__init__` "
-            "instead of `configure_model`."
-        )
+        for p in fresh.direct:
+            if id(p) in fresh.kept:
+                p.copy_(fresh.kept[id(p)])
+    done.update(id(p) for p in fresh.direct)
+    untouched = [k for k, b in fresh.buffers.items() if module._buffers.get(k) is b and b._version == 0]
+    allocated = {id(p) for p in fresh.params}
+    unset = [k for k, p in module.named_parameters(recurse=False) if id(p) in allocated and bool(p.isnan().any())]
+    if not untouched and not unset:
+        return
+    kind = "Parameter(s)" if unset else "Buffer(s)"
+    where = ", ".join(repr(f"{name}.{k}" if name else k) for k in unset or untouched)
+    lost = (
+        "its values would be uninitialized memory"
+        if unset
+        else "what __init__ computed is lost, and training would use zeros"
+    )
+    raise RuntimeError(
+        f"{kind} {where} of {type(module).__name__} were built on the meta device and its initializer "
+        f"(reset_parameters(), param_init_fn, or the Hugging Face model's _init_weights) did not set them: {lost}. "
+        f"HINT: initialize them in {type(module).__name__}.reset_parameters() (e.g. "
+        f"`self.{(unset or untouched)[0]}.copy_(...)`), or in `param_init_fn`, or build the model in `__init__` "
+        "instead of `configure_model`."
+    )
 
 
 def unit_bucket_layout(
@@ -170,11 +256,34 @@ def shard_module(
             tiers.attach(unit)
 
     names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+    owners = {} if param_init_fn is not None else _hugging_face_owners(root)
+    # Note [Hugging Face initialization]: those modules are initialized when the walk leaves their subtree.
+    position_of = {id(m): i for i, m in enumerate(modules)}
+    on_meta = {id(m) for m in modules if any(t.is_meta for t in [*m.parameters(False), *m.buffers(False)])}
+    ends: dict[int, list[int]] = {}
+    for start, module in enumerate(modules):
+        if id(module) in owners and any(id(d) in on_meta for d in module.modules()):
+            end = max(position_of[id(d)] for d in module.modules())
+            ends.setdefault(end, []).insert(0, start)  # deepest (latest start) first: post-order
+    deferred: dict[int, _Fresh] = {}
     for position, module in enumerate(modules):
-        _materialize(module, device, init, was_meta, done, names.get(id(module), ""))
+        fresh = _allocate(module, device, was_meta, done)
+        if fresh is not None and id(module) in owners:
+            deferred[position] = fresh
+        elif fresh is not None:
+            _initialize(module, fresh, init, done, names.get(id(module), ""))
+        for start in ends.get(position, []):
+            owned_by, own = modules[start], deferred.pop(start, None)
+            init_hf = _hugging_face_init(owners[id(owned_by)], constructed=own is not None)
+            if own is not None:
+                _initialize(owned_by, own, init_hf, done, names.get(id(owned_by), ""))
+            else:  # nothing of its own, but its initialization may set its children's (GPT-2's scaled c_proj)
+                with torch.no_grad():
+                    init_hf(owned_by)
         for i, last in enumerate(last_position):
             if last == position:
                 build(i + 1)
+    assert not deferred, "every deferred module is initialized when the walk leaves it"
     build(0)
     assert all(u is not None for u in units)
     built = [u for u in units if u is not None]

@@ -1,0 +1,153 @@
+"""Stage-3 sharded initialization of models built on the meta device that do not initialize themselves through
+``reset_parameters()``: Hugging Face models (Note [Hugging Face initialization] in ``stage3/sharded_init.py``), and
+initializers that forget a parameter (Note [meta buffers])."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_zero import ZeroConfig, shard_module
+from tests.harness import DistributedTestError, run_distributed
+
+CPU = torch.device("cpu")
+
+
+def _hugging_face_model(name: str) -> nn.Module:
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
+
+    if name == "llama":
+        return LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=96,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+            )
+        )
+    if name == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=96, n_positions=64, n_embd=64, n_layer=2, n_head=4))
+    assert name == "t5"
+    config = T5Config(vocab_size=96, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0)
+    return T5ForConditionalGeneration(config)
+
+
+def _built_on_meta_and_directly(name: str) -> tuple[dict[str, Tensor], dict[str, Tensor], list[str]]:
+    """(sharded init on meta, direct construction): every parameter and buffer, gathered; and the unit names."""
+    torch.manual_seed(0)
+    direct = _hugging_face_model(name)
+    reference = {**dict(direct.named_parameters()), **dict(direct.named_buffers())}
+    torch.manual_seed(1)
+    with torch.device("meta"):
+        model = _hugging_face_model(name)
+    gatherer = shard_module(model, ZeroConfig(stage=3), dist.group.WORLD, CPU)
+    with gatherer.gathered():
+        sharded = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    return sharded, reference, [u.name for u in gatherer.units]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["llama", "gpt2", "t5"])
+def test_hugging_face_model_built_on_meta_is_initialized_by_its_own_init_weights(name):
+    """Constant tensors (norm weights, biases, rotary frequencies) equal a directly built model's exactly; random ones
+    have its spread, layer by layer: the model's own scheme (T5's per-projection scales, GPT-2's scaled ``c_proj``,
+    0.02 elsewhere), not torch's defaults (a 64-wide ``nn.Linear`` draws with std 0.072)."""
+    for sharded, reference, units in run_distributed(_built_on_meta_and_directly, 2, name):
+        assert len(units) > 1, units  # really sharded unit by unit
+        assert sharded.keys() == reference.keys()
+        constant = random = 0
+        for key, expected in reference.items():
+            value = sharded[key]
+            assert value.shape == expected.shape, key
+            assert torch.isfinite(value.float()).all(), key
+            if expected.numel() == 1 or bool((expected == expected.flatten()[0]).all()):
+                torch.testing.assert_close(value, expected, rtol=0, atol=0, msg=key)
+                constant += 1
+            elif expected.dtype.is_floating_point and key.endswith("weight") and expected.numel() >= 256:
+                ratio = value.float().std().item() / expected.float().std().item()
+                assert 0.8 < ratio < 1.25, (key, ratio, expected.std().item())
+                assert abs(value.float().mean().item()) < 4 * expected.float().std().item() / math.sqrt(256), key
+                random += 1
+            elif "freq" in key:  # a computed buffer (rotary frequencies): computed the same way
+                torch.testing.assert_close(value, expected, msg=key)
+        assert constant > 0
+        assert random > 0
+
+
+class ForgetsOne(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 4))
+        self.forgotten = nn.Parameter(torch.empty(4))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def _shard(model_factory: Any) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), model_factory())
+    shard_module(model, ZeroConfig(stage=3), dist.group.WORLD, CPU)
+
+
+@pytest.mark.timeout(60)
+def test_a_parameter_the_initializer_does_not_set_is_refused_naming_it():
+    with pytest.raises(DistributedTestError) as error:
+        run_distributed(_shard, 2, ForgetsOne)
+    message = str(error.value)
+    assert "'1.forgotten'" in message
+    assert "ForgetsOne" in message
+    assert "uninitialized memory" in message
+    assert "reset_parameters()" in message
+
+
+def _fit_built_in_configure_model() -> list[float]:
+    import lightning_zero  # noqa: F401  (registers "zero3")
+    from tests.third_party_models import fit_probe
+
+    return list(fit_probe("hf_causal_lm", "zero3", build_in="configure_model")["losses"])
+
+
+@pytest.mark.timeout(120)
+def test_hugging_face_model_built_in_configure_model_trains_under_stage_3():
+    """The Lightning path: ``configure_model`` builds ``LlamaForCausalLM`` on meta (its RMSNorms have no
+    ``reset_parameters()``); the first loss is that of an initialized model, ln(vocabulary) within 0.1, and training
+    lowers it."""
+    for losses in run_distributed(_fit_built_in_configure_model, 2, init_process_group=False):
+        assert len(losses) == 6
+        assert all(math.isfinite(loss) for loss in losses)
+        assert abs(losses[0] - math.log(96)) < 0.1, losses
+
+
+def _shard_gpt2_finely() -> None:
+    with torch.device("meta"):
+        model = _hugging_face_model("gpt2")
+    config = ZeroConfig(stage=3, wrap_module_classes=(), wrap_min_numel=1000)  # units inside the attention
+    shard_module(model, config, dist.group.WORLD, CPU)
+
+
+@pytest.mark.timeout(60)
+def test_units_finer_than_a_hugging_face_initialization_are_refused_with_the_fix():
+    """GPT-2's attention rescales its child ``c_proj`` in ``_init_weights``; a unit made of ``c_proj`` alone is
+    sharded before that runs, and the error says so instead of torch's message about overlapping memory alone."""
+    with pytest.raises(DistributedTestError) as error:
+        run_distributed(_shard_gpt2_finely, 2)
+    message = str(error.value)
+    assert "initialization (_init_weights) of GPT2Attention failed" in message
+    assert "wrap_module_classes" in message
+    assert "param_init_fn" in message
