@@ -112,7 +112,8 @@ def test_a_parameter_the_initializer_does_not_set_is_refused_naming_it():
     message = str(error.value)
     assert "'1.forgotten'" in message
     assert "ForgetsOne" in message
-    assert "uninitialized memory" in message
+    assert "training would start from uninitialized memory" in message
+    assert "HINT: initialize them in ForgetsOne.reset_parameters()" in message
     assert "reset_parameters()" in message
 
 

@@ -130,12 +130,11 @@ class _Fresh:
     """A module's parameters and buffers just allocated for initialization, and the tied parameters it shares with
     modules initialized before it (whose values it must keep)."""
 
-    def __init__(self, module: nn.Module, device: torch.device, was_meta: set[int], done: set[int]) -> None:
+    def __init__(self, module: nn.Module, device: torch.device, done: set[int]) -> None:
         direct = list(module.parameters(recurse=False))
         self.params = [p for p in direct if p.is_meta]
         self.kept = {id(p): p.detach().clone() for p in direct if id(p) in done}
         self.direct = direct
-        self.needed = any(id(p) in was_meta for p in direct) or any(b.is_meta for b in module.buffers(recurse=False))
         for p in self.params:
             # swap_tensors keeps the Parameter object: ties and references held elsewhere stay valid. NaN until the
             # initializer writes it (Note [meta buffers]).
@@ -156,8 +155,11 @@ def _allocate(module: nn.Module, device: torch.device, was_meta: set[int], done:
     ``was_meta``: parameters that were on meta when sharding began; a module owning any of them is initialized even
     if a tied parameter was allocated by an earlier module. ``done``: parameters initialized so far.
     """
-    fresh = _Fresh(module, device, was_meta, done)
-    return fresh if fresh.needed else None
+    if not any(id(p) in was_meta for p in module.parameters(recurse=False)) and not any(
+        b.is_meta for b in module.buffers(recurse=False)
+    ):
+        return None
+    return _Fresh(module, device, done)
 
 
 def _initialize(module: nn.Module, fresh: _Fresh, init: ParamInitFn, done: set[int], name: str = "") -> None:
@@ -176,15 +178,14 @@ def _initialize(module: nn.Module, fresh: _Fresh, init: ParamInitFn, done: set[i
         return
     kind = "Parameter(s)" if unset else "Buffer(s)"
     where = ", ".join(repr(f"{name}.{k}" if name else k) for k in unset or untouched)
-    lost = (
-        "its values would be uninitialized memory"
-        if unset
-        else "what __init__ computed is lost, and training would use zeros"
-    )
+    lost = "training would start from uninitialized memory"
+    if not unset:
+        lost = "what __init__ computed is lost, and training would use zeros"
+    verb = "initialize" if unset else "compute"
     raise RuntimeError(
         f"{kind} {where} of {type(module).__name__} were built on the meta device and its initializer "
         f"(reset_parameters(), param_init_fn, or the Hugging Face model's _init_weights) did not set them: {lost}. "
-        f"HINT: initialize them in {type(module).__name__}.reset_parameters() (e.g. "
+        f"HINT: {verb} them in {type(module).__name__}.reset_parameters() (e.g. "
         f"`self.{(unset or untouched)[0]}.copy_(...)`), or in `param_init_fn`, or build the model in `__init__` "
         "instead of `configure_model`."
     )
