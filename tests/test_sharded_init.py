@@ -19,40 +19,16 @@ CPU = torch.device("cpu")
 
 
 def _hugging_face_model(name: str) -> nn.Module:
-    from transformers import (
-        GPT2Config,
-        GPT2LMHeadModel,
-        LlamaConfig,
-        LlamaForCausalLM,
-        T5Config,
-        T5ForConditionalGeneration,
-    )
+    """The model of a ``tests/third_party_models.py`` fixture (seeded inside the builder), on the current device."""
+    from tests.third_party_models import BUILDERS
 
-    if name == "llama":
-        return LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=96,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=64,
-            )
-        )
-    if name == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(vocab_size=96, n_positions=64, n_embd=64, n_layer=2, n_head=4))
-    assert name == "t5"
-    config = T5Config(vocab_size=96, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0)
-    return T5ForConditionalGeneration(config)
+    return BUILDERS[name]().model
 
 
 def _built_on_meta_and_directly(name: str) -> tuple[dict[str, Tensor], dict[str, Tensor], list[str]]:
     """(sharded init on meta, direct construction): every parameter and buffer, gathered; and the unit names."""
-    torch.manual_seed(0)
     direct = _hugging_face_model(name)
     reference = {**dict(direct.named_parameters()), **dict(direct.named_buffers())}
-    torch.manual_seed(1)
     with torch.device("meta"):
         model = _hugging_face_model(name)
     gatherer = shard_module(model, ZeroConfig(stage=3), dist.group.WORLD, CPU)
@@ -62,11 +38,11 @@ def _built_on_meta_and_directly(name: str) -> tuple[dict[str, Tensor], dict[str,
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["llama", "gpt2", "t5"])
+@pytest.mark.parametrize("name", ["hf_causal_lm", "hf_gpt2", "hf_t5"])
 def test_hugging_face_model_built_on_meta_is_initialized_by_its_own_init_weights(name):
     """Constant tensors (norm weights, biases, rotary frequencies) equal a directly built model's exactly; random ones
     have its spread, layer by layer: the model's own scheme (T5's per-projection scales, GPT-2's scaled ``c_proj``,
-    0.02 elsewhere), not torch's defaults (a 64-wide ``nn.Linear`` draws with std 0.072)."""
+    0.02 elsewhere), not torch's defaults (a 32-wide ``nn.Linear`` draws with std 0.10)."""
     for sharded, reference, units in run_distributed(_built_on_meta_and_directly, 2, name):
         assert len(units) > 1, units  # really sharded unit by unit
         assert sharded.keys() == reference.keys()
@@ -137,7 +113,7 @@ def test_hugging_face_model_built_in_configure_model_trains_under_stage_3():
 
 def _shard_gpt2_finely() -> None:
     with torch.device("meta"):
-        model = _hugging_face_model("gpt2")
+        model = _hugging_face_model("hf_gpt2")
     config = ZeroConfig(stage=3, wrap_module_classes=(), wrap_min_numel=1000)  # units inside the attention
     shard_module(model, config, dist.group.WORLD, CPU)
 
