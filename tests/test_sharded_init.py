@@ -1,6 +1,6 @@
 """Stage-3 sharded initialization of models built on the meta device that do not initialize themselves through
-``reset_parameters()``: Hugging Face models (Note [Hugging Face initialization] in ``stage3/sharded_init.py``), and
-initializers that forget a parameter (Note [meta buffers])."""
+``reset_parameters()``: Hugging Face models and peft adapters (Notes [Hugging Face initialization] and [peft adapters
+on meta] in ``stage3/library_init.py``), and initializers that forget a parameter (Note [meta buffers])."""
 
 from __future__ import annotations
 
@@ -38,11 +38,12 @@ def _built_on_meta_and_directly(name: str) -> tuple[dict[str, Tensor], dict[str,
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["hf_causal_lm", "hf_gpt2", "hf_t5"])
+@pytest.mark.parametrize("name", ["hf_causal_lm", "hf_gpt2", "hf_t5", "hf_lora"])
 def test_hugging_face_model_built_on_meta_is_initialized_by_its_own_init_weights(name):
-    """Constant tensors (norm weights, biases, rotary frequencies) equal a directly built model's exactly; random ones
-    have its spread, layer by layer: the model's own scheme (T5's per-projection scales, GPT-2's scaled ``c_proj``,
-    0.02 elsewhere), not torch's defaults (a 32-wide ``nn.Linear`` draws with std 0.10)."""
+    """Constant tensors (norm weights, biases, rotary frequencies, LoRA's ``lora_B`` zeros) equal a directly built
+    model's exactly; random ones have its spread, layer by layer: the model's own scheme (T5's per-projection scales,
+    GPT-2's scaled ``c_proj``, 0.02 elsewhere, also for the base layers peft wraps), not torch's defaults (a 32-wide
+    ``nn.Linear`` draws with std 0.10)."""
     for sharded, reference, units in run_distributed(_built_on_meta_and_directly, 2, name):
         assert len(units) > 1, units  # really sharded unit by unit
         assert sharded.keys() == reference.keys()
@@ -93,19 +94,20 @@ def test_a_parameter_the_initializer_does_not_set_is_refused_naming_it():
     assert "reset_parameters()" in message
 
 
-def _fit_built_in_configure_model() -> list[float]:
+def _fit_built_in_configure_model(name: str) -> list[float]:
     import lightning_zero  # noqa: F401  (registers "zero3")
     from tests.third_party_models import fit_probe
 
-    return list(fit_probe("hf_causal_lm", "zero3", build_in="configure_model")["losses"])
+    return list(fit_probe(name, "zero3", build_in="configure_model")["losses"])
 
 
 @pytest.mark.timeout(120)
-def test_hugging_face_model_built_in_configure_model_trains_under_stage_3():
+@pytest.mark.parametrize("name", ["hf_causal_lm", "hf_lora"])
+def test_hugging_face_model_built_in_configure_model_trains_under_stage_3(name):
     """The Lightning path: ``configure_model`` builds ``LlamaForCausalLM`` on meta (its RMSNorms have no
-    ``reset_parameters()``); the first loss is that of an initialized model, ln(vocabulary) within 0.1, and training
-    lowers it."""
-    for losses in run_distributed(_fit_built_in_configure_model, 2, init_process_group=False):
+    ``reset_parameters()``), or it under peft LoRA (a frozen base, adapters starting at zero); the first loss is that
+    of an initialized model, ln(vocabulary) within 0.1, and every step's loss is finite."""
+    for losses in run_distributed(_fit_built_in_configure_model, 2, name, init_process_group=False):
         assert len(losses) == 6
         assert all(math.isfinite(loss) for loss in losses)
         assert abs(losses[0] - math.log(96)) < 0.1, losses
@@ -128,3 +130,58 @@ def test_units_finer_than_a_hugging_face_initialization_are_refused_with_the_fix
     assert "initialization (_init_weights) of GPT2Attention failed" in message
     assert "wrap_module_classes" in message
     assert "param_init_fn" in message
+
+
+def _lora_on_meta(options: dict[str, Any]) -> dict[str, Tensor]:
+    """The fixtures' Llama under LoRA (``LoraConfig(**options)`` on q/v), built on meta: every adapter tensor."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.third_party_models import _llama
+
+    with torch.device("meta"):
+        model = get_peft_model(_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **options))
+    gatherer = shard_module(model, ZeroConfig(stage=3), dist.group.WORLD, CPU)
+    with gatherer.gathered():
+        return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+@pytest.mark.timeout(60)
+def test_lora_adapters_built_on_meta_get_the_init_lora_weights_of_their_config():
+    """``init_lora_weights="gaussian"``: ``lora_A`` drawn with std 1/r (torch's default would be ~0.10 here), and
+    ``lora_B`` zero, on every rank."""
+    for adapters in run_distributed(_lora_on_meta, 2, {"init_lora_weights": "gaussian"}):
+        a = torch.cat([t.flatten() for n, t in adapters.items() if "lora_A" in n])
+        b = [t for n, t in adapters.items() if "lora_B" in n]
+        assert a.numel() == 4 * 128
+        assert len(b) == 4
+        assert 0.85 < a.std().item() / (1 / 4) < 1.15, a.std()
+        assert all(bool((t == 0).all()) for t in b)
+
+
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [
+        ({"use_dora": True}, "with a LoRA variant (default: DoraLinearVariant"),
+        ({"init_lora_weights": "pissa"}, "with init_lora_weights='pissa' for adapter 'default'"),
+        ("prompt_tuning", "Embedding 'prompt_encoder.default.embedding', inside peft's PromptEmbedding"),
+    ],
+)
+def test_peft_initialization_that_cannot_be_recreated_on_meta_is_refused_up_front(build, expected):
+    """Initializations computed from the base layer's weights (DoRA's magnitude, PiSSA), and peft modules other than
+    LoRA layers, are refused with the fix, by the model walk that runs before any memory or collective."""
+    from peft import LoraConfig, PromptTuningConfig, TaskType, get_peft_model
+
+    from lightning_zero.stage3.library_init import library_inits
+    from tests.third_party_models import _llama
+
+    with torch.device("meta"):
+        if build == "prompt_tuning":
+            config: Any = PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+        else:
+            config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **build)
+        model = get_peft_model(_llama(), config)
+    with pytest.raises(ValueError, match="built on the meta device") as error:
+        library_inits(model)
+    assert expected in str(error.value)
+    assert "HINT: build the model and apply the adapters in `__init__`" in str(error.value)
+    assert "`param_init_fn`" in str(error.value)

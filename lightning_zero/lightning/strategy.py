@@ -52,8 +52,9 @@ from lightning_zero.lightning.strategy_checkpoint import ShardedCheckpointing, a
 from lightning_zero.lightning.strategy_processes import StartMethod
 from lightning_zero.offload.memory_tiers import MemoryTiers, TierBytes
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
+from lightning_zero.stage3.library_init import ParamInitFn
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
-from lightning_zero.stage3.sharded_init import ParamInitFn, shard_module
+from lightning_zero.stage3.sharded_init import shard_module
 from lightning_zero.stage3.zeropp import metering_topology
 
 

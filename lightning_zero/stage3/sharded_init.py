@@ -22,23 +22,14 @@ A module that owns only buffers is initialized the same way. Parameters are allo
 the initializer left with any NaN stops sharding too: an initializer that forgets a parameter would otherwise train
 from whatever the allocator returned.
 
-Note [Hugging Face initialization]
-A ``transformers`` model initializes itself in two passes: each layer's constructor (torch's defaults), then the
-model's ``_init_weights`` applied to every module children-first (``post_init``), which also covers its own layers
-that have no ``reset_parameters()`` (RMSNorms, rotary embeddings' ``inv_freq``). Built on meta, both are lost. So a
-module inside a ``PreTrainedModel`` (the innermost one around it, found without importing ``transformers``) is
-initialized as that model would: ``reset_parameters()`` if it has one, then the model's ``_init_weights``, when the
-walk leaves its subtree, so that a parent's ``_init_weights`` (T5's scales the shared embedding) runs after its
-children's as in ``post_init``. The weights follow the model's own initialization, not bit for bit (each unit's
-random draws happen before the next unit's constructors'). A module of another library inside (peft's adapter
-layers, which initialize their adapters in their own constructor) keeps the default path; ``param_init_fn``
-replaces all of it.
+Modules of other libraries (Hugging Face models, peft adapters) are initialized as their library would: see
+``stage3/library_init.py``.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -50,12 +41,11 @@ from lightning_zero.comm.streams import CollectiveStream
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
+from lightning_zero.stage3.library_init import LibraryInits, ParamInitFn, hugging_face_init, library_inits, lora_init
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 from lightning_zero.stage3.sharded_unit import ShardedUnit
 from lightning_zero.stage3.wrap_policy import assign_parameters, find_unit_roots
 from lightning_zero.stage3.zeropp import install_zeropp
-
-ParamInitFn = Callable[[nn.Module], None]
 
 
 class UnitTiers(Protocol):
@@ -77,53 +67,6 @@ def _default_init(module: nn.Module) -> None:
             "`configure_model`."
         )
     reset()
-
-
-def _library(module: nn.Module) -> str:
-    return type(module).__module__.split(".")[0]
-
-
-def _hugging_face_owners(root: nn.Module) -> dict[int, nn.Module]:
-    """For every module a Hugging Face model initializes (Note [Hugging Face initialization]): the innermost
-    ``PreTrainedModel`` around it. Modules of another library on the way (peft's adapter layers) break the chain."""
-    transformers = sys.modules.get("transformers")  # no model of it exists unless it was imported
-    if transformers is None:
-        return {}
-    owners: dict[int, nn.Module] = {}
-
-    def visit(module: nn.Module, owner: nn.Module | None) -> None:
-        if isinstance(module, transformers.PreTrainedModel):
-            owner = module
-        elif _library(module) not in ("transformers", "torch"):
-            owner = None
-        if owner is not None:
-            owners[id(module)] = owner
-        for child in module.children():
-            visit(child, owner)
-
-    visit(root, None)
-    return owners
-
-
-def _hugging_face_init(owner: nn.Module, constructed: bool) -> ParamInitFn:
-    """``constructed``: the module has parameters or buffers of its own to create, as its constructor did."""
-
-    def init(module: nn.Module) -> None:
-        reset = getattr(module, "reset_parameters", None)
-        if constructed and callable(reset):  # what the constructor did before the model's own initialization
-            reset()
-        init_weights: ParamInitFn = getattr(owner, "_init_weights")  # noqa: B009  (not a Tensor: nn.Module's typing)
-        try:
-            init_weights(module)
-        except RuntimeError as error:  # most likely it wrote to a placeholder: a unit inside it is sharded already
-            raise RuntimeError(
-                f"The Hugging Face initialization (_init_weights) of {type(module).__name__} failed, most likely "
-                f"writing parameters of a stage-3 unit inside it that is sharded already: {error} HINT: make units "
-                "no smaller than the modules whose _init_weights sets their children's parameters (the default "
-                "policy wraps the decoder layers; `wrap_module_classes` names them), or pass `param_init_fn`."
-            ) from error
-
-    return init
 
 
 class _Fresh:
@@ -162,33 +105,49 @@ def _allocate(module: nn.Module, device: torch.device, was_meta: set[int], done:
     return _Fresh(module, device, done)
 
 
-def _initialize(module: nn.Module, fresh: _Fresh, init: ParamInitFn, done: set[int], name: str = "") -> None:
-    """Run ``module``'s initializer on what ``_allocate`` gave it, and check that it wrote all of it (Note [meta
-    buffers]); ``name`` is the module's qualified name, for the error."""
+class _Member:
+    """A module whose own parameters and buffers ``_allocate`` gave it, waiting for its initializer."""
+
+    def __init__(self, module: nn.Module, fresh: _Fresh, name: str) -> None:
+        self.module, self.fresh, self.name = module, fresh, name
+
+    def check(self) -> None:
+        """Raise, naming them, if the initializer left any of them unwritten (Note [meta buffers])."""
+        module, fresh, name = self.module, self.fresh, self.name
+        untouched = [k for k, b in fresh.buffers.items() if module._buffers.get(k) is b and b._version == 0]
+        allocated = {id(p) for p in fresh.params}
+        unset = [k for k, p in module.named_parameters(recurse=False) if id(p) in allocated and bool(p.isnan().any())]
+        if not untouched and not unset:
+            return
+        kind = "Parameter(s)" if unset else "Buffer(s)"
+        where = ", ".join(repr(f"{name}.{k}" if name else k) for k in unset or untouched)
+        lost = "training would start from uninitialized memory"
+        if not unset:
+            lost = "what __init__ computed is lost, and training would use zeros"
+        verb = "initialize" if unset else "compute"
+        raise RuntimeError(
+            f"{kind} {where} of {type(module).__name__} were built on the meta device and its initializer "
+            f"(reset_parameters(), param_init_fn, or its library's own initialization) did not set them: {lost}. "
+            f"HINT: {verb} them in {type(module).__name__}.reset_parameters() (e.g. "
+            f"`self.{(unset or untouched)[0]}.copy_(...)`), or in `param_init_fn`, or build the model in `__init__` "
+            "instead of `configure_model`."
+        )
+
+
+def _initialize(members: list[_Member], init: Callable[[], None], done: set[int]) -> None:
+    """Run the initializer of ``members`` (one module, or a LoRA layer's adapters) and check that it wrote all they
+    were given; tied parameters keep the value of the module that initialized them first (Note [initialization
+    order])."""
     with torch.no_grad():
-        init(module)
-        for p in fresh.direct:
-            if id(p) in fresh.kept:
-                p.copy_(fresh.kept[id(p)])
-    done.update(id(p) for p in fresh.direct)
-    untouched = [k for k, b in fresh.buffers.items() if module._buffers.get(k) is b and b._version == 0]
-    allocated = {id(p) for p in fresh.params}
-    unset = [k for k, p in module.named_parameters(recurse=False) if id(p) in allocated and bool(p.isnan().any())]
-    if not untouched and not unset:
-        return
-    kind = "Parameter(s)" if unset else "Buffer(s)"
-    where = ", ".join(repr(f"{name}.{k}" if name else k) for k in unset or untouched)
-    lost = "training would start from uninitialized memory"
-    if not unset:
-        lost = "what __init__ computed is lost, and training would use zeros"
-    verb = "initialize" if unset else "compute"
-    raise RuntimeError(
-        f"{kind} {where} of {type(module).__name__} were built on the meta device and its initializer "
-        f"(reset_parameters(), param_init_fn, or the Hugging Face model's _init_weights) did not set them: {lost}. "
-        f"HINT: {verb} them in {type(module).__name__}.reset_parameters() (e.g. "
-        f"`self.{(unset or untouched)[0]}.copy_(...)`), or in `param_init_fn`, or build the model in `__init__` "
-        "instead of `configure_model`."
-    )
+        init()
+        for member in members:
+            for p in member.fresh.direct:
+                if id(p) in member.fresh.kept:
+                    p.copy_(member.fresh.kept[id(p)])
+    for member in members:
+        done.update(id(p) for p in member.fresh.direct)
+    for member in members:
+        member.check()
 
 
 def unit_bucket_layout(
@@ -257,30 +216,43 @@ def shard_module(
             tiers.attach(unit)
 
     names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
-    owners = {} if param_init_fn is not None else _hugging_face_owners(root)
-    # Note [Hugging Face initialization]: those modules are initialized when the walk leaves their subtree.
+    library = LibraryInits() if param_init_fn is not None else library_inits(root)  # raises before any collective
     position_of = {id(m): i for i, m in enumerate(modules)}
     on_meta = {id(m) for m in modules if any(t.is_meta for t in [*m.parameters(False), *m.buffers(False)])}
+    # Modules their library initializes after their children: at the position where the walk leaves their subtree,
+    # deepest (latest start) first, which is post-order (Note [Hugging Face initialization] in library_init.py).
     ends: dict[int, list[int]] = {}
     for start, module in enumerate(modules):
-        if id(module) in owners and any(id(d) in on_meta for d in module.modules()):
+        if library.initialized_after_children(module) and any(id(d) in on_meta for d in module.modules()):
             end = max(position_of[id(d)] for d in module.modules())
-            ends.setdefault(end, []).insert(0, start)  # deepest (latest start) first: post-order
-    deferred: dict[int, _Fresh] = {}
+            ends.setdefault(end, []).insert(0, start)
+    deferred: dict[int, _Member] = {}
+
+    def finish(module: nn.Module) -> None:
+        """Initialize ``module`` as its library would, now that the walk has left its subtree."""
+        if id(module) in library.lora:  # Note [peft adapters on meta]
+            adapters = [deferred.pop(position_of[id(m)]) for m in module.modules() if position_of[id(m)] in deferred]
+            init_lora = lora_init(module, library.lora[id(module)], [member.module for member in adapters])
+            _initialize(adapters, init_lora, done)
+            return
+        own = deferred.pop(position_of[id(module)], None)
+        init_hf = hugging_face_init(library.hugging_face[id(module)], constructed=own is not None)
+        if own is not None:
+            _initialize([own], lambda: init_hf(module), done)
+        else:  # nothing of its own, but its initialization may set its children's (GPT-2's scaled c_proj)
+            with torch.no_grad():
+                init_hf(module)
+
     for position, module in enumerate(modules):
         fresh = _allocate(module, device, was_meta, done)
-        if fresh is not None and id(module) in owners:
-            deferred[position] = fresh
-        elif fresh is not None:
-            _initialize(module, fresh, init, done, names.get(id(module), ""))
+        if fresh is not None:
+            member = _Member(module, fresh, names.get(id(module), ""))
+            if id(module) in library.hugging_face or id(module) in library.adapters:
+                deferred[position] = member
+            else:
+                _initialize([member], partial(init, module), done)
         for start in ends.get(position, []):
-            owned_by, own = modules[start], deferred.pop(start, None)
-            init_hf = _hugging_face_init(owners[id(owned_by)], constructed=own is not None)
-            if own is not None:
-                _initialize(owned_by, own, init_hf, done, names.get(id(owned_by), ""))
-            else:  # nothing of its own, but its initialization may set its children's (GPT-2's scaled c_proj)
-                with torch.no_grad():
-                    init_hf(owned_by)
+            finish(modules[start])
         for i, last in enumerate(last_position):
             if last == position:
                 build(i + 1)

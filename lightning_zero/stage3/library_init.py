@@ -1,0 +1,215 @@
+"""How modules of other libraries initialize themselves, re-created for a model built on the meta device.
+
+``shard_module`` initializes a module built on meta by its ``reset_parameters()``: what torch's layers do in their
+constructors. Libraries that build models out of those layers initialize them again afterwards, in code that never
+runs on meta; this module finds the modules concerned and gives each the initializer its library would have run, or
+refuses, naming the module, when that initialization cannot be re-created. The packages are found in
+``sys.modules``: none is imported here, and a model of a package nobody imported cannot exist.
+
+Note [Hugging Face initialization]
+A ``transformers`` model initializes itself in two passes: each layer's constructor (torch's defaults), then the
+model's ``_init_weights`` applied to every module children-first (``post_init``), which also covers its own layers
+that have no ``reset_parameters()`` (RMSNorms, rotary embeddings' ``inv_freq``). Built on meta, both are lost. So a
+module inside a ``PreTrainedModel`` (the innermost one around it) is initialized as that model would:
+``reset_parameters()`` if it has one, then the model's ``_init_weights``, when the walk leaves its subtree, so that a
+parent's ``_init_weights`` (T5's scales the shared embedding) runs after its children's as in ``post_init``. The
+weights follow the model's own initialization, not bit for bit (each unit's random draws happen before the next
+unit's constructors'). A module of another library inside (a user's block) ends the model's reach: its subtree is
+initialized by ``reset_parameters()``. ``param_init_fn`` replaces all of this.
+
+Note [peft adapters on meta]
+``get_peft_model`` wraps a target layer in a LoRA layer that keeps the original as ``base_layer`` and adds adapter
+layers (``lora_A``, ``lora_B``), initialized in the LoRA layer's constructor: ``lora_B`` to zeros, so that the
+adapted model starts as the base model. On meta that is lost, and ``lora_B``'s own ``reset_parameters()`` would make
+the adapter a random perturbation of every targeted layer, silently. So the base layer stays in the Hugging Face
+model's reach (it is the model's layer, initialized by ``_init_weights`` before peft existed), and the adapter layers
+are initialized when the walk leaves the LoRA layer: their ``reset_parameters()``, then peft's
+``reset_lora_parameters`` with the adapter's ``init_lora_weights`` from the ``LoraConfig`` of the peft model around
+it. Initializations computed from the base layer's pretrained weights (PiSSA, OLoRA, LoftQ, EVA, ..., and DoRA's
+magnitude) have no values to start from on meta, and any other module of peft built on meta (prompt tuning's
+virtual tokens, ``modules_to_save`` copies) is initialized by code we cannot re-run: those are refused up front,
+before any collective, with the fix.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+ParamInitFn = Callable[[nn.Module], None]
+
+# How peft re-initializes a LoRA adapter in ``reset_lora_parameters``; the rest need the base layer's weights.
+_LORA_INITS: tuple[bool | str, ...] = (True, False, "gaussian")
+
+
+@dataclass
+class LibraryInits:
+    """What a model's libraries initialize, by ``id`` of module (Notes [Hugging Face initialization] and
+    [peft adapters on meta])."""
+
+    hugging_face: dict[int, nn.Module] = field(default_factory=dict)
+    """Module -> the innermost ``PreTrainedModel`` around it, whose ``_init_weights`` it gets."""
+    adapters: dict[int, nn.Module] = field(default_factory=dict)
+    """Module of a LoRA layer's adapters (``lora_A``, ``lora_B``, their dropout, ...) -> that LoRA layer."""
+    lora: dict[int, list[tuple[str, bool | str]]] = field(default_factory=dict)
+    """LoRA layer -> ``(adapter name, init_lora_weights)`` for each adapter it holds."""
+
+    def initialized_after_children(self, module: nn.Module) -> bool:
+        """Whether ``module``'s initializer runs when the walk leaves its subtree (post-order)."""
+        return id(module) in self.hugging_face or id(module) in self.lora
+
+
+def _library(module: nn.Module) -> str:
+    return type(module).__module__.split(".")[0]
+
+
+def _on_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)])
+
+
+def _is_lora_layer(module: nn.Module) -> bool:
+    """A peft LoRA layer whose adapters peft initializes with ``LoraLayer.reset_lora_parameters`` (AdaLoRA's layers
+    override it with another signature: they are left to the generic refusal)."""
+    lora = getattr(sys.modules.get("peft.tuners.lora.layer"), "LoraLayer", None)
+    if lora is None or not isinstance(module, lora):
+        return False
+    return getattr(type(module), "reset_lora_parameters", None) is getattr(lora, "reset_lora_parameters", None)
+
+
+def _lora_adapters(layer: Any, configs: dict[str, Any] | None, name: str) -> list[tuple[str, bool | str]]:
+    """Each adapter of ``layer`` with its ``init_lora_weights``; raises if peft's initialization of it cannot be
+    re-created on meta (Note [peft adapters on meta])."""
+    where = f"{type(layer).__name__} {name!r}"
+    hint = (
+        "HINT: build the model and apply the adapters in `__init__` (outside `configure_model`), or pass "
+        "`param_init_fn` to ZeroStrategy to initialize every module yourself."
+    )
+    if getattr(layer, "lora_variant", None):
+        variants = ", ".join(f"{k}: {type(v).__name__}" for k, v in layer.lora_variant.items())
+        raise ValueError(
+            f"The LoRA layer {where} was built on the meta device with a LoRA variant ({variants}, e.g. "
+            "use_dora=True), whose initial weights peft computes from the base layer's weights; on meta there are "
+            f"none, and stage 3 cannot re-create them. {hint}"
+        )
+    adapters = [*layer.lora_A.keys(), *getattr(layer, "lora_embedding_A", {}).keys()]
+    result: list[tuple[str, bool | str]] = []
+    for adapter in adapters:
+        config = (configs or {}).get(adapter)
+        how = getattr(config, "init_lora_weights", None)
+        if config is None or how is None:
+            raise ValueError(
+                f"The LoRA layer {where} was built on the meta device, and no peft model around it has a LoraConfig "
+                f"for its adapter {adapter!r} (its `peft_config`), so stage 3 cannot tell how peft initialized it "
+                f"(lora_B starts at zero by default). {hint}"
+            )
+        if not any(how is known or (isinstance(how, str) and how == known) for known in _LORA_INITS):
+            raise ValueError(
+                f"The LoRA layer {where} was built on the meta device with init_lora_weights={how!r} for adapter "
+                f"{adapter!r}, which peft computes from the base layer's pretrained weights; on meta there are none. "
+                f"Stage 3 re-creates init_lora_weights True, False and 'gaussian' only. {hint}"
+            )
+        result.append((adapter, how))
+    return result
+
+
+def library_inits(root: nn.Module) -> LibraryInits:
+    """Find the modules of ``root`` that their library initializes (see the notes above); raise, before anything is
+    allocated, for a module built on meta whose library's initialization cannot be re-created."""
+    transformers = sys.modules.get("transformers")
+    found = LibraryInits()
+    names = {id(m): n for n, m in root.named_modules()}
+    seen: set[int] = set()  # a module reachable twice is initialized where the walk meets it first
+
+    def adapters_of(layer: nn.Module, module: nn.Module) -> None:
+        for m in module.modules():
+            if id(m) not in seen:
+                seen.add(id(m))
+                found.adapters[id(m)] = layer
+
+    def visit(module: nn.Module, owner: nn.Module | None, peft: nn.Module | None, configs: Any) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        library = _library(module)
+        if transformers is not None and isinstance(module, transformers.PreTrainedModel):
+            owner, peft = module, None
+        elif library == "peft":
+            configs = getattr(module, "peft_config", configs)
+            if _is_lora_layer(module):
+                if any(_on_meta(m) for m in module.modules()):
+                    found.lora[id(module)] = _lora_adapters(module, configs, names.get(id(module), ""))
+                for child in module.children():
+                    if child is getattr(module, "base_layer", None):
+                        visit(child, owner, None, configs)  # the model's own layer: its init, not peft's
+                    else:
+                        adapters_of(module, child)
+                return
+            owner, peft = None, module
+        elif library not in ("transformers", "torch"):
+            owner, peft = None, None  # user code: its modules' reset_parameters()
+        if owner is not None:
+            found.hugging_face[id(module)] = owner
+        elif peft is not None and _on_meta(module):
+            raise ValueError(
+                f"{type(module).__name__} {names.get(id(module), '')!r}, inside peft's {type(peft).__name__}, was "
+                "built on the meta device; peft may set its values in its own code (prompt tuning's virtual tokens "
+                "from the vocabulary, modules_to_save copies of the model's layers, adapters other than LoRA), which "
+                "stage 3 cannot re-run, and its reset_parameters() could start training elsewhere without any error. "
+                "Stage 3 re-creates peft's LoRA adapters only. HINT: build "
+                "the model and apply the adapters in `__init__` (outside `configure_model`), or pass "
+                "`param_init_fn` to ZeroStrategy to initialize every module yourself."
+            )
+        for child in module.children():
+            visit(child, owner, peft, configs)
+
+    visit(root, None, None, None)
+    return found
+
+
+def hugging_face_init(owner: nn.Module, constructed: bool) -> ParamInitFn:
+    """The initialization ``owner`` (a ``PreTrainedModel``) gives a module of its own: ``constructed``, the module
+    has parameters or buffers of its own to create, as its constructor did."""
+
+    def init(module: nn.Module) -> None:
+        reset = getattr(module, "reset_parameters", None)
+        if constructed and callable(reset):  # what the constructor did before the model's own initialization
+            reset()
+        init_weights: ParamInitFn = getattr(owner, "_init_weights")  # noqa: B009  (not a Tensor: nn.Module's typing)
+        try:
+            init_weights(module)
+        except RuntimeError as error:  # most likely it wrote to a placeholder: a unit inside it is sharded already
+            raise RuntimeError(
+                f"The Hugging Face initialization (_init_weights) of {type(module).__name__} failed, most likely "
+                f"writing parameters of a stage-3 unit inside it that is sharded already: {error} HINT: make units "
+                "no smaller than the modules whose _init_weights sets their children's parameters (the default "
+                "policy wraps the decoder layers; `wrap_module_classes` names them), or pass `param_init_fn`."
+            ) from error
+
+    return init
+
+
+def lora_init(layer: nn.Module, adapters: list[tuple[str, bool | str]], members: list[nn.Module]) -> Callable[[], None]:
+    """What the LoRA layer's constructor did to ``members`` (its adapter modules built on meta): their
+    ``reset_parameters()``, then peft's ``reset_lora_parameters`` per adapter (Note [peft adapters on meta])."""
+
+    def init() -> None:
+        for module in members:
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+        for adapter, how in adapters:
+            if how:  # False keeps torch's defaults, as peft does
+                try:
+                    layer.reset_lora_parameters(adapter, how)  # type: ignore[operator]
+                except RuntimeError as error:
+                    raise RuntimeError(
+                        f"peft's initialization of LoRA adapter {adapter!r} in {type(layer).__name__} failed, most "
+                        f"likely writing a stage-3 unit inside it that is sharded already: {error} HINT: make units "
+                        "no smaller than the layers peft wraps (`wrap_module_classes`), or pass `param_init_fn`."
+                    ) from error
+
+    return init
