@@ -38,12 +38,13 @@ def _built_on_meta_and_directly(name: str) -> tuple[dict[str, Tensor], dict[str,
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["hf_causal_lm", "hf_gpt2", "hf_t5", "hf_lora"])
-def test_hugging_face_model_built_on_meta_is_initialized_by_its_own_init_weights(name):
-    """Constant tensors (norm weights, biases, rotary frequencies, LoRA's ``lora_B`` zeros) equal a directly built
-    model's exactly; random ones have its spread, layer by layer: the model's own scheme (T5's per-projection scales,
-    GPT-2's scaled ``c_proj``, 0.02 elsewhere, also for the base layers peft wraps), not torch's defaults (a 32-wide
-    ``nn.Linear`` draws with std 0.10)."""
+@pytest.mark.parametrize("name", ["hf_causal_lm", "hf_gpt2", "hf_t5", "hf_lora", "lightning_transformer"])
+def test_model_built_on_meta_is_initialized_as_its_library_initializes_it(name):
+    """Constant tensors (norm weights, biases, rotary frequencies, LoRA's ``lora_B`` zeros, attention biases) equal a
+    directly built model's exactly; random ones have its spread, layer by layer: the model's own scheme (T5's
+    per-projection scales, GPT-2's scaled ``c_proj``, 0.02 elsewhere, also for the base layers peft wraps;
+    ``nn.Transformer``'s Xavier on every matrix), not torch's defaults (a 32-wide ``nn.Linear`` draws with std
+    0.10)."""
     for sharded, reference, units in run_distributed(_built_on_meta_and_directly, 2, name):
         assert len(units) > 1, units  # really sharded unit by unit
         assert sharded.keys() == reference.keys()
@@ -102,15 +103,20 @@ def _fit_built_in_configure_model(name: str) -> list[float]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["hf_causal_lm", "hf_lora"])
-def test_hugging_face_model_built_in_configure_model_trains_under_stage_3(name):
-    """The Lightning path: ``configure_model`` builds ``LlamaForCausalLM`` on meta (its RMSNorms have no
-    ``reset_parameters()``), or it under peft LoRA (a frozen base, adapters starting at zero); the first loss is that
-    of an initialized model, ln(vocabulary) within 0.1, and every step's loss is finite."""
+@pytest.mark.parametrize(
+    ("name", "vocabulary"),
+    [("hf_causal_lm", 96), ("hf_lora", 96), ("lightning_transformer", 64), ("lightning_lstm", 64)],
+)
+def test_third_party_model_built_in_configure_model_trains_under_stage_3(name, vocabulary):
+    """The Lightning path: ``configure_model`` builds on meta ``LlamaForCausalLM`` (its RMSNorms have no
+    ``reset_parameters()``), it under peft LoRA (a frozen base, adapters starting at zero), or Lightning's demo
+    Transformer and LSTM (an ``nn.LSTM`` with weak references to its weights); the first loss is that of an
+    initialized model, ln(vocabulary) within 0.1 (the LSTM's embedding loses its demo-specific init but not its
+    scale there), and every step's loss is finite."""
     for losses in run_distributed(_fit_built_in_configure_model, 2, name, init_process_group=False):
         assert len(losses) == 6
         assert all(math.isfinite(loss) for loss in losses)
-        assert abs(losses[0] - math.log(96)) < 0.1, losses
+        assert abs(losses[0] - math.log(vocabulary)) < 0.1, losses
 
 
 def _shard_gpt2_finely() -> None:
@@ -185,3 +191,59 @@ def test_peft_initialization_that_cannot_be_recreated_on_meta_is_refused_up_fron
     assert expected in str(error.value)
     assert "HINT: build the model and apply the adapters in `__init__`" in str(error.value)
     assert "`param_init_fn`" in str(error.value)
+
+
+def _attention_on_meta() -> dict[str, Tensor]:
+    if "reset_parameters" in vars(nn.MultiheadAttention):  # ``lightning.pytorch.demos`` adds one when imported
+        delattr(nn.MultiheadAttention, "reset_parameters")
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(32, 32), nn.MultiheadAttention(32, 2), nn.Linear(32, 4))
+    gatherer = shard_module(model, ZeroConfig(stage=3), dist.group.WORLD, CPU)
+    with gatherer.gathered():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(60)
+def test_multihead_attention_built_on_meta_gets_its_constructors_initialization():
+    """``nn.MultiheadAttention`` has no ``reset_parameters()``; its constructor's ``_reset_parameters()`` runs after
+    its ``out_proj`` exists: Xavier-uniform projections and zero biases, ``out_proj``'s included."""
+    for params in run_distributed(_attention_on_meta, 2):
+        bound = math.sqrt(6 / (32 + 96))  # xavier_uniform_ of the (96, 32) in_proj_weight
+        assert bool((params["1.in_proj_bias"] == 0).all())
+        assert bool((params["1.out_proj.bias"] == 0).all())
+        weight = params["1.in_proj_weight"]
+        assert float(weight.abs().max()) <= bound
+        assert 0.9 < float(weight.std()) / (bound / math.sqrt(3)) < 1.1
+
+
+def _lstm_on_meta() -> tuple[dict[str, Tensor], dict[str, Tensor], bool, list[str]]:
+    import warnings
+
+    from tests.third_party_models import lightning_lstm
+
+    direct = lightning_lstm().model.rnn
+    with torch.device("meta"):
+        model = lightning_lstm().model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gatherer = shard_module(model, ZeroConfig(stage=3), dist.group.WORLD, CPU)
+    with gatherer.gathered():
+        rnn = model.rnn
+        flat = all(w is getattr(rnn, n) for w, n in zip(rnn._flat_weights, rnn._flat_weights_names, strict=True))
+        sharded = {n: p.detach().clone() for n, p in rnn.named_parameters()}
+    return sharded, dict(direct.named_parameters()), flat, [str(w.message) for w in caught]
+
+
+@pytest.mark.timeout(60)
+def test_lstm_built_on_meta_is_materialized_in_place_and_its_own_init_lost_is_warned_about():
+    """``nn.LSTM`` holds weak references to its weights, which ``swap_tensors`` refuses: they are rebuilt, so the
+    layer's flat weights are its parameters, initialized as a direct build's (same draws, same order). The demo's
+    ``init_weights()`` (run by its ``__init__``) is not re-run on meta, and the warning says so with the fix."""
+    for sharded, direct, flat, warned in run_distributed(_lstm_on_meta, 2):
+        assert flat
+        assert sharded.keys() == direct.keys()
+        for key, expected in direct.items():
+            torch.testing.assert_close(sharded[key], expected, rtol=0, atol=0, msg=key)
+        message = next(w for w in warned if "SimpleLSTM defines init_weights()" in w)
+        assert "that initialization is lost" in message
+        assert "HINT: pass `param_init_fn`" in message

@@ -105,6 +105,8 @@ def _check(builder: str, strategies: list[str], optimizer: str = "adamw") -> Non
         "reentrant_checkpointing",
         "batchnorm_mlp",
         "transformer_encoder_with_pe",
+        "lightning_transformer",
+        "lightning_lstm",
         "dataclass_output",
     ],
 )
@@ -125,6 +127,8 @@ def test_stages_1_and_2_match_ddp(builder):
         "reentrant_checkpointing",
         "dataclass_output",
         "batchnorm_mlp",
+        "lightning_transformer",
+        "lightning_lstm",
     ],
 )
 def test_stage_3_matches_ddp(builder):

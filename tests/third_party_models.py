@@ -1,6 +1,7 @@
-"""Small models built from code we did not write (Hugging Face ``transformers``, ``peft``, stock ``torch.nn``) and the
-patterns they bring with them: frozen parameters, unused parameters, data-dependent routing, BatchNorm buffers, an
-fp32 buffer next to low-precision weights, non-tensor outputs and ``torch.compile``.
+"""Small models built from code we did not write (Hugging Face ``transformers``, ``peft``, Lightning's demos, stock
+``torch.nn``) and the patterns they bring with them: frozen parameters, unused parameters, data-dependent routing,
+BatchNorm buffers, an fp32 buffer next to low-precision weights, recurrent layers, non-tensor outputs and
+``torch.compile``.
 
 Every builder returns a :class:`Fixture`: a seeded (same weights on every call and every rank) ``nn.Module``, a
 ``batch(rank, step)`` function giving each rank its own fixed data, and a ``loss(model, batch)`` function. All models
@@ -368,6 +369,48 @@ def transformer_encoder_with_pe() -> Fixture:
     return Fixture(EncoderWithPositionalEncoding(), _encoder_batch, _next_token_loss, mixed_precision=True)
 
 
+# -- Lightning's demos -----------------------------------------------------------------------------------------------
+
+DEMO_VOCAB = 64
+
+
+def _demo_batch(rank: int, step: int) -> tuple[Tensor, Tensor]:
+    tokens = torch.randint(0, DEMO_VOCAB, (4, ENC_SEQ + 1), generator=_generator(rank, step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _demo_transformer_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    inputs, target = batch  # as ``LightningTransformer.training_step``: log-probabilities in, NLL out
+    return nn.functional.nll_loss(model(inputs, target).float(), target.reshape(-1))
+
+
+def lightning_transformer() -> Fixture:
+    """``lightning.pytorch.demos.Transformer``: stock ``nn.Transformer`` (encoder and decoder, initialized by its
+    ``_reset_parameters``), one embedding read by both, a positional table built lazily in forward."""
+    from lightning.pytorch.demos import Transformer
+
+    torch.manual_seed(SEED)
+    model = Transformer(vocab_size=DEMO_VOCAB, ninp=32, nhead=2, nhid=64, nlayers=2, dropout=0.0)
+    return Fixture(model, _demo_batch, _demo_transformer_loss, mixed_precision=True)
+
+
+def _demo_lstm_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    inputs, target = batch
+    hidden = model.init_hidden(inputs.size(0))  # type: ignore[operator]
+    output, _ = model(inputs, hidden)
+    return nn.functional.nll_loss(output.float(), target.reshape(-1))
+
+
+def lightning_lstm() -> Fixture:
+    """``lightning.pytorch.demos.lstm.SimpleLSTM``: a stacked ``nn.LSTM`` (cuDNN-style flat weights) between an
+    embedding and a decoder the model initializes itself; the initial state is built from its first parameter."""
+    from lightning.pytorch.demos.lstm import SimpleLSTM
+
+    torch.manual_seed(SEED)
+    model = SimpleLSTM(vocab_size=DEMO_VOCAB, ninp=32, nhid=32, nlayers=2, dropout=0.0)
+    return Fixture(model, _demo_batch, _demo_lstm_loss, mixed_precision=True)
+
+
 @dataclass
 class BlockOutput:
     """A plain dataclass (not a registered pytree node, not a ``ModelOutput``) holding the block's hidden state."""
@@ -438,6 +481,8 @@ BUILDERS: dict[str, Callable[[], Fixture]] = {
         unused_head,
         batchnorm_mlp,
         transformer_encoder_with_pe,
+        lightning_transformer,
+        lightning_lstm,
         dataclass_output,
         compiled_mlp,
     )

@@ -17,6 +17,14 @@ weights follow the model's own initialization, not bit for bit (each unit's rand
 unit's constructors'). A module of another library inside (a user's block) ends the model's reach: its subtree is
 initialized by ``reset_parameters()``. ``param_init_fn`` replaces all of this.
 
+Note [torch's composite modules]
+Two of torch's own modules initialize more than their ``reset_parameters()`` covers. ``nn.MultiheadAttention``'s
+constructor runs ``_reset_parameters()`` (it has no public one), which also zeroes its child ``out_proj``'s bias: it
+runs when the walk leaves the attention (a leaf unit, so ``out_proj`` is still whole). ``nn.Transformer``'s
+constructor ends with Xavier-uniform on every matrix under it (encoder and decoder layers alike); its layers are
+usually units of their own, sharded before the walk leaves the transformer, so each module under it gets that
+Xavier draw on its own matrices right after its own initialization: the same distribution, one module at a time.
+
 Note [peft adapters on meta]
 ``get_peft_model`` wraps a target layer in a LoRA layer that keeps the original as ``base_layer`` and adds adapter
 layers (``lora_A``, ``lora_B``), initialized in the LoRA layer's constructor: ``lora_B`` to zeros, so that the
@@ -34,6 +42,7 @@ before any collective, with the fix.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,10 +66,44 @@ class LibraryInits:
     """Module of a LoRA layer's adapters (``lora_A``, ``lora_B``, their dropout, ...) -> that LoRA layer."""
     lora: dict[int, list[tuple[str, bool | str]]] = field(default_factory=dict)
     """LoRA layer -> ``(adapter name, init_lora_weights)`` for each adapter it holds."""
+    attention: set[int] = field(default_factory=set)
+    """``nn.MultiheadAttention`` modules outside a Hugging Face model: ``_reset_parameters()`` after their children."""
+    xavier: set[int] = field(default_factory=set)
+    """Modules under an ``nn.Transformer``: Xavier-uniform on their own matrices after their own initialization."""
+
+    def deferred(self, module: nn.Module) -> bool:
+        """Whether ``module``'s own initialization waits for the walk to leave a subtree (its own or a LoRA
+        layer's)."""
+        return any(id(module) in kind for kind in (self.hugging_face, self.adapters, self.attention))
 
     def initialized_after_children(self, module: nn.Module) -> bool:
         """Whether ``module``'s initializer runs when the walk leaves its subtree (post-order)."""
-        return id(module) in self.hugging_face or id(module) in self.lora
+        return any(id(module) in kind for kind in (self.hugging_face, self.lora, self.attention))
+
+    def finishing(self, module: nn.Module, init: Callable[[], None]) -> Callable[[], None]:
+        """``init`` followed by what an ``nn.Transformer`` around ``module`` does to it (Note [torch's composite
+        modules])."""
+        if id(module) not in self.xavier:
+            return init
+
+        def then_xavier() -> None:
+            init()
+            for p in module.parameters(recurse=False):
+                if p.dim() > 1:
+                    nn.init.xavier_uniform_(p)
+
+        return then_xavier
+
+
+def constructor_init(module: nn.Module) -> Callable[[], None] | None:
+    """What ``module``'s constructor runs to initialize its own parameters and buffers: ``reset_parameters()``, or
+    ``nn.MultiheadAttention``'s private ``_reset_parameters()``; None if it has neither."""
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        return reset  # type: ignore[no-any-return]
+    if isinstance(module, nn.MultiheadAttention):
+        return module._reset_parameters
+    return None
 
 
 def _library(module: nn.Module) -> str:
@@ -116,6 +159,28 @@ def _lora_adapters(layer: Any, configs: dict[str, Any] | None, name: str) -> lis
     return result
 
 
+def _warn_if_initializer_unused(module: nn.Module, warned: set[type]) -> None:
+    """Warn, once per class, about a module of user code with an initializer of its own that stage 3 will not call
+    (``init_weights()``, as in torch's word-language-model example and torchtitan; ``_init_weights()``): if its
+    ``__init__`` runs it, what it sets is lost on meta. A module with ``reset_parameters()`` is initialized by it."""
+    kind = type(module)
+    if kind in warned or callable(getattr(module, "reset_parameters", None)):
+        return
+    method = next((m for m in ("init_weights", "_init_weights") if callable(getattr(module, m, None))), None)
+    if method is None or not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        return
+    warned.add(kind)
+    warnings.warn(
+        f"{kind.__name__} defines {method}() but no reset_parameters(); built on the meta device, stage 3 initializes "
+        f"its layers with their own reset_parameters() and never calls {method}(), so if {kind.__name__}.__init__ "
+        f"runs it, that initialization is lost. HINT: pass `param_init_fn` to ZeroStrategy (called with every "
+        "module that owns parameters) to re-create it, or build the model in `__init__` instead of "
+        "`configure_model`.",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
 def library_inits(root: nn.Module) -> LibraryInits:
     """Find the modules of ``root`` that their library initializes (see the notes above); raise, before anything is
     allocated, for a module built on meta whose library's initialization cannot be re-created."""
@@ -123,6 +188,7 @@ def library_inits(root: nn.Module) -> LibraryInits:
     found = LibraryInits()
     names = {id(m): n for n, m in root.named_modules()}
     seen: set[int] = set()  # a module reachable twice is initialized where the walk meets it first
+    warned: set[type] = set()
 
     def adapters_of(layer: nn.Module, module: nn.Module) -> None:
         for m in module.modules():
@@ -130,11 +196,15 @@ def library_inits(root: nn.Module) -> LibraryInits:
                 seen.add(id(m))
                 found.adapters[id(m)] = layer
 
-    def visit(module: nn.Module, owner: nn.Module | None, peft: nn.Module | None, configs: Any) -> None:
+    def visit(
+        module: nn.Module, owner: nn.Module | None, peft: nn.Module | None, configs: Any, in_transformer: bool
+    ) -> None:
         if id(module) in seen:
             return
         seen.add(id(module))
         library = _library(module)
+        if isinstance(module, nn.Transformer):
+            in_transformer = True
         if transformers is not None and isinstance(module, transformers.PreTrainedModel):
             owner, peft = module, None
         elif library == "peft":
@@ -144,16 +214,21 @@ def library_inits(root: nn.Module) -> LibraryInits:
                     found.lora[id(module)] = _lora_adapters(module, configs, names.get(id(module), ""))
                 for child in module.children():
                     if child is getattr(module, "base_layer", None):
-                        visit(child, owner, None, configs)  # the model's own layer: its init, not peft's
+                        visit(child, owner, None, configs, in_transformer)  # the model's, not peft's
                     else:
                         adapters_of(module, child)
                 return
             owner, peft = None, module
         elif library not in ("transformers", "torch"):
             owner, peft = None, None  # user code: its modules' reset_parameters()
+            _warn_if_initializer_unused(module, warned)
+        if in_transformer:
+            found.xavier.add(id(module))
         if owner is not None:
             found.hugging_face[id(module)] = owner
-        elif peft is not None and _on_meta(module):
+        elif isinstance(module, nn.MultiheadAttention):
+            found.attention.add(id(module))
+        if owner is None and peft is not None and _on_meta(module):
             raise ValueError(
                 f"{type(module).__name__} {names.get(id(module), '')!r}, inside peft's {type(peft).__name__}, was "
                 "built on the meta device; peft may set its values in its own code (prompt tuning's virtual tokens "
@@ -164,9 +239,9 @@ def library_inits(root: nn.Module) -> LibraryInits:
                 "`param_init_fn` to ZeroStrategy to initialize every module yourself."
             )
         for child in module.children():
-            visit(child, owner, peft, configs)
+            visit(child, owner, peft, configs, in_transformer)
 
-    visit(root, None, None, None)
+    visit(root, None, None, None, False)
     return found
 
 
@@ -175,8 +250,8 @@ def hugging_face_init(owner: nn.Module, constructed: bool) -> ParamInitFn:
     has parameters or buffers of its own to create, as its constructor did."""
 
     def init(module: nn.Module) -> None:
-        reset = getattr(module, "reset_parameters", None)
-        if constructed and callable(reset):  # what the constructor did before the model's own initialization
+        reset = constructor_init(module)
+        if constructed and reset is not None:  # what the constructor did before the model's own initialization
             reset()
         init_weights: ParamInitFn = getattr(owner, "_init_weights")  # noqa: B009  (not a Tensor: nn.Module's typing)
         try:
@@ -198,8 +273,8 @@ def lora_init(layer: nn.Module, adapters: list[tuple[str, bool | str]], members:
 
     def init() -> None:
         for module in members:
-            reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
+            reset = constructor_init(module)
+            if reset is not None:
                 reset()
         for adapter, how in adapters:
             if how:  # False keeps torch's defaults, as peft does

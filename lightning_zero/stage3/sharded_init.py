@@ -28,7 +28,9 @@ Modules of other libraries (Hugging Face models, peft adapters) are initialized 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, Protocol
 
@@ -41,7 +43,14 @@ from lightning_zero.comm.streams import CollectiveStream
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
-from lightning_zero.stage3.library_init import LibraryInits, ParamInitFn, hugging_face_init, library_inits, lora_init
+from lightning_zero.stage3.library_init import (
+    LibraryInits,
+    ParamInitFn,
+    constructor_init,
+    hugging_face_init,
+    library_inits,
+    lora_init,
+)
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 from lightning_zero.stage3.sharded_unit import ShardedUnit
 from lightning_zero.stage3.wrap_policy import assign_parameters, find_unit_roots
@@ -58,8 +67,8 @@ class UnitTiers(Protocol):
 
 
 def _default_init(module: nn.Module) -> None:
-    reset = getattr(module, "reset_parameters", None)
-    if not callable(reset):
+    reset = constructor_init(module)
+    if reset is None:
         raise TypeError(
             f"Cannot initialize the parameters and buffers of {type(module).__name__} built on the meta device: it "
             "has no reset_parameters(). HINT: give the module a reset_parameters() that initializes its own "
@@ -67,6 +76,21 @@ def _default_init(module: nn.Module) -> None:
             "`configure_model`."
         )
     reset()
+
+
+@contextmanager
+def _weak_references_released(module: nn.Module) -> Iterator[None]:
+    """Torch's recurrent layers keep weak references to their parameters
+    (``_flat_weight_refs``, for cuDNN's flat weights), which ``swap_tensors`` refuses; they are dropped for the swap
+    and rebuilt by the layer itself afterwards, as ``nn.RNNBase._apply`` does after ``to()``."""
+    if not isinstance(module, nn.RNNBase):
+        yield
+        return
+    module._flat_weight_refs = []
+    try:
+        yield
+    finally:
+        module._init_flat_weights()
 
 
 class _Fresh:
@@ -78,13 +102,21 @@ class _Fresh:
         self.params = [p for p in direct if p.is_meta]
         self.kept = {id(p): p.detach().clone() for p in direct if id(p) in done}
         self.direct = direct
-        for p in self.params:
-            # swap_tensors keeps the Parameter object: ties and references held elsewhere stay valid. NaN until the
-            # initializer writes it (Note [meta buffers]).
-            value = torch.empty_like(p, device=device)
-            if value.is_floating_point() or value.is_complex():
-                value.fill_(float("nan"))
-            torch.utils.swap_tensors(p, nn.Parameter(value, p.requires_grad))
+        with _weak_references_released(module):
+            for p in self.params:
+                # swap_tensors keeps the Parameter object: ties and references held elsewhere stay valid. NaN until
+                # the initializer writes it (Note [meta buffers]).
+                value = torch.empty_like(p, device=device)
+                if value.is_floating_point() or value.is_complex():
+                    value.fill_(float("nan"))
+                if weakref.getweakrefs(p):
+                    raise RuntimeError(
+                        f"A parameter of {type(module).__name__} built on the meta device is weakly referenced by "
+                        "something outside the module, so it cannot be materialized in place (torch.utils."
+                        "swap_tensors), and replacing it would leave that reference on meta. HINT: build this "
+                        "module in `__init__` instead of `configure_model`."
+                    )
+                torch.utils.swap_tensors(p, nn.Parameter(value, p.requires_grad))
         self.buffers: dict[str, torch.Tensor] = {}
         for key, buffer in module.named_buffers(recurse=False):
             if buffer.is_meta:
@@ -231,26 +263,35 @@ def shard_module(
     def finish(module: nn.Module) -> None:
         """Initialize ``module`` as its library would, now that the walk has left its subtree."""
         if id(module) in library.lora:  # Note [peft adapters on meta]
-            adapters = [deferred.pop(position_of[id(m)]) for m in module.modules() if position_of[id(m)] in deferred]
+            adapters = [
+                deferred.pop(position_of[id(m)])
+                for m in module.modules()
+                if position_of[id(m)] in deferred and library.adapters.get(id(m)) is module
+            ]
             init_lora = lora_init(module, library.lora[id(module)], [member.module for member in adapters])
             _initialize(adapters, init_lora, done)
             return
         own = deferred.pop(position_of[id(module)], None)
-        init_hf = hugging_face_init(library.hugging_face[id(module)], constructed=own is not None)
+        if id(module) in library.attention:  # Note [torch's composite modules]
+            reset = constructor_init(module)
+            if own is not None and reset is not None:
+                _initialize([own], library.finishing(module, reset), done)
+            return
+        init_hf = partial(hugging_face_init(library.hugging_face[id(module)], constructed=own is not None), module)
         if own is not None:
-            _initialize([own], lambda: init_hf(module), done)
+            _initialize([own], library.finishing(module, init_hf), done)
         else:  # nothing of its own, but its initialization may set its children's (GPT-2's scaled c_proj)
             with torch.no_grad():
-                init_hf(module)
+                init_hf()
 
     for position, module in enumerate(modules):
         fresh = _allocate(module, device, was_meta, done)
         if fresh is not None:
             member = _Member(module, fresh, names.get(id(module), ""))
-            if id(module) in library.hugging_face or id(module) in library.adapters:
+            if library.deferred(module):
                 deferred[position] = member
             else:
-                _initialize([member], partial(init, module), done)
+                _initialize([member], library.finishing(module, partial(init, module)), done)
         for start in ends.get(position, []):
             finish(modules[start])
         for i, last in enumerate(last_position):
