@@ -57,8 +57,8 @@ _LORA_INITS: tuple[bool | str, ...] = (True, False, "gaussian")
 
 @dataclass
 class LibraryInits:
-    """What a model's libraries initialize, by ``id`` of module (Notes [Hugging Face initialization] and
-    [peft adapters on meta])."""
+    """What a model's libraries initialize, by ``id`` of module (Notes [Hugging Face initialization], [torch's
+    composite modules] and [peft adapters on meta])."""
 
     hugging_face: dict[int, nn.Module] = field(default_factory=dict)
     """Module -> the innermost ``PreTrainedModel`` around it, whose ``_init_weights`` it gets."""
