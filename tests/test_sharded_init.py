@@ -139,29 +139,50 @@ def test_units_finer_than_a_hugging_face_initialization_are_refused_with_the_fix
 
 
 def _lora_on_meta(options: dict[str, Any]) -> dict[str, Tensor]:
-    """The fixtures' Llama under LoRA (``LoraConfig(**options)`` on q/v), built on meta: every adapter tensor."""
+    """The fixtures' Llama under LoRA (``LoraConfig(**options)``), built on meta: every adapter tensor."""
     from peft import LoraConfig, get_peft_model
 
     from tests.third_party_models import _llama
 
     with torch.device("meta"):
-        model = get_peft_model(_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **options))
+        model = get_peft_model(_llama(), LoraConfig(r=4, **options))
     gatherer = shard_module(model, ZeroConfig(stage=3), dist.group.WORLD, CPU)
     with gatherer.gathered():
         return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 
+def _std(adapters: dict[str, Tensor], kind: str) -> float:
+    return float(torch.cat([t.flatten() for n, t in adapters.items() if f".{kind}." in n]).std())
+
+
+KAIMING_STD = 1 / math.sqrt(3 * 32)  # nn.Linear's default on 32 inputs: U(±1/sqrt(32))
+
+
 @pytest.mark.timeout(60)
-def test_lora_adapters_built_on_meta_get_the_init_lora_weights_of_their_config():
-    """``init_lora_weights="gaussian"``: ``lora_A`` drawn with std 1/r (torch's default would be ~0.10 here), and
-    ``lora_B`` zero, on every rank."""
-    for adapters in run_distributed(_lora_on_meta, 2, {"init_lora_weights": "gaussian"}):
-        a = torch.cat([t.flatten() for n, t in adapters.items() if "lora_A" in n])
-        b = [t for n, t in adapters.items() if "lora_B" in n]
-        assert a.numel() == 4 * 128
-        assert len(b) == 4
-        assert 0.85 < a.std().item() / (1 / 4) < 1.15, a.std()
-        assert all(bool((t == 0).all()) for t in b)
+@pytest.mark.parametrize(
+    ("init", "expected_std"),
+    [
+        # lora_A, lora_B, and an embedding's lora_embedding_A, lora_embedding_B
+        (True, {"lora_A": KAIMING_STD, "lora_B": 0.0, "lora_embedding_A": 0.0, "lora_embedding_B": 1.0}),
+        ("gaussian", {"lora_A": 1 / 4, "lora_B": 0.0, "lora_embedding_A": 0.0, "lora_embedding_B": 1.0}),
+        (
+            False,
+            {"lora_A": KAIMING_STD, "lora_B": 1 / math.sqrt(3 * 4), "lora_embedding_A": 1.0, "lora_embedding_B": 1.0},
+        ),
+    ],
+)
+def test_lora_adapters_built_on_meta_get_the_init_lora_weights_of_their_config(init, expected_std):
+    """Each ``init_lora_weights`` as peft's constructor gives it: ``lora_B`` zero unless ``False`` (then torch's
+    default on its 4 inputs), ``lora_A`` torch's default or std 1/r (``"gaussian"``), an embedding's adapters
+    ``torch.randn`` with A zeroed unless ``False``."""
+    options = {"target_modules": ["q_proj", "v_proj", "embed_tokens"], "init_lora_weights": init}
+    for adapters in run_distributed(_lora_on_meta, 2, options):
+        assert len(adapters) == 2 * 4 + 2
+        for kind, std in expected_std.items():
+            if std == 0.0:
+                assert all(bool((t == 0).all()) for n, t in adapters.items() if f".{kind}." in n), kind
+            else:
+                assert 0.8 < _std(adapters, kind) / std < 1.2, (kind, _std(adapters, kind), std)
 
 
 @pytest.mark.parametrize(

@@ -276,6 +276,9 @@ def lora_init(layer: nn.Module, adapters: list[tuple[str, bool | str]], members:
             reset = constructor_init(module)
             if reset is not None:
                 reset()
+            elif isinstance(module, nn.ParameterDict):  # an embedding's adapters: peft draws them with torch.randn
+                for p in module.parameters(recurse=False):
+                    nn.init.normal_(p)
         for adapter, how in adapters:
             if how:  # False keeps torch's defaults, as peft does
                 try:
