@@ -36,7 +36,8 @@ are initialized when the walk leaves the LoRA layer: their ``reset_parameters()`
 it. Initializations computed from the base layer's pretrained weights (PiSSA, OLoRA, LoftQ, EVA, ..., and DoRA's
 magnitude) have no values to start from on meta, and any other module of peft built on meta (prompt tuning's
 virtual tokens, ``modules_to_save`` copies) is initialized by code we cannot re-run: those are refused up front,
-before any collective, with the fix.
+before any collective, with the fix. (Even prompt tuning's ``RANDOM`` init, its embedding's own, cannot run: the peft
+model keeps its virtual token ids in a plain tensor, ``prompt_tokens``, which stays on meta.)
 """
 
 from __future__ import annotations
