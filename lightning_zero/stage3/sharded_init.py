@@ -22,7 +22,8 @@ A module that owns only buffers is initialized the same way. Parameters are allo
 the initializer left with any NaN stops sharding too: an initializer that forgets a parameter would otherwise train
 from whatever the allocator returned.
 
-Modules of other libraries (Hugging Face models, peft adapters) are initialized as their library would: see
+Modules whose library initializes them beyond their ``reset_parameters()`` (Hugging Face models, peft adapters,
+torch's ``nn.MultiheadAttention`` and ``nn.Transformer``) are initialized as their library would: see
 ``stage3/library_init.py``.
 """
 
@@ -80,9 +81,9 @@ def _default_init(module: nn.Module) -> None:
 
 @contextmanager
 def _weak_references_released(module: nn.Module) -> Iterator[None]:
-    """Torch's recurrent layers keep weak references to their parameters
-    (``_flat_weight_refs``, for cuDNN's flat weights), which ``swap_tensors`` refuses; they are dropped for the swap
-    and rebuilt by the layer itself afterwards, as ``nn.RNNBase._apply`` does after ``to()``."""
+    """Torch's recurrent layers keep weak references to their parameters (``_flat_weight_refs``, for cuDNN's flat
+    weights), which ``swap_tensors`` refuses; they are dropped for the swap and rebuilt by the layer itself afterwards,
+    as ``nn.RNNBase._apply`` does after ``to()``."""
     if not isinstance(module, nn.RNNBase):
         yield
         return
