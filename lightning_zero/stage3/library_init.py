@@ -52,6 +52,10 @@ from torch import nn
 
 ParamInitFn = Callable[[nn.Module], None]
 
+_PEFT_HINT = (
+    "HINT: build the model and apply the adapters in `__init__` (outside `configure_model`), or pass `param_init_fn` "
+    "to ZeroStrategy to initialize every module yourself."
+)
 # How peft re-initializes a LoRA adapter in ``reset_lora_parameters``; the rest need the base layer's weights.
 _LORA_INITS: tuple[bool | str, ...] = (True, False, "gaussian")
 
@@ -111,7 +115,8 @@ def _library(module: nn.Module) -> str:
     return type(module).__module__.split(".")[0]
 
 
-def _on_meta(module: nn.Module) -> bool:
+def owns_meta_tensors(module: nn.Module) -> bool:
+    """Whether ``module`` has parameters or buffers of its own still on the meta device."""
     return any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)])
 
 
@@ -128,16 +133,12 @@ def _lora_adapters(layer: Any, configs: dict[str, Any] | None, name: str) -> lis
     """Each adapter of ``layer`` with its ``init_lora_weights``; raises if peft's initialization of it cannot be
     re-created on meta (Note [peft adapters on meta])."""
     where = f"{type(layer).__name__} {name!r}"
-    hint = (
-        "HINT: build the model and apply the adapters in `__init__` (outside `configure_model`), or pass "
-        "`param_init_fn` to ZeroStrategy to initialize every module yourself."
-    )
     if getattr(layer, "lora_variant", None):
         variants = ", ".join(f"{k}: {type(v).__name__}" for k, v in layer.lora_variant.items())
         raise ValueError(
             f"The LoRA layer {where} was built on the meta device with a LoRA variant ({variants}, e.g. "
             "use_dora=True), whose initial weights peft computes from the base layer's weights; on meta there are "
-            f"none, and stage 3 cannot re-create them. {hint}"
+            f"none, and stage 3 cannot re-create them. {_PEFT_HINT}"
         )
     adapters = [*layer.lora_A.keys(), *getattr(layer, "lora_embedding_A", {}).keys()]
     result: list[tuple[str, bool | str]] = []
@@ -148,13 +149,13 @@ def _lora_adapters(layer: Any, configs: dict[str, Any] | None, name: str) -> lis
             raise ValueError(
                 f"The LoRA layer {where} was built on the meta device, and no peft model around it has a LoraConfig "
                 f"for its adapter {adapter!r} (its `peft_config`), so stage 3 cannot tell how peft initialized it "
-                f"(lora_B starts at zero by default). {hint}"
+                f"(lora_B starts at zero by default). {_PEFT_HINT}"
             )
         if not any(how is known or (isinstance(how, str) and how == known) for known in _LORA_INITS):
             raise ValueError(
                 f"The LoRA layer {where} was built on the meta device with init_lora_weights={how!r} for adapter "
                 f"{adapter!r}, which peft computes from the base layer's pretrained weights; on meta there are none. "
-                f"Stage 3 re-creates init_lora_weights True, False and 'gaussian' only. {hint}"
+                f"Stage 3 re-creates init_lora_weights True, False and 'gaussian' only. {_PEFT_HINT}"
             )
         result.append((adapter, how))
     return result
@@ -165,7 +166,7 @@ def _warn_if_initializer_unused(module: nn.Module, warned: set[type]) -> None:
     (``init_weights()``, as in torch's word-language-model example and torchtitan; ``_init_weights()``): if its
     ``__init__`` runs it, what it sets is lost on meta. A module with ``reset_parameters()`` is initialized by it."""
     kind = type(module)
-    if kind in warned or callable(getattr(module, "reset_parameters", None)):
+    if kind in warned or constructor_init(module) is not None:
         return
     method = next((m for m in ("init_weights", "_init_weights") if callable(getattr(module, m, None))), None)
     if method is None or not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
@@ -211,7 +212,7 @@ def library_inits(root: nn.Module) -> LibraryInits:
         elif library == "peft":
             configs = getattr(module, "peft_config", configs)
             if _is_lora_layer(module):
-                if any(_on_meta(m) for m in module.modules()):
+                if any(owns_meta_tensors(m) for m in module.modules()):
                     found.lora[id(module)] = _lora_adapters(module, configs, names.get(id(module), ""))
                 for child in module.children():
                     if child is getattr(module, "base_layer", None):
@@ -229,15 +230,13 @@ def library_inits(root: nn.Module) -> LibraryInits:
             found.hugging_face[id(module)] = owner
         elif isinstance(module, nn.MultiheadAttention):
             found.attention.add(id(module))
-        if owner is None and peft is not None and _on_meta(module):
+        if owner is None and peft is not None and owns_meta_tensors(module):
             raise ValueError(
                 f"{type(module).__name__} {names.get(id(module), '')!r}, inside peft's {type(peft).__name__}, was "
                 "built on the meta device; peft may set its values in its own code (prompt tuning's virtual tokens "
                 "from the vocabulary, modules_to_save copies of the model's layers, adapters other than LoRA), which "
                 "stage 3 cannot re-run, and its reset_parameters() could start training elsewhere without any error. "
-                "Stage 3 re-creates peft's LoRA adapters only. HINT: build "
-                "the model and apply the adapters in `__init__` (outside `configure_model`), or pass "
-                "`param_init_fn` to ZeroStrategy to initialize every module yourself."
+                f"Stage 3 re-creates peft's LoRA adapters only. {_PEFT_HINT}"
             )
         for child in module.children():
             visit(child, owner, peft, configs, in_transformer)

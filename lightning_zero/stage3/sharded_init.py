@@ -51,6 +51,7 @@ from lightning_zero.stage3.library_init import (
     hugging_face_init,
     library_inits,
     lora_init,
+    owns_meta_tensors,
 )
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 from lightning_zero.stage3.sharded_unit import ShardedUnit
@@ -251,7 +252,7 @@ def shard_module(
     names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
     library = LibraryInits() if param_init_fn is not None else library_inits(root)  # raises before any collective
     position_of = {id(m): i for i, m in enumerate(modules)}
-    on_meta = {id(m) for m in modules if any(t.is_meta for t in [*m.parameters(False), *m.buffers(False)])}
+    on_meta = {id(m) for m in modules if owns_meta_tensors(m)}
     # Modules their library initializes after their children: at the position where the walk leaves their subtree,
     # deepest (latest start) first, which is post-order (Note [Hugging Face initialization] in library_init.py).
     ends: dict[int, list[int]] = {}
