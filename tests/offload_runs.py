@@ -67,8 +67,9 @@ def train(
     save_to: str | None = None,
     save_every: int | None = None,
     callbacks: list[pl.Callback] | None = None,
-    precision: str = "32-true",
+    precision: str | None = "32-true",
     foreach: bool | None = None,
+    plugins: list[Any] | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` steps; ``strategy``: "ddp" or ``ZeroStrategy`` keywords. Returns losses, weights, what the
     tier directory holds after the run, the bytes per tier and the bytes the host tier copied."""
@@ -92,6 +93,7 @@ def train(
         enable_progress_bar=False,
         enable_model_summary=False,
         precision=precision,  # type: ignore[arg-type]
+        plugins=plugins,
     )
     trainer.fit(module, ckpt_path=ckpt_path)
     offload = Path(root, "offload")

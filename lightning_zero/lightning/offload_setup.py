@@ -46,6 +46,14 @@ def build_memory_tiers(
             "gradients are unscaled and checked for overflow on the device before the host copies them, and the "
             "host tier does not do that yet. HINT: use precision='bf16-mixed' or '32-true'."
         )
+    if config.offload_optimizer == "disk" and config.stage == 3 and trainer.precision == "16-mixed":
+        raise ValueError(
+            "offload_optimizer='disk' at stage 3 with precision='16-mixed' is not supported: the gradient shards go "
+            "to the disk as their reduction completes (Note [gradients on disk] in "
+            "lightning_zero/offload/tiered_grad_reducer.py), and loss scaling must check every gradient for overflow "
+            "and unscale it before the step. HINT: use precision='bf16-mixed' (no loss scaling), or keep the "
+            "gradients in memory with stage=2 and offload_optimizer='disk'."
+        )
     directory = None
     if config.offloads_to_disk:
         assert config.offload_dir is not None

@@ -192,7 +192,7 @@ class OptimizerTiers:
             self.swapper.acquire(key)
         chunk.loaded = keys
         reducer = self._reducer()
-        if reducer is not None and reducer.offloads(bucket):
+        if self._in_step and reducer is not None and reducer.offloads(bucket):  # an EMA update reads no gradient
             self._set_gradients(bucket, chunk, reducer.load_grad(bucket), 0)
 
     def _set_gradients(self, bucket: FlatBucket, chunk: _Chunk, shard: Tensor, first: int) -> None:

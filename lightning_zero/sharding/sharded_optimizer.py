@@ -34,6 +34,13 @@ the bucket's masters, state and gradients (read ahead while the previous bucket 
 steps them, and the tiers write back what changed (in the background) before the next bucket. Gradients of buckets
 held in a tier never become ``master.grad`` outside the step; clipping reaches them through the tiers
 (``gradient_norms``, ``set_gradient_transform``: Note [gradients on disk] in ``offload/tiered_grad_reducer.py``).
+
+Nothing reads a tiered bucket's masters, optimizer state or parameter shard outside ``load``/``unload``: between
+them a tensor in a tier has no memory (Note [swap lifecycle] in ``offload/tensor_swapper.py``). So the edit check
+(Note [edits reach the masters]) runs per bucket inside its window, as do the step and the copy into the shard;
+unscaling and clipping read only gradients in memory (tiered ones through the tiers, as above); an update of the
+masters' own state outside the step (``ShardedEMA``) loads just the masters and the entries it names; a swap of
+the whole model loads everything (``MemoryTiers.load_all``); checkpoints read and write the tier entries by range.
 """
 
 from __future__ import annotations
@@ -183,13 +190,13 @@ class ZeroOptimizer(Optimizer):
         """Which parameters got a gradient since the last step (Note [unused parameters])."""
         self._raw_step = without_step_hooks(type(optimizer).step)  # Note [step hooks]
         if tiers is not None:
+            tiers.attach(self)
             if loss_scaler is not None and any(tiers.holds_gradient(b) for b in self.buckets):
                 raise ValueError(
                     "16-mixed (loss scaling) with gradient shards kept by a memory tier (offload_optimizer='disk' at "
                     "stage 3, or 'cpu' on a GPU) is not supported: unscaling and the overflow check read the "
                     "gradients in memory. HINT: use precision='bf16-mixed' or '32-true'."
                 )
-            tiers.attach(self)
 
     @property
     def _device(self) -> torch.device:
@@ -298,7 +305,8 @@ class ZeroOptimizer(Optimizer):
                 loss = closure()
         self.reduce_gradients()
         self._check_requires_grad()
-        adopt_edits(self._runs)
+        if self.tiers is None:
+            adopt_edits(self._runs)  # with tiers: each bucket's while the tiers hold it (Note [tiered step])
         skip = self._found_inf or not self.presence.any
         if not skip:
             with inner_step_hooks(self.optimizer):  # Note [step hooks]
@@ -351,6 +359,7 @@ class ZeroOptimizer(Optimizer):
                     group["params"] = [m for k, m in zip(group_of, masters, strict=True) if k == g]
                 if self.tiers is not None:
                     self.tiers.load(bucket)
+                    adopt_edits(runs)
                 self._raw_step(self.optimizer)
                 copy_masters_to_shards(runs)
                 if self.tiers is not None:

@@ -1,0 +1,53 @@
+"""Runs for ``tests/test_offload_precision.py``, inside ranks started by ``tests.harness.run_distributed``: the small
+GPT of ``offload_runs`` trained through the Trainer under DDP, under ZeRO without tiers and under ZeRO with each
+memory tier, in one precision."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_zero import DynamicLossScaler, ZeroPrecision
+from tests.offload_runs import forced_host_copies, train
+
+FP16_SCALE = 2.0**8
+"""fp16 runs start at a scale where neither DDP nor ZeRO overflows (as in ``test_mixed_precision``)."""
+
+
+def _precision(strategy: str | dict[str, Any], precision: str) -> dict[str, Any]:
+    """The Trainer's keywords for ``precision``: fp16 as a plugin (on the CPU ``precision="16-mixed"`` would
+    become bf16 for DDP), the same start scale on both sides."""
+    if precision != "16-mixed":
+        return {"precision": precision}
+    if strategy == "ddp":
+        scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE)
+        return {"precision": None, "plugins": [MixedPrecision("16-mixed", "cpu", scaler)]}
+    return {"precision": None, "plugins": [ZeroPrecision("16-mixed", loss_scaler=DynamicLossScaler(scale=FP16_SCALE))]}
+
+
+def _run(strategy: str | dict[str, Any], root: str, precision: str, copies: bool) -> dict[str, Any]:
+    """One training run, or the error it raised (as text, so one failing combination does not hide the others)."""
+    try:
+        if copies:
+            with forced_host_copies():
+                return train(strategy, root, clip=0.05, accumulate=2, **_precision(strategy, precision))
+        return train(strategy, root, clip=0.05, accumulate=2, **_precision(strategy, precision))
+    except Exception as error:  # a refusal or a crash: reported by the test with the combination's name
+        return {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
+
+
+def tiers_in_precision(
+    root: str, precision: str, stages: list[int], variants: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """DDP, ZeRO without tiers at each of ``stages``, and every variant (``copies``: the host tier's copy path
+    forced), all in ``precision`` with clipping and accumulation."""
+    runs = {"ddp": _run("ddp", root, precision, False)}
+    for stage in stages:
+        runs[f"stage{stage}"] = _run({"stage": stage, "bucket_numel": 3_000}, root, precision, False)
+    for label, variant in variants.items():
+        strategy = {k: v for k, v in variant.items() if k != "copies"}
+        runs[label] = _run({**strategy, "bucket_numel": 3_000}, root, precision, bool(variant.get("copies")))
+    return runs

@@ -1,0 +1,82 @@
+"""Memory tiers under every precision: each tier (optimizer state in the host tier's copy path or on disk, half of it
+on disk, stage-3 parameter shards on disk or in the host store) trains through the Trainer in bf16-mixed, 16-mixed
+and bf16-true as DDP does in that precision, and as ZeRO without tiers does, at every stage it supports; a
+combination that cannot work is refused before training starts."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+from tests.offload_precision_runs import tiers_in_precision
+
+DISK = {"offload_dir": "offload"}  # relative: under the Trainer's default_root_dir
+
+TOLERANCE = 2e-2
+"""Against DDP: the mixed-precision tests' bound (``test_mixed_precision``): DDP keeps fp32 parameters and autocasts,
+ZeRO stores them in low precision, so the two agree to the low precision's rounding, not bit for bit."""
+EXACT = 1e-5
+"""Against ZeRO without tiers at the same stage: a tier moves bytes, it must not change a number."""
+
+
+def _variants(stage: int) -> dict[str, dict[str, Any]]:
+    variants: dict[str, dict[str, Any]] = {
+        f"stage{stage}_cpu_copies": {"stage": stage, "offload_optimizer": "cpu", "copies": True},
+        f"stage{stage}_disk": {"stage": stage, "offload_optimizer": "disk", **DISK},
+        f"stage{stage}_disk_half": {"stage": stage, "offload_optimizer": "disk", "offload_ratio": 0.5, **DISK},
+    }
+    if stage == 3:
+        variants["stage3_params_disk"] = {"stage": 3, "offload_params": "disk", **DISK}
+        variants["stage3_both_disk"] = {"stage": 3, "offload_optimizer": "disk", "offload_params": "disk", **DISK}
+        variants["stage3_params_cpu_copies"] = {"stage": 3, "offload_params": "cpu", "copies": True}
+    return variants
+
+
+def _refused(precision: str, variant: dict[str, Any]) -> bool:
+    """Combinations refused at setup: fp16 loss scaling needs the gradients in memory to unscale and check them,
+    and they are not there with the optimizer on disk at stage 3 or in the host tier's copy path."""
+    if precision != "16-mixed" or variant.get("offload_optimizer") in (None, "none"):
+        return False
+    return variant["offload_optimizer"] == "cpu" or variant["stage"] == 3
+
+
+def _assert_close(label: str, run: dict[str, Any], reference: dict[str, Any], tolerance: float) -> None:
+    assert len(run["losses"]) == len(reference["losses"]) > 0, label
+    torch.testing.assert_close(
+        torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=tolerance, atol=0, msg=label
+    )
+    for name, value in reference["weights"].items():
+        torch.testing.assert_close(
+            run["weights"][name].float(), value.float(), rtol=tolerance, atol=tolerance, msg=f"{label}: {name}"
+        )
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
+def test_every_tier_trains_in_every_precision_as_ddp_and_as_zero_without_tiers(precision, stage):
+    variants = _variants(stage)
+    with tempfile.TemporaryDirectory() as root:
+        ranks = run_distributed(
+            tiers_in_precision, 2, root, precision, [stage], variants, init_process_group=False, timeout=380
+        )
+    for runs in ranks:
+        refused = {k for k, v in variants.items() if _refused(precision, v)}
+        crashed = {k: r["error"] for k, r in runs.items() if "error" in r and k not in refused}
+        assert crashed == {}, "\n".join(f"{k}: {runs[k]['trace']}" for k in crashed)
+        ddp, untiered = runs["ddp"], runs[f"stage{stage}"]
+        _assert_close(f"stage{stage}", untiered, ddp, TOLERANCE)
+        for label, variant in variants.items():
+            run = runs[label]
+            if _refused(precision, variant):
+                assert "error" in run, f"{label} trained instead of being refused"
+                for words in ("16-mixed", "offload_optimizer=", "HINT"):  # both options, and the fix
+                    assert words in run["error"], run["error"]
+                continue
+            _assert_close(f"{label} against DDP", run, ddp, TOLERANCE)
+            _assert_close(f"{label} against ZeRO without tiers", run, untiered, EXACT)
+            assert run["left"] == [], f"{label} left tier files behind: {run['left']}"
