@@ -132,6 +132,8 @@ class ZeroStrategy(ShardedCheckpointing):
         assert self.accelerator is not None
         assert self.model is not None
         self.accelerator.setup(trainer)
+        if self._gatherer is None:  # a sharded model keeps its layers: Note [teardown keeps the model sharded]
+            self.sync_layers(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         if self._tiers is None:
             assert self.lightning_module is not None
@@ -368,7 +370,9 @@ class ZeroStrategy(ShardedCheckpointing):
         from the buckets and hooks that own them, so the next ``validate``/``test``/``fit`` on the same module would
         run on detached copies. Stage 3 therefore tears down as FSDP's strategy does: nothing moves, the units stay
         sharded on their device with their hooks, and the next run's ``setup`` finds them as it left them (a new
-        ``fit`` builds fresh optimizers over the same shards, as it would for DDP).
+        ``fit`` builds fresh optimizers over the same shards, as it would for DDP). For the same reason the
+        ``SyncBatchNorm`` layers of ``Trainer(sync_batchnorm=True)`` stay (DDP reverts them to BatchNorm): the units
+        hold those modules; in evaluation they compute as BatchNorm does.
         """
         self._stop_fault_monitor()
         if self._tiers is not None:
@@ -379,6 +383,7 @@ class ZeroStrategy(ShardedCheckpointing):
         if self._gatherer is None and not on_meta:
             for optimizer in iter_zero_optimizers(self.optimizers):
                 optimizer.reducer.remove_hooks()
+            self.unsync_layers()
             super().teardown()
             return
         # A model still on meta (sharding it failed) cannot move either: moving it would replace the error that

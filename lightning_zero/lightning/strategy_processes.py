@@ -4,7 +4,8 @@ What every ZeRO stage shares with DDP and nothing of ZeRO itself: the launcher (
 ``torchrun``, or ``multiprocessing``), the topology Lightning asks a strategy for (nodes, processes, the sampler's
 shard of the data), the process group created from the cluster environment with its collective timeout, the
 collectives Lightning calls on a strategy (barrier, broadcast, reduce of logged metrics) and the fault monitor that
-names a rank that failed, died or hangs (``comm/fault_monitor.py``). ``ShardedCheckpointing``
+names a rank that failed, died or hangs (``comm/fault_monitor.py``), and ``Trainer(sync_batchnorm=True)``'s layer
+conversion. ``ShardedCheckpointing``
 (``strategy_checkpoint.py``) and ``ZeroStrategy`` (``strategy.py``) build on it.
 """
 
@@ -29,9 +30,10 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only  # type: ignore[attr-defined]
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
@@ -81,6 +83,8 @@ class ProcessPerDevice(ParallelStrategy):
         self._start_method: StartMethod = start_method
         self._num_nodes = 1
         self._fault_monitor: FaultMonitor | None = None
+        self._layers_synced = False
+        """``sync_layers`` converted the model for this fit; ``unsync_layers`` reverts it."""
 
     # -- topology ----------------------------------------------------------------------------------------------
     @property
@@ -170,6 +174,23 @@ class ProcessPerDevice(ParallelStrategy):
             self._fault_monitor.stop()
             self._fault_monitor = None
 
+    # -- Trainer(sync_batchnorm=True) ---------------------------------------------------------------------------------
+    def sync_layers(self, trainer: pl.Trainer) -> None:
+        """Before fitting, apply Lightning's layer sync (BatchNorm -> SyncBatchNorm) as ``DDPStrategy.setup`` does,
+        and refuse it where DDP refuses it. Call before the model is moved, converted to a precision or sharded."""
+        if trainer.state.fn != TrainerFn.FITTING or self._layer_sync is None:
+            return
+        assert self.model is not None
+        self.model = self._layer_sync.apply(self.model)
+        self._layers_synced = True
+        refuse_sync_batchnorm_on_cpu(self.model, self.root_device)
+
+    def unsync_layers(self) -> None:
+        """After a fit that converted the model, convert it back, as ``DDPStrategy.teardown`` does."""
+        if self._layers_synced and self._layer_sync is not None and self.model is not None:
+            self.model = self._layer_sync.revert(self.model)
+        self._layers_synced = False
+
     # -- collectives Lightning asks of a strategy ----------------------------------------------------------------
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -193,3 +214,16 @@ class ProcessPerDevice(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+
+def refuse_sync_batchnorm_on_cpu(module: nn.Module, device: torch.device) -> None:
+    """DDP's refusal (``DistributedDataParallel._passing_sync_batchnorm_handle``): torch's ``SyncBatchNorm`` has no
+    CPU kernels, and its forward refuses a CPU input."""
+    if device.type != "cpu":
+        return
+    for name, layer in module.named_modules():
+        if isinstance(layer, nn.SyncBatchNorm):
+            raise ValueError(
+                f"SyncBatchNorm layers only work with GPU modules ({name!r} is on the CPU). HINT: drop "
+                "`Trainer(sync_batchnorm=True)` on the CPU, or train on GPUs."
+            )
