@@ -39,11 +39,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.comm.collectives import ProcessGroup
 from lightning_zero.comm.ledger import CommLedger
+from lightning_zero.compat import current_graph_task_id, queue_autograd_callback
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
@@ -56,7 +56,7 @@ __all__ = ["ParameterGatherer", "RankDivergenceError"]
 
 
 def _in_backward() -> bool:
-    return bool(torch._C._current_graph_task_id() != -1)
+    return current_graph_task_id() != -1
 
 
 class ParameterGatherer:
@@ -217,7 +217,7 @@ class ParameterGatherer:
     def _pre_backward(self, unit: ShardedUnit, grad: Any) -> None:
         unit = self._owner(unit)
         if not self._backward_callback_queued:
-            Variable._execution_engine.queue_callback(self._on_backward_end)
+            queue_autograd_callback(self._on_backward_end)
             self._backward_callback_queued = True
             self.reducer.queue_flush()  # after ours: rounds end before the last reductions (Note [bucket flush])
             self._remaining = {u.index: len(u.trainable_buckets) for u in self.units}
@@ -385,6 +385,7 @@ class ParameterGatherer:
                     for bucket in (b for u in units for m in (u, *self._children[u.index]) for b in m.buckets):
                         assert bucket.data is not None
                         bucket.param_shard.copy_(bucket.shard_of(bucket.data))
+                self.invalidate_secondaries()
         finally:
             for unit in newly:
                 self._release(unit)
@@ -395,9 +396,17 @@ class ParameterGatherer:
             if self._owner(unit) is unit and self._depth[unit.index] == 0 and unit is not keep:
                 self._release(unit)
 
+    def invalidate_secondaries(self) -> None:
+        """The primary shards may have been written, on every rank together: no hpZ secondary shard made before
+        serves a gather again (Note [secondary shards] in ``secondary_shard.py``)."""
+        for unit in self.units:
+            unit.gather_comm.invalidate()
+
     def refresh_gathered(self) -> None:
-        """After the shards changed (optimizer step): free idle units, re-gather those inside their forward (a
-        manual-optimization ``training_step`` that steps and then keeps using the model)."""
+        """After the shards changed (optimizer step, checkpoint load, EMA swap): drop the hpZ secondary shards, free
+        idle units, re-gather those inside their forward (a manual-optimization ``training_step`` that steps and
+        then keeps using the model)."""
+        self.invalidate_secondaries()
         for unit in self.units:
             if unit.state is UnitState.SHARDED or self._owner(unit) is not unit:
                 continue

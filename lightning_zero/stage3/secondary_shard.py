@@ -6,22 +6,34 @@ with, ``ZeroppGather`` the one ``stage3/zeropp.py`` installs when a ZeRO++ switc
 Note [secondary shards]
 hpZ trades memory for inter-node traffic. After a unit's forward all-gather (over every rank, quantized under qwZ),
 each rank copies out its 1/k of the gathered unit, k being ``hpz_partition_size``: the partition of the unit over
-the k consecutive ranks of its node. The unit's next gather, its backward one, all-gathers those secondary shards
-over the k ranks instead, so it never leaves the node, and it reproduces the forward's values exactly (under qwZ
-the dequantized ones: forward and backward see the same weights). A secondary shard serves that one gather and is
-dropped by it, so it lives from a unit's forward to its backward: ``params / k`` bytes per rank at most, nothing
-after the step. It is made only when gradients are enabled (a forward under ``no_grad`` has no backward to serve).
+the k consecutive ranks of its node. Every later gather of the unit, its backward one first, all-gathers those
+secondary shards over the k ranks instead, so it never leaves the node, and it reproduces the forward's values
+exactly (under qwZ the dequantized ones: forward and backward see the same weights).
 
-A secondary shard is valid only while the primary shard it came from is unchanged: the optimizer step, a
-checkpoint load, an EMA swap or ``gathered(writeback=True)`` write the primary shard in place, which bumps its
-version counter, and a secondary shard made before that is dropped unused. Ranks must agree on which kind of gather
-they issue, or the collectives would pair wrongly: they do, since every rank gathers every bucket together and
-makes, uses and drops its secondary shards at the same gathers, and writes its primary shards at the same points.
+Which group a gather goes to must be the same decision on every rank, or the collectives pair wrongly and the ranks
+hang (a rank in a node's all-gather, its peer in the whole group's). So whether a bucket has a secondary shard is
+never judged from anything local (whether this rank's primary shard was written: a step writes only the ranks whose
+slice holds a stepped parameter, and the memory tiers write shards behind the tensor's back). It is a lifecycle
+state driven only by events every rank sees at the same point of the same program:
+
+- made: by a full gather of the bucket issued with gradients enabled while it has none (a forward's, or a
+  recomputation's in backward); the gather is collective, so every rank makes one;
+- used: by every gather of the bucket while it is valid (backward, a second micro-batch's forward, a recomputation,
+  ``gathered()``); using it does not drop it, so however many of those gathers run, they all agree;
+- dropped, all at once: by ``invalidate()``, which ``ParameterGatherer.invalidate_secondaries`` calls wherever
+  primary shards may have been written, on every rank together: the optimizer step (each ``refresh_gathered``:
+  every step of every optimizer, a checkpoint load, an EMA swap) and ``gathered(writeback=True)``. A full gather
+  issued before an invalidation but finishing after it makes nothing (``_generation``): its values may be older.
+
+So a secondary shard never serves weights older than its primary shard, and one that outlives its backward (the
+root kept gathered into backward, a unit autograd never reaches, ``gathered()`` between backward and the step, a
+second optimizer's step, manual optimization) is dropped at the next step on every rank at once. Memory: ``params /
+k`` bytes per rank at most, from a unit's first forward of a step to the step; nothing after it (except the
+secondaries of a forward no step followed, e.g. the last one before ``fit`` ends). None is made under ``no_grad``
+(an evaluation forward has no backward to serve), though one may serve it.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -42,18 +54,13 @@ class PlainGather:
         """Issue the all-gather of ``bucket``'s shards into its full buffer ``flat``."""
         return all_gather(flat, bucket.param_shard, group, stream=stream)
 
+    def invalidate(self) -> None:
+        """The primary shards may have changed: no secondary shard made before serves a gather again (Note
+        [secondary shards]). Nothing to do here."""
+
     def secondary_bytes(self) -> int:
         """Bytes of secondary shards held now (Note [secondary shards])."""
         return 0
-
-
-@dataclass
-class _Secondary:
-    shard: Tensor
-    """The primary shard it was made from, and that tensor's version then."""
-    version: int
-    values: Tensor
-    """(padded_numel / k,) this rank's partition of the gathered bucket."""
 
 
 class ZeroppGather(PlainGather):
@@ -65,15 +72,18 @@ class ZeroppGather(PlainGather):
     def __init__(self, hpz_group: ProcessGroup | None, block: int | None) -> None:
         self.hpz_group = hpz_group
         self.block = block
-        self._secondary: dict[int, _Secondary] = {}
+        self._secondary: dict[int, Tensor] = {}
+        """By ``id(bucket)``: this rank's (padded_numel / k,) partition of the gathered bucket."""
+        self._generation = 0
+        """Counts invalidations: a gather's secondary shard is kept only if none happened while it was in flight."""
 
     def gather(
         self, bucket: FlatBucket, flat: Tensor, group: ProcessGroup, stream: CollectiveStream | None = None
     ) -> PendingCollective:
-        secondary = self._secondary.pop(id(bucket), None)
-        if secondary is not None and self._valid(bucket, secondary):
+        secondary = self._secondary.get(id(bucket))
+        if secondary is not None:  # the same on every rank: Note [secondary shards]
             assert self.hpz_group is not None
-            return all_gather(flat, secondary.values, self.hpz_group, stream=stream)
+            return all_gather(flat, secondary, self.hpz_group, stream=stream)
         if self.block is not None and self._quantizing_pays(bucket):
             pending = quantized_all_gather(flat, bucket.param_shard, group, self.block, stream=stream)
         else:
@@ -85,15 +95,14 @@ class ZeroppGather(PlainGather):
     def _keep_secondary_after(self, pending: PendingCollective, bucket: FlatBucket, flat: Tensor) -> None:
         assert self.hpz_group is not None
         k, position = self.hpz_group.size(), self.hpz_group.rank()
-        shard = bucket.param_shard
-        version = shard._version
+        generation = self._generation
         first = pending.finish
 
         def finish() -> None:
             if first is not None:
                 first()
-            values = flat.view(k, -1)[position].clone()
-            self._secondary[id(bucket)] = _Secondary(shard, version, values)
+            if self._generation == generation:  # no shard was written since the gather was issued
+                self._secondary[id(bucket)] = flat.view(k, -1)[position].clone()
 
         pending.finish = finish
 
@@ -104,14 +113,9 @@ class ZeroppGather(PlainGather):
         exact = bucket.shard_numel * bucket.param_shard.element_size()
         return PackedLayout(bucket.shard_numel, self.block, 8).row_bytes < exact
 
-    @staticmethod
-    def _valid(bucket: FlatBucket, secondary: _Secondary) -> bool:
-        shard = bucket.param_shard
-        return shard is secondary.shard and shard._version == secondary.version
-
-    def drop(self) -> None:
-        """Forget every secondary shard (the primary shards are about to change)."""
+    def invalidate(self) -> None:
         self._secondary.clear()
+        self._generation += 1
 
     def secondary_bytes(self) -> int:
-        return sum(s.values.numel() * s.values.element_size() for s in self._secondary.values())
+        return sum(s.numel() * s.element_size() for s in self._secondary.values())

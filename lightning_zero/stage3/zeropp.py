@@ -86,7 +86,7 @@ def install_zeropp(gatherer: ParameterGatherer, config: ZeroConfig, group: Proce
 
 
 def secondary_shard_bytes(gatherer: ParameterGatherer, config: ZeroConfig) -> int:
-    """Bytes of hpZ secondary shards this rank holds once every unit's forward has run and none's backward: the
+    """Bytes of hpZ secondary shards this rank holds once every unit's forward has run, until the step: the
     sharded parameters / ``hpz_partition_size`` (Note [secondary shards]); 0 without hpZ."""
     k = config.hpz_partition_size
     if k == 1:

@@ -1,0 +1,163 @@
+"""Functions run inside the ranks of ``tests/test_hpz_secondaries.py``: stage 3 with hpZ on 4 ranks as 2 nodes x 2,
+in the situations where a secondary shard outlives its unit's backward (Note [secondary shards]), against DDP's
+arithmetic.
+
+The model's root unit holds one element (``HpzNet.gain``), and so does each ``Scale`` unit: padded to 4, so ranks
+1-3 hold only padding, which no optimizer step writes. A rule that judged a secondary shard by whether this rank's
+primary shard was written would then decide differently on rank 0 than on the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zero import ZeroConfig, ZeroOptimizer, ZeroStrategy
+from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
+from lightning_zero.stage3.sharded_init import shard_module
+
+WORLD = 4
+HPZ = {"stage": 3, "ranks_per_node": 2, "hpz_partition_size": 2, "wrap_module_classes": ("Block", "Scale", "Linear")}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class Scale(nn.Module):
+    """A unit of one element: only rank 0's shard holds a value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((1,), 1.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight
+
+
+class HpzNet(nn.Module):
+    """``scenario`` picks how it runs: ``"reentrant"`` applies ``scale`` under reentrant activation checkpointing
+    (its forward runs under no_grad, its gather with gradients happens in backward); ``"unreached"`` also runs
+    ``side``, whose output the loss ignores (autograd never reaches it)."""
+
+    def __init__(self, scenario: str) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        self.scenario = scenario
+        self.gain = nn.Parameter(torch.ones(1))
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.scale = Scale()
+        self.side = Scale()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.blocks[0](x * self.gain)
+        if self.scenario == "reentrant":
+            h = torch.utils.checkpoint.checkpoint(self.scale, h, use_reentrant=True)
+        else:
+            h = self.scale(h)
+        if self.scenario == "unreached":
+            self.side(h)
+        out: Tensor = self.head(self.blocks[1](h))
+        return out
+
+
+def _optimizers(model: HpzNet, two: bool) -> list[torch.optim.Optimizer]:
+    """One AdamW, or two sharing the root unit (``gain`` in the first, ``head`` in the second), each stepped after a
+    forward and backward of its own, as Lightning's manual optimization of a GAN does."""
+    if not two:
+        return [torch.optim.AdamW(model.parameters(), lr=0.02)]
+    first = [model.gain, *model.blocks[0].parameters(), model.scale.weight]
+    second = [p for p in model.parameters() if all(p is not q for q in first)]
+    return [torch.optim.AdamW(first, lr=0.02), torch.optim.AdamW(second, lr=0.01)]
+
+
+def _loss(model: nn.Module, rank: int, step: int, phase: int) -> Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + phase)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def reference(scenario: str, steps: int, two_optimizers: bool = False) -> dict[str, Any]:
+    """DDP's arithmetic: each rank's gradients averaged over the ranks (a parameter no rank used keeps none)."""
+    rank = dist.get_rank()
+    model = HpzNet(scenario)
+    optimizers = _optimizers(model, two_optimizers)
+    losses = []
+    for step in range(steps):
+        for phase, optimizer in enumerate(optimizers):
+            loss = _loss(model, rank, step, phase)
+            loss.backward()
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(WORLD)
+            optimizer.step()
+            model.zero_grad(set_to_none=True)  # as ZeroOptimizer.step consumes every gradient
+            losses.append(float(loss.detach()))
+    return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _gather_with_grad(gatherer: ParameterGatherer) -> None:
+    """``gathered()`` between backward and the step, with gradients enabled (as in a Lightning hook)."""
+    with torch.enable_grad(), gatherer.gathered():
+        pass
+
+
+def hpz(
+    scenario: str, steps: int, two_optimizers: bool = False, config: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Stage 3 with hpZ on ``HpzNet``: ``scenario`` is one of HpzNet's, or ``"gathered"`` (``gathered()`` between
+    backward and the step); ``config`` adds ZeroConfig fields."""
+    rank = dist.get_rank()
+    model = HpzNet(scenario)
+    optimizers = _optimizers(model, two_optimizers)
+    zero_config = ZeroConfig(**{**HPZ, "collective_timeout_s": 15.0, **(config or {})})
+    gatherer = shard_module(model, zero_config, dist.group.WORLD, torch.device("cpu"))
+    zeros = [ZeroOptimizer(model, o, dist.group.WORLD, zero_config, gatherer=gatherer) for o in optimizers]
+    losses = []
+    for step in range(steps):
+        for phase, zero in enumerate(zeros):
+            loss = _loss(model, rank, step, phase)
+            loss.backward()
+            if scenario == "gathered":
+                _gather_with_grad(gatherer)
+            zero.step()
+            zero.zero_grad()
+            losses.append(float(loss.detach()))
+    with gatherer.gathered():
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "weights": weights}
+
+
+def hpz_and_reference(
+    scenario: str, steps: int, two_optimizers: bool = False, config: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    return [reference(scenario, steps, two_optimizers), hpz(scenario, steps, two_optimizers, config)]
+
+
+def gan(hpz: bool) -> dict[str, Any]:
+    """Lightning's GAN under manual optimization (two optimizers, each stepped after its own backward, the generator
+    run forward with gradients for the discriminator's step and its output detached) on 4 ranks: DDP, or stage 3
+    with hpZ over 2 nodes x 2."""
+    from tests.test_lightning_features import make_trainer, summarize
+    from tests.test_lightning_optimizers import LitGAN
+
+    g = torch.Generator().manual_seed(7)
+    real = TensorDataset(torch.randn(4 * 4 * 4, 6, generator=g) * 0.5 + 1.0)
+    zero = {k: v for k, v in HPZ.items() if k != "wrap_module_classes"}
+    strategy = ZeroStrategy(**zero, wrap_module_classes=("Linear",), collective_timeout_s=15.0) if hpz else None
+    trainer = make_trainer(strategy or "ddp_find_unused_parameters_true", devices=WORLD, max_steps=8)
+    module = LitGAN()
+    trainer.fit(module, DataLoader(real, batch_size=4))
+    return summarize(trainer, module)
