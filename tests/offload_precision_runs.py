@@ -5,6 +5,7 @@ memory tier, in one precision."""
 from __future__ import annotations
 
 import traceback
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -28,13 +29,15 @@ def _precision(strategy: str | dict[str, Any], precision: str) -> dict[str, Any]
     return {"precision": None, "plugins": [ZeroPrecision("16-mixed", loss_scaler=DynamicLossScaler(scale=FP16_SCALE))]}
 
 
-def _run(strategy: str | dict[str, Any], root: str, precision: str, copies: bool) -> dict[str, Any]:
-    """One training run, or the error it raised (as text, so one failing combination does not hide the others)."""
+def _run(strategy: str | dict[str, Any], root: str, precision: str, **kwargs: Any) -> dict[str, Any]:
+    """One training run (a ``copies`` key in ``strategy``: the host tier's copy path forced), or the error it raised
+    (as text, so one failing combination does not hide the others)."""
+    copies = isinstance(strategy, dict) and bool(strategy.get("copies"))
+    if isinstance(strategy, dict):
+        strategy = {"bucket_numel": 3_000, **{k: v for k, v in strategy.items() if k != "copies"}}
     try:
-        if copies:
-            with forced_host_copies():
-                return train(strategy, root, clip=0.05, accumulate=2, **_precision(strategy, precision))
-        return train(strategy, root, clip=0.05, accumulate=2, **_precision(strategy, precision))
+        with forced_host_copies() if copies else nullcontext():
+            return train(strategy, root, clip=0.05, accumulate=2, **_precision(strategy, precision), **kwargs)
     except Exception as error:  # a refusal or a crash: reported by the test with the combination's name
         return {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
 
@@ -44,10 +47,19 @@ def tiers_in_precision(
 ) -> dict[str, dict[str, Any]]:
     """DDP, ZeRO without tiers at each of ``stages``, and every variant (``copies``: the host tier's copy path
     forced), all in ``precision`` with clipping and accumulation."""
-    runs = {"ddp": _run("ddp", root, precision, False)}
+    runs = {"ddp": _run("ddp", root, precision)}
     for stage in stages:
-        runs[f"stage{stage}"] = _run({"stage": stage, "bucket_numel": 3_000}, root, precision, False)
+        runs[f"stage{stage}"] = _run({"stage": stage}, root, precision)
     for label, variant in variants.items():
-        strategy = {k: v for k, v in variant.items() if k != "copies"}
-        runs[label] = _run({**strategy, "bucket_numel": 3_000}, root, precision, bool(variant.get("copies")))
+        runs[label] = _run(variant, root, precision)
     return runs
+
+
+def resume_in_precision(
+    root: str, first: dict[str, Any], second: dict[str, Any], precision: str
+) -> list[dict[str, Any]]:
+    """``first`` trains 2 steps and saves; ``second`` resumes to step 4; ``first`` straight to 4 steps."""
+    _run(first, root, precision, steps=2, save_to=f"{root}/mid")
+    resumed = _run(second, root, precision, steps=4, ckpt_path=f"{root}/mid/epoch=0-step=2.ckpt")
+    straight = _run(first, root, precision, steps=4)
+    return [straight, resumed]

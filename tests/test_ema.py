@@ -254,3 +254,82 @@ def test_sharded_ema_with_the_state_on_disk_matches_lightnings_ema_under_ddp():
                 assert train == pytest.approx(ddp_train, rel=1e-5), f"stage {stage} train losses"
                 assert val == pytest.approx(ddp_val, rel=1e-5), f"stage {stage} validation losses (the average)"
                 _close(final, ddp_final)  # fit ends with the average copied into the model
+
+
+class TierReadsPerUpdate(pl.Callback):
+    """Around ``ShardedEMA``'s update (one instance before it, ``after`` after it in the callbacks): the tier entries
+    each update acquires, their sizes, and the bytes read from the tier file meanwhile."""
+
+    def __init__(self, after: TierReadsPerUpdate | None = None) -> None:
+        self.after = after
+        self.updates: list[dict[str, Any]] = []
+        self._start: tuple[int, list[tuple[Any, int]]] | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        tiers = trainer.strategy.memory_tiers  # type: ignore[attr-defined]
+        swapper = tiers.swapper
+        if self.after is not None:  # before the update: start recording
+            acquired: list[tuple[Any, int]] = []
+            original = swapper.acquire
+
+            def recording(key: Any, read: bool = True, **kwargs: Any) -> Any:
+                if read:  # not a new entry about to be written (the first average)
+                    acquired.append((key, swapper._entries[key].nbytes))
+                return original(key, read, **kwargs)
+
+            swapper.acquire = recording
+            self.after._start = (tiers.io_bytes()[0], acquired)
+            return
+        assert self._start is not None
+        read_before, acquired = self._start
+        del swapper.acquire  # the method again
+        kinds: dict[tuple[str, ...], int] = {}
+        for key, nbytes in acquired:
+            kind = (key[0], key[3]) if key[0] == "state" else (key[0],)
+            kinds[kind] = kinds.get(kind, 0) + nbytes
+        self.updates.append({"kinds": kinds, "read": tiers.io_bytes()[0] - read_before})
+
+
+def _ema_tier_reads(root: str) -> dict[str, Any]:
+    """Per precision: the tier reads of each update, and the final (averaged) weights with and without tiers."""
+    out: dict[str, Any] = {}
+    for precision in ("32-true", "bf16-mixed"):
+        for tiers in ({"offload_optimizer": "disk", "offload_params": "disk", "offload_dir": "offload"}, {}):
+            after = TierReadsPerUpdate()
+            module = ValidatedGPT()
+            trainer = pl.Trainer(
+                strategy=ZeroStrategy(stage=3, bucket_numel=3_000, **tiers),
+                accelerator="cpu",
+                devices=2,
+                precision=precision,  # type: ignore[arg-type]
+                max_steps=4,
+                limit_val_batches=0,
+                callbacks=[TierReadsPerUpdate(after), ShardedEMA(decay=DECAY), after] if tiers else [ShardedEMA(DECAY)],
+                enable_checkpointing=False,
+                default_root_dir=root,
+                logger=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+            )
+            trainer.fit(module)
+            out[f"{precision}/{'disk' if tiers else 'memory'}"] = (after.updates, trainer_weights(module))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_an_ema_update_in_the_disk_tier_reads_only_the_masters_and_their_averages():
+    """Note [averages in the tiers]: an update needs each bucket's masters (the fp32 parameter shards, or the
+    separate fp32 masters under mixed precision) and their averages; not the gradients, Adam's moments, the bf16
+    parameter shards, nor what the step would read next."""
+    with tempfile.TemporaryDirectory() as root:
+        for rank in run_distributed(_ema_tier_reads, 2, root, init_process_group=False, timeout=110):
+            for precision, masters in (("32-true", "param"), ("bf16-mixed", "master")):
+                (first, *later), averaged = rank[f"{precision}/disk"]
+                _close(averaged, rank[f"{precision}/memory"][1])  # the same average as without tiers
+                assert len(later) == 3, precision
+                assert list(first["kinds"]) == [(masters,)], precision  # the first update copies the masters
+                assert first["read"] == first["kinds"][(masters,)] > 0, precision
+                for update in later:  # nothing read ahead either: the bytes read are those of the entries used
+                    assert sorted(update["kinds"]) == [(masters,), ("state", ema.EMA_KEY)], precision
+                    assert update["read"] == sum(update["kinds"].values()), precision
+                    assert update["kinds"][(masters,)] == first["kinds"][(masters,)], precision

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.offload_precision_runs import tiers_in_precision
+from tests.offload_precision_runs import resume_in_precision, tiers_in_precision
 
 DISK = {"offload_dir": "offload"}  # relative: under the Trainer's default_root_dir
 
@@ -33,6 +33,13 @@ def _variants(stage: int) -> dict[str, dict[str, Any]]:
         variants["stage3_params_disk"] = {"stage": 3, "offload_params": "disk", **DISK}
         variants["stage3_both_disk"] = {"stage": 3, "offload_optimizer": "disk", "offload_params": "disk", **DISK}
         variants["stage3_params_cpu_copies"] = {"stage": 3, "offload_params": "cpu", "copies": True}
+        variants["stage3_both_cpu_half_copies"] = {
+            "stage": 3,
+            "offload_optimizer": "cpu",
+            "offload_params": "cpu",
+            "offload_ratio": 0.5,
+            "copies": True,
+        }
     return variants
 
 
@@ -80,3 +87,26 @@ def test_every_tier_trains_in_every_precision_as_ddp_and_as_zero_without_tiers(p
             _assert_close(f"{label} against DDP", run, ddp, TOLERANCE)
             _assert_close(f"{label} against ZeRO without tiers", run, untiered, EXACT)
             assert run["left"] == [], f"{label} left tier files behind: {run['left']}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ({"stage": 3, "offload_optimizer": "disk", "offload_params": "disk", **DISK}, {"stage": 2}),
+        ({"stage": 2}, {"stage": 2, "offload_optimizer": "disk", "offload_ratio": 0.5, **DISK}),
+        ({"stage": 3, "offload_params": "cpu", "copies": True}, {"stage": 3, "offload_optimizer": "disk", **DISK}),
+    ],
+)
+def test_bf16_mixed_resumes_from_and_into_the_tiers_as_the_run_straight_through(first, second):
+    """The fp32 masters and optimizer state of a checkpoint saved from the tiers (or loaded into them) continue
+    the run: its last losses and final weights are those of the run that was not interrupted."""
+    with tempfile.TemporaryDirectory() as root:
+        for straight, resumed in run_distributed(
+            resume_in_precision, 2, root, first, second, "bf16-mixed", init_process_group=False, timeout=280
+        ):
+            for run in (straight, resumed):
+                assert "error" not in run, run.get("trace")
+            torch.testing.assert_close(resumed["losses"][-2:], straight["losses"][-2:], rtol=EXACT, atol=0)
+            for name, value in straight["weights"].items():
+                torch.testing.assert_close(resumed["weights"][name], value, rtol=EXACT, atol=EXACT, msg=name)

@@ -8,10 +8,12 @@ owns (its ``ZeroOptimizer``'s masters): 4Ψ/N bytes per rank and no communicatio
 
 Note [averages in the tiers]
 With memory tiers (``ZeroConfig.offload_optimizer="disk"``) the masters and optimizer state, the average with them,
-live in the tier between steps. Each update then loads one bucket's state, averages it and lets the tier write it
-back, as the step does, so memory stays a few buckets; swapping the whole model (validation, the end of fit) holds
-every shard in memory for its duration (``ZeroStrategy.shards_in_memory``); a checkpoint save or load does not, it
-streams through the tiers one slice at a time.
+live in the tier between steps. Each update then loads one bucket's masters and averages only (not its gradients,
+the rest of its optimizer state or, under mixed precision, its parameter shard; nothing read ahead for the step),
+averages them and lets the tier write the averages back, so memory stays a few buckets and an update reads what
+it averages; swapping the whole model (validation, the end of fit) holds every shard in memory for its duration
+(``ZeroStrategy.shards_in_memory``); a checkpoint save or load does not, it streams through the tiers one slice at
+a time.
 
 Note [EMA as optimizer state]
 The average of a master is kept as one more element-wise optimizer state entry, ``optimizer.state[master]["ema"]``,
@@ -170,7 +172,7 @@ class ShardedEMA(pl.Callback):
             # Note [averages in the tiers]: bucket by bucket, each resident only while it is averaged.
             for bucket in zero.buckets:
                 masters = [m for seg, m in zip(zero.segments, zero.masters, strict=True) if seg.bucket is bucket]
-                zero.tiers.load(bucket)
+                zero.tiers.load(bucket, only=(EMA_KEY,))  # no gradient, no other state
                 try:
                     self._update_masters(zero, masters)
                 finally:

@@ -17,7 +17,7 @@ gradients copied from the device as their reduction completes, the step on the h
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING
@@ -175,24 +175,31 @@ class OptimizerTiers:
         self._clamp = clamp
         self._in_step = True  # called as the step's gradients are reduced (and by clipping)
 
-    def load(self, bucket: FlatBucket) -> None:
+    def load(self, bucket: FlatBucket, only: Collection[str] | None = None) -> None:
         chunk = self._chunks.get(id(bucket))
+        step = self._in_step and only is None
         if chunk is not None and self.host is not None and bucket in self.host:
-            if self._in_step:  # outside a step (an EMA update) the host masters are all there is to load
+            if step:  # outside a step (an EMA update) the host masters are all there is to load
                 self.host.adopt_edits(bucket)
                 self._set_gradients(bucket, chunk, *self._tiered_gradient(bucket))
             return
         if chunk is None or self.swapper is None:
             return
-        keys: list[Hashable] = [param_key(bucket)] if param_key(bucket) in self.swapper else []
+        masters = self._master_keys(bucket)
+        # The parameter shard: the step rounds the masters into it; otherwise only needed when it is the masters.
+        keys: list[Hashable] = []
+        if param_key(bucket) in self.swapper and (only is None or not masters):
+            keys.append(param_key(bucket))
         if id(bucket) in self.on_disk:
-            keys += [k for k in self._master_keys(bucket) if k in self.swapper]
-            keys += [k for k, t in self._state_tensors(chunk) if k in self.swapper and self.swapper.tensor(k) is t]
+            keys += [k for k in masters if k in self.swapper]
+            keys += [
+                k for k, t in self._state_tensors(chunk, only) if k in self.swapper and self.swapper.tensor(k) is t
+            ]
         for key in keys:
-            self.swapper.acquire(key)
+            self.swapper.acquire(key, in_order=only is None)  # Note [read-ahead order]: the step's order only
         chunk.loaded = keys
         reducer = self._reducer()
-        if self._in_step and reducer is not None and reducer.offloads(bucket):  # an EMA update reads no gradient
+        if step and reducer is not None and reducer.offloads(bucket):
             self._set_gradients(bucket, chunk, reducer.load_grad(bucket), 0)
 
     def _set_gradients(self, bucket: FlatBucket, chunk: _Chunk, shard: Tensor, first: int) -> None:
@@ -286,12 +293,15 @@ class OptimizerTiers:
     def _master_keys(self, bucket: FlatBucket) -> list[Hashable]:
         return [("master", id(r.bucket), r.start) for r in self._opt.master_runs if r.bucket is bucket]
 
-    def _state_tensors(self, chunk: _Chunk) -> list[tuple[Hashable, Tensor]]:
+    def _state_tensors(self, chunk: _Chunk, only: Collection[str] | None = None) -> list[tuple[Hashable, Tensor]]:
+        """The chunk's element-wise optimizer-state tensors (``only``: the entries of these names)."""
         opt = self._opt
         found: list[tuple[Hashable, Tensor]] = []
         for i in chunk.segments:
             master = opt.masters[i]
             for name, value in opt.optimizer.state.get(master, {}).items():
+                if only is not None and name not in only:
+                    continue
                 if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == master.numel():
                     found.append((_state_key(opt, i, name), value))
         return found

@@ -158,11 +158,13 @@ class TensorSwapper:
         return list(self._entries)
 
     # -- use ----------------------------------------------------------------------------------------------------------
-    def acquire(self, key: Hashable, read: bool = True) -> Tensor:
+    def acquire(self, key: Hashable, read: bool = True, in_order: bool = True) -> Tensor:
         """Make ``key`` resident and count a user. ``read=False``: its old value is not wanted (it is about to be
-        overwritten), so nothing is read."""
+        overwritten), so nothing is read. ``in_order=False``: a use outside the step's order (an EMA update), which
+        neither reads ahead nor becomes part of the next step's prediction (Note [read-ahead order])."""
         entry = self._entries[key]
-        self._recording.append((key, read))
+        if in_order:
+            self._recording.append((key, read))
         self._settle(entry)
         if entry.state is Residency.ON_DISK:
             self._allocate(entry)
@@ -173,7 +175,8 @@ class TensorSwapper:
         if entry in self._prefetched:
             self._prefetched.remove(entry)
         entry.users += 1
-        self._read_ahead((key, read))
+        if in_order:
+            self._read_ahead((key, read))
         return entry.tensor
 
     def release(self, key: Hashable, write: bool | None = None) -> None:

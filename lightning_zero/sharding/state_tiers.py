@@ -6,7 +6,7 @@ state and gradient shards go, and how they move, is the tiers' business.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from torch import Tensor
@@ -47,8 +47,10 @@ class StateTiers(Protocol):
         """Scale (clip by norm) or clamp (clip by value) the tiered gradients as the step reads them."""
         ...
 
-    def load(self, bucket: FlatBucket) -> None:
-        """Make the bucket's masters, optimizer state and tiered gradients usable (``.grad`` set)."""
+    def load(self, bucket: FlatBucket, only: Collection[str] | None = None) -> None:
+        """Make the bucket's masters, optimizer state and, in a step, tiered gradients usable (``.grad`` set).
+        ``only``: an update of the masters' own state outside the step (``ShardedEMA``): just the masters and the
+        optimizer-state entries of these names, nothing read ahead (Note [tiered step])."""
         ...
 
     def unload(self, bucket: FlatBucket) -> None:
