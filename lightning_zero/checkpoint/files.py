@@ -35,8 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # DCP does not re-export it (2.13)
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
@@ -49,6 +47,7 @@ from lightning_zero.checkpoint.storage import (
     remove_stale_data,
     serialized,
 )
+from lightning_zero.compat import FsspecReader, StorageInfo
 
 LIGHTNING_STATE_FILE = "lightning_state.pt"
 """Rank 0's file in a checkpoint directory: Lightning's state and the table of contents; written last."""
@@ -73,7 +72,7 @@ _METADATA_GLOBALS: dict[str, frozenset[str]] = {
             "_MEM_FORMAT_ENCODING",
         }
     ),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    StorageInfo.__module__: frozenset({StorageInfo.__name__}),
     "torch.serialization": frozenset({"_get_layout"}),  # a lookup of torch.strided & co. by name
     "torch": frozenset({"Size"}),
     "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}),
@@ -110,7 +109,7 @@ def read_metadata(directory: Location) -> Metadata:
         raise CheckpointError(f"{path} does not hold DCP checkpoint metadata (found {type(metadata).__name__}).")
     needed: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
-        name = info.relative_path if isinstance(info, _StorageInfo) else None
+        name = info.relative_path if isinstance(info, StorageInfo) else None
         if (
             not isinstance(name, str)
             or not isinstance(index, MetadataIndex)

@@ -18,12 +18,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from lightning_zero.checkpoint.files import CheckpointError, SafeReader
 from lightning_zero.checkpoint.format import FlatChunk, SafeLoadPlanner, Toc, info_dtype
 from lightning_zero.checkpoint.storage import Location
 from lightning_zero.checkpoint.tiered import Span, TierStorage, chunk_of
+from lightning_zero.compat import dcp_load
 from lightning_zero.sharding.sharded_optimizer import ShardedParameters, ZeroOptimizer
 
 
@@ -290,13 +290,7 @@ def _dcp_read(
     process_group: dist.ProcessGroup | None,
 ) -> None:
     try:
-        dcp_load(
-            request,
-            storage_reader=SafeReader(directory, metadata, toc["files"]),
-            planner=SafeLoadPlanner(),
-            process_group=process_group,
-            no_dist=process_group is None,
-        )
+        dcp_load(request, SafeReader(directory, metadata, toc["files"]), SafeLoadPlanner(), process_group)
     except CheckpointException as error:  # DCP gathers every rank's failure; ours already say what to do
         first = next(f[0] if isinstance(f, tuple) else f for f in error.failures.values())
         if isinstance(first, CheckpointError):

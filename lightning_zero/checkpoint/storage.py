@@ -42,11 +42,11 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from torch import Tensor
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # DCP does not re-export it (2.13)
-from torch.distributed.checkpoint.filesystem import SerializationFormat, _write_item
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
+
+from lightning_zero.compat import FsspecWriter, write_dcp_item, writes_torch_save
 
 DATA_PREFIX = "data-"
 """Name prefix of a remote checkpoint's data directory (Note [commit on an object store])."""
@@ -166,6 +166,8 @@ class ChecksummingWriter(FsspecWriter):
     tiers it would hold what was meant to stay on disk (Note [checkpoints stream through the tiers] in
     ``tiered.py``). ``_write_data`` writes the same files with DCP's own ``_write_item`` (same bytes, same
     ``WriteResult``s), one tensor after the other, dropping each once written: a save holds one chunk at a time.
+    Torch 2.6's writer has no ``_write_data`` (``compat.DCP_WRITER_HAS_WRITE_DATA``) and keeps nothing: it resolves
+    and writes one tensor at a time itself (on a GPU machine, copying up to 10 MB ahead), so there it runs as it is.
     """
 
     fs: Any
@@ -178,7 +180,7 @@ class ChecksummingWriter(FsspecWriter):
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue[Any]) -> Future[list[WriteResult]]:
         """Note [one tensor at a time]; what DCP's ``_write_files_from_queue`` does with one thread, in plan order."""
-        assert self.serialization_format == SerializationFormat.TORCH_SAVE, "sharded checkpoints use torch.save"
+        assert writes_torch_save(self), "sharded checkpoints use torch.save"
         results: list[WriteResult] = []
         while not file_queue.empty():
             path, storage_key, items = file_queue.get_nowait()
@@ -189,8 +191,7 @@ class ChecksummingWriter(FsspecWriter):
                         data = data.detach().cpu()
                         if data.untyped_storage().nbytes() != data.nbytes:
                             data = data.clone()  # only this tensor's bytes: as DCP does
-                    fmt = self.serialization_format
-                    results.append(_write_item(self.transforms, stream, data, item, storage_key, fmt))
+                    results.append(write_dcp_item(self, stream, data, item, storage_key))
                     del data
                 if self.sync_files:
                     try:

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
-from torch.distributed.distributed_c10d import _get_default_store
+
+from lightning_zero.compat import PrefixStore, Store, TCPStore, get_default_store
 
 __all__ = ["FaultMonitor", "is_collective_failure"]
 
@@ -145,7 +145,7 @@ class FaultMonitor:
         if not dist.is_initialized() or dist.get_world_size() < 2:
             return None
         try:
-            store = _get_default_store()
+            store = get_default_store()
         except (RuntimeError, ValueError):
             return None
         return cls.connect(store, dist.get_rank(), dist.get_world_size(), interval_s, store_timeout_s)

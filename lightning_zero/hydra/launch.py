@@ -44,8 +44,9 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
+
+from lightning_zero.compat import SubprocessScriptLauncher as _SubprocessScriptLauncher
 
 # Hydra settings that belong to the sweep, or that the child sets itself: never passed on to a child.
 _SWEEP_KEYS = (

@@ -50,7 +50,6 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -61,6 +60,7 @@ from torch.nn.parameter import UninitializedParameter
 from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
+from lightning_zero.compat import DtypeContextManager, convert_fp_tensor
 from lightning_zero.sharding.loss_scaler import DynamicLossScaler, scale_for_backward
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
@@ -125,7 +125,7 @@ class ZeroPrecision(Precision):
         # Parameters are created directly in their dtype: a bf16 model never exists in fp32, not even transiently.
         if self.param_dtype == torch.float32:
             return nullcontext()
-        return _low_precision_parameters(self.param_dtype) if self._mixed else _DtypeContextManager(self.param_dtype)
+        return _low_precision_parameters(self.param_dtype) if self._mixed else DtypeContextManager(self.param_dtype)
 
     @override
     def module_init_context(self) -> AbstractContextManager[Any]:
@@ -153,7 +153,7 @@ class ZeroPrecision(Precision):
     @override
     def convert_input(self, data: Any) -> Any:
         if self.precision == "bf16-true":
-            return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.param_dtype)
+            return apply_to_collection(data, function=convert_fp_tensor, dtype=Tensor, dst_type=self.param_dtype)
         return data
 
     # -- backward and step ----------------------------------------------------------------------------------------

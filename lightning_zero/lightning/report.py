@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from lightning_zero.comm.collectives import Collective
 from lightning_zero.comm.topology import LINKS
+from lightning_zero.compat import batches_that_stepped
 from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes
 from lightning_zero.lightning.strategy import ZeroStrategy
 
@@ -143,7 +144,7 @@ class MemoryReport(pl.Callback):
         metrics = step_metrics(_row_to_report(r, row) for r, row in enumerate(rows.tolist()))
         # Lightning logs this batch's loss at the count of batches that stepped before this one (private, but it is
         # the step the loggers already hold for the loss); the same step puts these figures on the loss's row/x.
-        logged_step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        logged_step = batches_that_stepped(trainer)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=logged_step)
 

@@ -35,15 +35,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.comm.topology import Link, ranks_per_node_from_environment
+from lightning_zero.compat import broadcast_coalesced, sync_module_states
 from lightning_zero.config import ZeroConfig
 from lightning_zero.lightning.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
 from lightning_zero.lightning.offload_setup import build_memory_tiers, check_optimizer_space
@@ -147,7 +146,7 @@ class ZeroStrategy(ShardedCheckpointing):
             self.model_to_device()
             # Parameters are broadcast again bucket by bucket when sharded; buffers (e.g. BatchNorm statistics)
             # only here.
-            _sync_module_states(self.model)
+            sync_module_states(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._broadcast_next_forward = True  # a fresh DDP wrapper's state: Note [buffers follow rank 0]
@@ -247,7 +246,7 @@ class ZeroStrategy(ShardedCheckpointing):
         buffers = list(self.lightning_module.buffers())
         if buffers and self.world_size > 1:
             # DDP's own coalesced broadcast, with its default bucket size (250 MiB).
-            dist._broadcast_coalesced(self.process_group, buffers, 250 * 1024 * 1024, 0)  # type: ignore[attr-defined]
+            broadcast_coalesced(self.process_group, buffers, 250 * 1024 * 1024, 0)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -20,15 +20,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only  # type: ignore[attr-defined]
@@ -38,6 +31,15 @@ from torch.distributed import ReduceOp
 from typing_extensions import override
 
 from lightning_zero.comm.fault_monitor import FaultMonitor
+from lightning_zero.compat import (
+    MultiProcessingLauncher,
+    SubprocessScriptLauncher,
+    default_process_group_backend_for_device,
+    distributed_is_initialized,
+    init_dist_connection,
+    layer_sync,
+    sync_ddp_if_available,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +133,9 @@ class ProcessPerDevice(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = MultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -143,13 +145,13 @@ class ProcessPerDevice(ParallelStrategy):
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+        self._process_group_backend = self._process_group_backend or default_process_group_backend_for_device(
             self.root_device
         )
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if "nccl" in self._process_group_backend and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "0":
             # See "Faults on NCCL" in the README: without error handling nothing ever ends a hung collective.
             log.warning(
@@ -178,23 +180,25 @@ class ProcessPerDevice(ParallelStrategy):
     def sync_layers(self, trainer: pl.Trainer) -> None:
         """Before fitting, apply Lightning's layer sync (BatchNorm -> SyncBatchNorm) as ``DDPStrategy.setup`` does,
         and refuse it where DDP refuses it. Call before the model is moved, converted to a precision or sharded."""
-        if trainer.state.fn != TrainerFn.FITTING or self._layer_sync is None:
+        sync = layer_sync(self)
+        if trainer.state.fn != TrainerFn.FITTING or sync is None:
             return
         assert self.model is not None
-        self.model = self._layer_sync.apply(self.model)
+        self.model = sync.apply(self.model)
         self._layers_synced = True
         refuse_sync_batchnorm_on_cpu(self.model, self.root_device)
 
     def unsync_layers(self) -> None:
         """After a fit that converted the model, convert it back, as ``DDPStrategy.teardown`` does."""
-        if self._layers_synced and self._layer_sync is not None and self.model is not None:
-            self.model = self._layer_sync.revert(self.model)
+        sync = layer_sync(self)
+        if self._layers_synced and sync is not None and self.model is not None:
+            self.model = sync.revert(self.model)
         self._layers_synced = False
 
     # -- collectives Lightning asks of a strategy ----------------------------------------------------------------
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
@@ -203,7 +207,7 @@ class ProcessPerDevice(ParallelStrategy):
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return obj
         container = [obj]
         dist.broadcast_object_list(container, src)
@@ -212,7 +216,7 @@ class ProcessPerDevice(ParallelStrategy):
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_zero.compat import swap_storage_memory
+
 
 @dataclass(frozen=True, slots=True)
 class ParamSlot:
@@ -147,7 +149,7 @@ class FlatBucket:
         if storage.nbytes() == 0:
             if memory is not None:
                 assert memory.untyped_storage().nbytes() == self.full_nbytes, "reused memory of another size"
-                storage._swap_data_ptr_(memory.untyped_storage())  # type: ignore[attr-defined]  # leaves memory empty
+                swap_storage_memory(storage, memory.untyped_storage())  # leaves memory empty
             else:
                 storage.resize_(self.full_nbytes)
         return self._full
@@ -176,7 +178,7 @@ class FlatBucket:
         storage = self._full.untyped_storage()  # Note [freeing saved views]
         if keep_memory and storage.nbytes() > 0:
             holder = torch.empty(0, dtype=torch.uint8, device=self.device)
-            storage._swap_data_ptr_(holder.untyped_storage())  # type: ignore[attr-defined]  # leaves storage empty
+            swap_storage_memory(storage, holder.untyped_storage())  # leaves storage empty
             return holder
         storage.resize_(0)
         return None

@@ -44,7 +44,6 @@ from functools import partial
 
 import torch
 from torch import Tensor, nn
-from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.comm.buffer_pool import BufferPool
@@ -57,6 +56,7 @@ from lightning_zero.comm.collectives import (
 )
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.comm.streams import CollectiveStream
+from lightning_zero.compat import current_autograd_node, queue_autograd_callback
 from lightning_zero.config import ZeroConfig, dtype_from_name
 from lightning_zero.sharding.flat_bucket import FlatBucket, ParamSlot
 
@@ -189,7 +189,7 @@ class GradientReducer:
         communicate (inside ``no_sync()`` with local accumulation) queues nothing."""
         if self._communicates_now() and not self._callback_queued:
             # See Note [bucket flush].
-            Variable._execution_engine.queue_callback(self._on_backward_end)
+            queue_autograd_callback(self._on_backward_end)
             self._callback_queued = True
 
     def complete(self, buckets: Sequence[FlatBucket]) -> None:
@@ -256,7 +256,7 @@ class GradientReducer:
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
-        if torch._C._current_autograd_node() is not None:
+        if current_autograd_node() is not None:
             return  # a nested backward ended inside an enclosing one (Note [bucket flush])
         self._launch_remaining()
         # Nothing stays in flight past the backward that produced it: stage 1's buffers are autograd's

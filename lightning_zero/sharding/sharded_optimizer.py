@@ -56,6 +56,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.comm.collectives import ProcessGroup, all_gather, all_reduce_sum
 from lightning_zero.comm.ledger import CommLedger
+from lightning_zero.compat import non_finite_check_and_unscale_
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding import gradient_clipping
 from lightning_zero.sharding.flat_bucket import FlatBucket, build_buckets
@@ -252,7 +253,7 @@ class ZeroOptimizer(Optimizer):
         present = [g for g in grads if g is not None]
         if self.loss_scaler is not None and present:
             inv_scale = torch.full_like(found, 1.0 / self.loss_scaler.scale_of_gradients)
-            torch._amp_foreach_non_finite_check_and_unscale_(present, found, inv_scale)
+            non_finite_check_and_unscale_(present, found, inv_scale)
         # One collective decides both, identically on every rank: (1 + parameters,) of 0/1 flags, summed.
         flags = torch.cat([found, self.presence.local_flags(device)])
         self.ledger.record(all_reduce_sum(flags, self.group)).wait()

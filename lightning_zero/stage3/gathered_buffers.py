@@ -28,14 +28,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-_SWAPS_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+from lightning_zero.compat import SWAPS_STORAGE_MEMORY
 
 
 class GatheredBuffers:
     """Free memory of released full buffers, by byte size (Note [gathered buffers reused])."""
 
     def __init__(self, device: torch.device) -> None:
-        self.enabled = device.type == "cpu" and _SWAPS_STORAGE
+        self.enabled = device.type == "cpu" and SWAPS_STORAGE_MEMORY
         """Whether releases may keep memory here: on the CPU, with a torch that can move storage memory."""
         self._free: dict[int, list[Tensor]] = {}
         self._nbytes = 0

@@ -1,0 +1,188 @@
+"""Every private torch and Lightning API the package relies on, in one place, for every version it declares.
+
+``pyproject.toml`` declares ``torch>=2.6`` and ``lightning>=2.4``. Private names move between releases without notice,
+so nothing else in the package imports from a private module or calls a private function of torch or Lightning: it
+imports the name from here, where one line per version difference adapts it. ``tests/test_compat.py`` names each one
+and checks that it resolves on the installed versions; a release that moves one fails there, not in a training run.
+
+Like ``config.py``, this module imports nothing of ``lightning_zero``, and every subpackage may import it.
+
+What differs across the declared range (checked on torch 2.6.0, 2.7.0 and 2.13 with Lightning 2.4.0 and 2.6):
+
+- DCP's ``_write_item`` takes ``(stream, data, item, key)`` on torch 2.6, the writer's ``transforms`` first from
+  2.7, and its ``serialization_format`` last from 2.8 (``write_dcp_item``); ``SerializationFormat`` itself is 2.8's.
+- DCP's file writer hands its queue of files to an overridable ``_write_data`` from 2.7 only
+  (``DCP_WRITER_HAS_WRITE_DATA``); torch 2.6 writes them in ``write_data`` itself.
+- ``UntypedStorage._swap_data_ptr_`` is newer than 2.7 (``SWAPS_STORAGE_MEMORY``).
+- DCP's ``load`` takes ``no_dist`` from 2.7; on 2.6 a load by one process inside a process group goes through the
+  older ``load_state_dict``, which does (``dcp_load``).
+
+Not routed here: methods and attributes that Lightning's ``Strategy`` and ``Precision`` classes let a subclass
+override or set (``_configure_launcher``, ``_launcher``, ``_precision_plugin``, ``_clip_gradients``), which are the
+extension points of those classes; ``tests/test_compat.py`` checks that they are still there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from torch import Tensor
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _write_item
+from torch.distributed.checkpoint.planner import LoadPlanner, WriteItem
+from torch.distributed.checkpoint.state_dict_loader import load, load_state_dict
+from torch.distributed.checkpoint.storage import StorageReader, WriteResult
+from torch.distributed.distributed_c10d import _get_default_store
+
+__all__ = [
+    "DCP_WRITER_HAS_WRITE_DATA",
+    "SWAPS_STORAGE_MEMORY",
+    "DtypeContextManager",
+    "FsspecReader",
+    "FsspecWriter",
+    "MultiProcessingLauncher",
+    "PrefixStore",
+    "StorageInfo",
+    "Store",
+    "SubprocessScriptLauncher",
+    "TCPStore",
+    "batches_that_stepped",
+    "broadcast_coalesced",
+    "convert_fp_tensor",
+    "current_autograd_node",
+    "current_graph_task_id",
+    "dcp_load",
+    "default_process_group_backend_for_device",
+    "distributed_is_initialized",
+    "get_default_store",
+    "init_dist_connection",
+    "layer_sync",
+    "non_finite_check_and_unscale_",
+    "queue_autograd_callback",
+    "swap_storage_memory",
+    "sync_ddp_if_available",
+    "sync_module_states",
+    "write_dcp_item",
+    "writes_torch_save",
+]
+
+# -- torch.distributed.checkpoint ------------------------------------------------------------------------------------
+# FsspecWriter / FsspecReader: DCP's fsspec storage (local paths and remote URLs alike); DCP does not re-export them.
+StorageInfo = _StorageInfo
+"""Where one DCP record lives in a checkpoint's files (``.metadata``'s ``storage_data`` values)."""
+
+_FILESYSTEM = importlib.import_module("torch.distributed.checkpoint.filesystem")
+_SERIALIZATION_FORMAT: Any = getattr(_FILESYSTEM, "SerializationFormat", None)  # torch >= 2.8
+_WRITE_ITEM_PARAMETERS = tuple(inspect.signature(_write_item).parameters)
+DCP_WRITER_HAS_WRITE_DATA = hasattr(_FILESYSTEM._FileSystemWriter, "_write_data")
+"""DCP's file writer writes its queue of files through ``_write_data`` (torch >= 2.7)."""
+
+
+def write_dcp_item(writer: Any, stream: Any, data: Tensor | Any, item: WriteItem, storage_key: str) -> WriteResult:
+    """DCP's ``_write_item`` of one record into ``stream``, as ``writer`` (a DCP file writer) would call it."""
+    if _WRITE_ITEM_PARAMETERS[0] != "transforms":  # torch 2.6
+        return _write_item(stream, data, item, storage_key)  # type: ignore[call-arg, arg-type]
+    if "serialization_format" in _WRITE_ITEM_PARAMETERS:  # torch >= 2.8
+        return _write_item(writer.transforms, stream, data, item, storage_key, writer.serialization_format)
+    return _write_item(writer.transforms, stream, data, item, storage_key)  # type: ignore[call-arg]  # torch 2.7
+
+
+def writes_torch_save(writer: Any) -> bool:
+    """Whether ``writer`` writes records with ``torch.save`` (the only format before torch 2.8)."""
+    if _SERIALIZATION_FORMAT is None:
+        return True
+    return bool(writer.serialization_format == _SERIALIZATION_FORMAT.TORCH_SAVE)
+
+
+_LOAD_TAKES_NO_DIST = "no_dist" in inspect.signature(load).parameters  # torch >= 2.7
+
+
+def dcp_load(
+    state_dict: dict[str, Any], reader: StorageReader, planner: LoadPlanner, group: dist.ProcessGroup | None
+) -> None:
+    """DCP's ``load`` by the ranks of ``group``, or by this process alone (``group=None``) even inside a group."""
+    if _LOAD_TAKES_NO_DIST:
+        load(state_dict, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
+    elif group is None and dist.is_available() and dist.is_initialized():  # torch 2.6 would use the default group
+        load_state_dict(state_dict, reader, no_dist=True, planner=planner)
+    else:
+        load(state_dict, storage_reader=reader, planner=planner, process_group=group)
+
+
+# -- torch.distributed -----------------------------------------------------------------------------------------------
+# PrefixStore, Store, TCPStore: c10d's stores (torch.distributed re-exports them without declaring it to type checkers).
+get_default_store: Callable[[], Store] = _get_default_store
+"""The c10d store of the default process group."""
+
+
+def broadcast_coalesced(group: dist.ProcessGroup, tensors: Sequence[Tensor], bucket_bytes: int, src: int) -> None:
+    """DDP's own coalesced broadcast of ``tensors`` from ``src``, in buckets of ``bucket_bytes``."""
+    dist._broadcast_coalesced(group, list(tensors), bucket_bytes, src)  # type: ignore[attr-defined]
+
+
+# -- autograd and storages -------------------------------------------------------------------------------------------
+def current_autograd_node() -> Any:
+    """The autograd node executing now on this thread (None outside a backward's node)."""
+    return torch._C._current_autograd_node()
+
+
+def current_graph_task_id() -> int:
+    """The id of the graph task (backward) executing on this thread; -1 outside any."""
+    return int(torch._C._current_graph_task_id())
+
+
+def queue_autograd_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward's graph task finishes (what FSDP uses)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+SWAPS_STORAGE_MEMORY = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+"""Whether this torch can move the memory of one storage into another (``swap_storage_memory``)."""
+
+
+def swap_storage_memory(storage: torch.UntypedStorage, other: torch.UntypedStorage) -> None:
+    """Exchange the memory of two storages in place (views of each keep pointing at their own storage)."""
+    storage._swap_data_ptr_(other)  # type: ignore[attr-defined]
+
+
+def non_finite_check_and_unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """``GradScaler``'s fused unscale: multiply ``grads`` by ``inv_scale``, set ``found_inf`` if any is not finite."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+# -- Lightning -------------------------------------------------------------------------------------------------------
+sync_module_states = _sync_module_states
+"""Broadcast a module's parameters and buffers from rank 0 (what DDP does when it wraps a module)."""
+convert_fp_tensor = _convert_fp_tensor
+DtypeContextManager = _DtypeContextManager
+MultiProcessingLauncher = _MultiProcessingLauncher
+SubprocessScriptLauncher = _SubprocessScriptLauncher
+distributed_is_initialized = _distributed_is_initialized
+default_process_group_backend_for_device = _get_default_process_group_backend_for_device
+init_dist_connection = _init_dist_connection
+sync_ddp_if_available = _sync_ddp_if_available
+
+
+def layer_sync(strategy: Any) -> Any:
+    """The ``LayerSync`` plugin the Trainer gave a parallel strategy (``Trainer(sync_batchnorm=True)``), or None."""
+    return getattr(strategy, "_layer_sync", None)
+
+
+def batches_that_stepped(trainer: Any) -> int:
+    """The step Lightning's loggers record this batch's metrics at (the count of batches that stepped before it)."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
