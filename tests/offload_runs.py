@@ -31,12 +31,16 @@ class TierBytesAtEnd(pl.Callback):
     def __init__(self) -> None:
         self.tiers: tuple[int, ...] | None = None
         self.host_copies: tuple[int, int] = (0, 0)
+        self.optimizer_state: dict[int, dict[str, Tensor]] = {}
 
     def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if isinstance(trainer.strategy, ZeroStrategy):
             self.tiers = tuple(trainer.strategy.tier_bytes())
             tiers = trainer.strategy.memory_tiers
             self.host_copies = tiers.host_copy_bytes() if tiers is not None else (0, 0)
+            # What user code gets from the optimizer, also where the tiers hold the state.
+            state = trainer.optimizers[0].state_dict()["state"]
+            self.optimizer_state = {i: {k: v.clone() for k, v in s.items()} for i, s in state.items()}
 
 
 class RecordingGPT(TinyGPT):
@@ -105,6 +109,7 @@ def train(
         "left": left,
         "tiers": tier_bytes.tiers,
         "host_copies": tier_bytes.host_copies,
+        "optimizer_state": tier_bytes.optimizer_state,
     }
 
 

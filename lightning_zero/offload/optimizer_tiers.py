@@ -196,7 +196,7 @@ class OptimizerTiers:
                 k for k, t in self._state_tensors(chunk, only) if k in self.swapper and self.swapper.tensor(k) is t
             ]
         for key in keys:
-            self.swapper.acquire(key, in_order=only is None)  # Note [read-ahead order]: the step's order only
+            self.swapper.acquire(key, in_order=step)  # Note [read-ahead order]: the step's order only
         chunk.loaded = keys
         reducer = self._reducer()
         if step and reducer is not None and reducer.offloads(bucket):

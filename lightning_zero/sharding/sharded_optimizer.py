@@ -40,7 +40,9 @@ them a tensor in a tier has no memory (Note [swap lifecycle] in ``offload/tensor
 (Note [edits reach the masters]) runs per bucket inside its window, as do the step and the copy into the shard;
 unscaling and clipping read only gradients in memory (tiered ones through the tiers, as above); an update of the
 masters' own state outside the step (``ShardedEMA``) loads just the masters and the entries it names; a swap of
-the whole model loads everything (``MemoryTiers.load_all``); checkpoints read and write the tier entries by range.
+the whole model loads everything (``MemoryTiers.load_all``), and so does ``state_dict()``, which returns copies;
+checkpoints read and write the tier entries by range. Only code of the user's that reads masters or optimizer state
+by itself (a step hook on the optimizer) must hold them in memory: ``ZeroStrategy.shards_in_memory()``.
 """
 
 from __future__ import annotations
@@ -410,7 +412,20 @@ class ZeroOptimizer(Optimizer):
 
     # -- state dicts: this rank's shard only (sharded checkpointing composes these per rank) ---------------------
     def state_dict(self) -> dict[str, Any]:
-        return state_dict_with_hooks(self, self.optimizer)
+        """This rank's optimizer state; with memory tiers, a copy in memory of the state they hold (the tensors in
+        a tier have no memory between uses, Note [tiered step]). Checkpoints do not call this: they stream."""
+        if self.tiers is None:
+            return state_dict_with_hooks(self, self.optimizer)
+        self.tiers.load_all()
+        try:
+            state_dict = state_dict_with_hooks(self, self.optimizer)
+            state_dict["state"] = {
+                i: {k: v.clone() if isinstance(v, Tensor) else v for k, v in entries.items()}
+                for i, entries in state_dict["state"].items()
+            }
+        finally:
+            self.tiers.unload_all()
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         load_state_dict_with_hooks(self, self.optimizer, state_dict)

@@ -59,6 +59,12 @@ class StateTiers(Protocol):
 
     def end_step(self) -> None: ...
 
+    def load_all(self) -> None:
+        """Every tiered bucket's masters and optimizer state usable at once (outside the step: no gradients)."""
+        ...
+
+    def unload_all(self) -> None: ...
+
     def new_state(self, master: Tensor, name: str) -> Tensor | None:
         """An element-wise optimizer-state tensor ``name`` for ``master`` that lives in the tier from the start (a
         checkpoint load writes its values there), or None when ``master``'s state is kept in memory."""
