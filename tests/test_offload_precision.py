@@ -88,7 +88,8 @@ def test_every_tier_trains_in_every_precision_as_ddp_and_as_zero_without_tiers(p
             _assert_close(f"{label} against ZeRO without tiers", run, untiered, EXACT)
             # optimizer.state_dict() reads the state from the tiers: Adam's moments, step counts, as without them
             state, expected = run["optimizer_state"], untiered["optimizer_state"]
-            assert state.keys() == expected.keys() and state, label
+            assert state, label
+            assert state.keys() == expected.keys(), label
             for i, entries in expected.items():
                 for name, value in entries.items():
                     torch.testing.assert_close(state[i][name], value, rtol=EXACT, atol=EXACT, msg=f"{label}: {name}")
