@@ -72,6 +72,16 @@ class ZeroConfig:
     """Stage 3: also make a module its own unit once it holds at least this many parameter elements not already in
     a smaller unit (children first, as FSDP's size policy). 0 disables the size threshold."""
 
+    leaf_module_classes: tuple[str, ...] | None = None
+    """Stage 3: module classes that are never split into several units, by class name (``"MoEBlock"``) or qualified
+    name, as ``wrap_module_classes`` takes them (DeepSpeed's ``set_z3_leaf_modules``). No unit is created inside a
+    leaf module: its whole subtree is gathered with the unit that contains it (the leaf itself, if
+    ``wrap_module_classes`` or ``wrap_min_numel`` makes it one), so ranks gather the same units whichever of its
+    children each calls. Name the block of a mixture of experts whose routing may change from step to step. None:
+    every module holding a ``nn.ModuleList``/``nn.ModuleDict`` of experts, i.e. registered under a name containing
+    "expert" (Hugging Face's sparse MoE blocks; Note [leaf modules] in ``stage3/wrap_policy.py``). A tuple replaces
+    that rule: list every MoE block class, or ``()`` for none. ``nn.MultiheadAttention`` is always a leaf."""
+
     prefetch_limit_numel: int | None = None
     """Stage 3: the next unit's all-gather (next in forward order during forward, previous during backward) is
     issued ahead only if the gathered elements, counting units in use and the prefetched one, stay at or below this.
@@ -204,15 +214,8 @@ class ZeroConfig:
                 f"Invalid ZeroConfig.check_rank_divergence: {self.check_rank_divergence!r}. Expected True, False or "
                 "None (on CPU devices only)."
             )
-        classes: object = self.wrap_module_classes  # typed loosely: YAML and callers may pass anything
-        if classes is not None:
-            names = list(classes) if isinstance(classes, (tuple, list)) else None
-            if names is None or not all(isinstance(c, str) and c for c in names):
-                raise TypeError(
-                    f"Invalid ZeroConfig.wrap_module_classes: {classes!r}. Expected None or a tuple of class "
-                    "names, e.g. ('Block',) or ('torch.nn.TransformerEncoderLayer',)."
-                )
-            object.__setattr__(self, "wrap_module_classes", tuple(names))  # lists from YAML, frozen as a tuple
+        _check_class_names("wrap_module_classes", self, "('Block',) or ('torch.nn.TransformerEncoderLayer',)")
+        _check_class_names("leaf_module_classes", self, "('MoEBlock',) or ('mymodels.moe.SparseMoE',)")
         optimizers: object = self.elementwise_optimizers
         names = list(optimizers) if isinstance(optimizers, (tuple, list)) else None
         if names is None or not all(isinstance(n, str) and n for n in names):
@@ -318,6 +321,19 @@ class ZeroConfig:
                 "HINT: check the spelling in `ZeroStrategy(...)` or in your `strategy` config."
             )
         return cls(**kwargs)
+
+
+def _check_class_names(name: str, config: ZeroConfig, example: str) -> None:
+    """A field holding None or module class names: lists from YAML are frozen as a tuple."""
+    classes: object = getattr(config, name)  # typed loosely: YAML and callers may pass anything
+    if classes is None:
+        return
+    names = list(classes) if isinstance(classes, (tuple, list)) else None
+    if names is None or not all(isinstance(c, str) and c for c in names):
+        raise TypeError(
+            f"Invalid ZeroConfig.{name}: {classes!r}. Expected None or a tuple of class names, e.g. {example}."
+        )
+    object.__setattr__(config, name, tuple(names))
 
 
 def _check_positive_int(name: str, value: object) -> None:

@@ -145,6 +145,9 @@ def test_ddp_strategy_config_instantiates_ddp(conf_dir):
 def test_lists_from_yaml_reach_zero_config_as_tuples(conf_dir):
     cfg = _compose("strategy=zero2", "strategy.wrap_module_classes=[Block]")
     assert instantiate(cfg.strategy, _convert_="all").config.wrap_module_classes == ("Block",)
+    cfg = _compose("strategy=zero3", "strategy.leaf_module_classes=[MoEBlock]")
+    assert instantiate(cfg.strategy, _convert_="all").config.leaf_module_classes == ("MoEBlock",)
+    assert instantiate(_compose("strategy=zero3").strategy, _convert_="all").config.leaf_module_classes is None
 
 
 @pytest.mark.parametrize(("option", "preset"), [("tiny", GPTConfig.tiny()), ("small", GPTConfig.small())])

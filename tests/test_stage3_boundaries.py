@@ -115,20 +115,23 @@ def _moe_runs(stage: int) -> list[Run]:
     # AdamW: an expert no rank used in a step must keep its weights and optimizer state, as under DDP, where its
     # gradient is None (on odd steps two of the four experts of each block are unused everywhere).
     reference = train("moe", "adamw", 6, 1, _ddp_find_unused)
-    wrap = zero3(ZeroConfig(stage=3)) if stage == 3 else zero(ZeroConfig(stage=stage))
-    return [reference, train("moe", "adamw", 6, 1, wrap)]
+    if stage < 3:
+        return [reference, train("moe", "adamw", 6, 1, zero(ZeroConfig(stage=stage)))]
+    # The blocks are leaves (Note [leaf modules]); without leaves, the experts are merged in the first step.
+    leaves = train("moe", "adamw", 6, 1, zero3(ZeroConfig(stage=3)))
+    return [reference, leaves, train("moe", "adamw", 6, 1, zero3(ZeroConfig(stage=3, leaf_module_classes=())))]
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_mixture_of_experts_with_rank_dependent_routing_matches_ddp_find_unused(stage):
-    for reference, sharded in run_distributed(_moe_runs, 2, stage, collective_timeout=30):
-        assert_runs_match(reference, sharded)
+    for reference, *sharded in run_distributed(_moe_runs, 2, stage, collective_timeout=30):
+        for run in sharded:
+            assert_runs_match(reference, run)
 
 
-def _moe_units_after_first_step() -> tuple[dict[str, str], list[int]]:
+def _moe_units_after_first_step(config: ZeroConfig) -> tuple[dict[str, str], list[int]]:
     model = build_model("moe")
-    config = ZeroConfig(stage=3)
     gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu"))
     optimizer = ZeroOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.05), dist.group.WORLD, config, gatherer)
     calls: list[int] = []
@@ -142,11 +145,16 @@ def _moe_units_after_first_step() -> tuple[dict[str, str], list[int]]:
 
 
 @pytest.mark.timeout(60)
-def test_experts_used_differently_across_ranks_are_merged_into_their_block():
-    results = run_distributed(_moe_units_after_first_step, 2, collective_timeout=30)
+@pytest.mark.parametrize("leaves", ["automatic", "none"])
+def test_experts_used_differently_across_ranks_are_merged_into_their_block(leaves):
+    """With the automatic leaves each block is gathered whole from the start and nothing is merged; without any
+    (``leaf_module_classes=()``) each expert is a unit, and those the ranks used differently in the first step are
+    merged into their block with their siblings (Note [data-dependent units])."""
+    config = ZeroConfig(stage=3, leaf_module_classes=None if leaves == "automatic" else ())
+    results = run_distributed(_moe_units_after_first_step, 2, config, collective_timeout=30)
     for merged, per_step in results:
         experts = {f"blocks.{b}.experts.{e}": f"blocks.{b}" for b in range(2) for e in range(4)}
-        assert merged == experts
+        assert merged == ({} if leaves == "automatic" else experts)
         assert per_step[0] == per_step[1], per_step  # steady state: the same gathers every step, whatever the data
     assert results[0] == results[1]
 

@@ -117,6 +117,84 @@ def hf_gpt2() -> Fixture:
     return Fixture(GPT2LMHeadModel(config), _token_batch, _hf_loss, mixed_precision=True)
 
 
+def _short_token_batch(rank: int, step: int) -> dict[str, Tensor]:
+    tokens = torch.randint(0, HF_VOCAB, (1, 6), generator=_generator(rank, step))
+    return {"input_ids": tokens, "labels": tokens.clone()}
+
+
+def hf_mixtral() -> Fixture:
+    """``MixtralForCausalLM`` from a config: 2 layers, each a sparse MoE block of 8 experts, top-1 routing, no router
+    jitter. Batches of 6 tokens reach a few experts each, a different few on each rank and at each step (experts
+    a rank calls later that it did not call in the first step). Its experts are one module of 3-D parameters
+    (transformers 5) called by every rank; an expert no token reached gets a zero slice of their gradient."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=HF_VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_local_experts=8,
+        num_experts_per_tok=1,
+        router_jitter_noise=0.0,
+        attn_implementation="eager",
+        experts_implementation="eager",  # a loop over the experts that received a token, skipping the others
+    )
+    torch.manual_seed(SEED)
+    return Fixture(MixtralForCausalLM(config), _short_token_batch, _hf_loss)
+
+
+def hf_mixtral_routing(rank: int, steps: int) -> list[list[list[int]]]:
+    """The experts each layer of ``hf_mixtral`` routes each step's batch of ``rank`` to, by the initial router."""
+    fixture = hf_mixtral()
+    with torch.no_grad():
+        routed = []
+        for step in range(steps):
+            out = fixture.model(input_ids=fixture.batch(rank, step)["input_ids"], output_router_logits=True)
+            routed.append([sorted(set(logits.argmax(-1).tolist())) for logits in out.router_logits])
+    return routed
+
+
+def _short_seq2seq_batch(rank: int, step: int) -> dict[str, Tensor]:
+    g = _generator(rank, step)
+    return {
+        "input_ids": torch.randint(1, HF_VOCAB, (1, 6), generator=g),
+        "labels": torch.randint(1, HF_VOCAB, (1, 3), generator=g),
+    }
+
+
+def hf_switch() -> Fixture:
+    """``SwitchTransformersForConditionalGeneration`` from a config: every block of the encoder and the decoder
+    has a sparse MLP of 4 experts in a ``ModuleDict``, top-1 routing without jitter, and calls only the experts
+    that received a token (a few of 6 or 3 tokens): which experts run differs between ranks and steps, and an
+    expert no token reached gets no gradient."""
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    config = SwitchTransformersConfig(
+        vocab_size=HF_VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=48,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_sparse_encoder_layers=2,
+        num_sparse_decoder_layers=2,
+        num_heads=4,
+        num_experts=4,
+        expert_capacity=64,
+        router_jitter_noise=0.0,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    torch.manual_seed(SEED)
+    model = SwitchTransformersForConditionalGeneration(config)
+    return Fixture(model, _short_seq2seq_batch, _hf_loss, unused_parameters=True)
+
+
 def _seq2seq_batch(rank: int, step: int) -> dict[str, Tensor]:
     g = _generator(rank, step)
     return {
@@ -234,11 +312,14 @@ class TopOneMoE(nn.Module):
     """4 experts, top-1 routing by a learned linear router on the raw input; the expert output is scaled by its
     router probability so that the router is trained. Experts that no token of a batch picks are not called."""
 
-    def __init__(self, features: int = 16, width: int = 16, hidden: int = 32, experts: int = 4) -> None:
+    def __init__(
+        self, features: int = 16, width: int = 16, hidden: int = 32, experts: int = 4, container: str = "experts"
+    ) -> None:
         super().__init__()
         self.router = nn.Linear(features, experts)
         self.inp = nn.Linear(features, width)
-        self.experts = nn.ModuleList(Expert(width, hidden) for _ in range(experts))
+        self.container = container
+        self.add_module(container, nn.ModuleList(Expert(width, hidden) for _ in range(experts)))
         self.head = nn.Linear(width, 4)
         with torch.no_grad():
             # Feature 0 (the rank's "domain", +-4) picks experts {0, 1} or {2, 3}; feature 1 picks within the pair.
@@ -254,7 +335,7 @@ class TopOneMoE(nn.Module):
         self.last_routing = choice.detach()
         h = self.inp(x)
         mixed = torch.zeros_like(h)
-        for index, expert in enumerate(self.experts):
+        for index, expert in enumerate(self.get_submodule(self.container)):
             rows = (choice == index).nonzero(as_tuple=True)[0]
             if rows.numel() == 0:
                 continue
@@ -279,17 +360,61 @@ def moe() -> Fixture:
     return Fixture(TopOneMoE(), _moe_batch, _mse_loss, unused_parameters=True)
 
 
-def moe_routing(rank: int, steps: int) -> list[list[int]]:
+def moe_routing(rank: int, steps: int, builder: str = "moe") -> list[list[int]]:
     """The experts each step's batch of ``rank`` is routed to by the initial router (for test assertions)."""
-    model = moe().model
+    fixture = BUILDERS[builder]()
+    model = fixture.model
     with torch.no_grad():
         out = []
         for step in range(steps):
-            model(_moe_batch(rank, step)[0])
+            model(fixture.batch(rank, step)[0])
             assert isinstance(model, TopOneMoE)
             assert model.last_routing is not None
             out.append(sorted(set(model.last_routing.tolist())))
     return out
+
+
+# The experts each of the 4 rows of a batch is routed to, per step, for ranks 0 and 1 (``moe_shifting``).
+_SHIFTING_ROUTES: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (
+    ((0, 1, 0, 1), (1, 0, 1, 0)),  # both ranks call experts 0 and 1: nothing looks data-dependent in step 1
+    ((0, 0, 0, 0), (1, 2, 1, 2)),  # the ranks part ways; expert 3 unused everywhere
+    ((3, 2, 3, 2), (0, 0, 0, 0)),  # rank 0 calls experts 2 and 3, which no rank called in step 1
+    ((1, 2, 3, 1), (3, 3, 3, 3)),
+    ((2, 2, 2, 2), (0, 1, 2, 3)),
+    ((0, 3, 0, 3), (2, 2, 2, 2)),  # expert 1 unused everywhere
+)
+# TopOneMoE's router reads feature 0 (+: experts 0/1, -: 2/3) and feature 1 (+: experts 0/2, -: 1/3).
+_ROUTE_SIGNS = {0: (1.0, 1.0), 1: (1.0, -1.0), 2: (-1.0, 1.0), 3: (-1.0, -1.0)}
+
+
+def _shifting_batch(rank: int, step: int) -> tuple[Tensor, Tensor]:
+    g = _generator(rank, step)
+    x = torch.randn(4, 16, generator=g)
+    for row, expert in enumerate(_SHIFTING_ROUTES[step % len(_SHIFTING_ROUTES)][rank % 2]):
+        x[row, 0], x[row, 1] = 4.0 * _ROUTE_SIGNS[expert][0], 3.0 * _ROUTE_SIGNS[expert][1]
+    return x, torch.randn(4, 4, generator=g)
+
+
+def moe_shifting() -> Fixture:
+    """``TopOneMoE`` whose routing changes from step to step and rank to rank (``_SHIFTING_ROUTES``): in the first
+    step both ranks call the same experts, later each calls experts it did not call then, and experts the other
+    rank skips. What a rank routes to is fixed by its data (``moe_routing`` reads it back)."""
+    torch.manual_seed(SEED)
+    return Fixture(TopOneMoE(), _shifting_batch, _mse_loss, unused_parameters=True)
+
+
+class RoutedBranches(TopOneMoE):
+    """``TopOneMoE`` with its experts registered as ``branches``: a mixture the automatic leaf rule does not
+    recognize (Note [leaf modules]), for ``ZeroConfig.leaf_module_classes``."""
+
+    def __init__(self) -> None:
+        super().__init__(container="branches")
+
+
+def routed_branches() -> Fixture:
+    """``RoutedBranches`` routed as ``moe_shifting``: the same experts on both ranks in the first step, then not."""
+    torch.manual_seed(SEED)
+    return Fixture(RoutedBranches(), _shifting_batch, _mse_loss, unused_parameters=True)
 
 
 class SpareHeadModel(nn.Module):
@@ -475,9 +600,13 @@ BUILDERS: dict[str, Callable[[], Fixture]] = {
         hf_prompt_tuning,
         hf_gpt2,
         hf_t5,
+        hf_mixtral,
+        hf_switch,
         frozen_norm_before_linear,
         reentrant_checkpointing,
         moe,
+        moe_shifting,
+        routed_branches,
         unused_head,
         batchnorm_mlp,
         transformer_encoder_with_pe,

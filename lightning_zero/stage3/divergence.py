@@ -11,26 +11,32 @@ GPU stops the CPU from running ahead: after the first step the check is therefor
 only (``ZeroConfig.check_rank_divergence``), where it costs a few microseconds per unit.
 
 Note [data-dependent units]
-A mixture-of-experts layer routes each rank's tokens to different experts, so one rank calls an expert (a unit, by
-the default policy: one of several same-class modules in a ``ModuleList``) that another skips. During the first step
-every gather is a *round*: ranks exchange the unit each wants and all of them gather every unit asked for, in index
-order, so their collectives stay paired even though they asked for different units; a rank that has its unit already
-(gathered in an earlier round) asks for nothing until it needs a collective, and at the end of the forward and of
-the backward every rank keeps answering rounds until all are done. A unit asked for by some ranks but not by others
-in the same round is *data-dependent*: at the end of the first forward it and its siblings (the units in the same
-container, e.g. every expert of that layer) are merged into the nearest enclosing unit, which gathers them with its
-own parameters from then on. Every rank then gathers the same units in the same order whatever the routing, and a
-merged unit's own hooks do nothing. Gradients are unaffected: an expert a rank did not use contributes zeros to the
-reduction, as under DDP with ``find_unused_parameters=True``. Two things keep the collectives paired in backward,
-where a rank's gradient reductions are issued as its gradients arrive, which now depends on its data: a merged
-unit's buckets are reduced when its enclosing unit's backward is over (not when its gradients have all arrived,
-which on a rank that skipped it is never), and from the first merge on, gathers run on a communicator of their own,
-so that a gather on one rank cannot pair with a reduction on another.
+A module that one rank calls and another skips must not be a unit of its own, or the ranks' gathers part ways. The
+blocks of a mixture of experts are found from the module tree before any step and never split (Note [leaf modules]
+in ``wrap_policy.py``); this note is the fallback for other shapes: a unit whose use depends on the data in the
+first step, e.g. an expert (one of several same-class modules in a ``ModuleList``, a unit by the default policy) in
+a block the leaf rule does not recognize, which one rank's tokens are routed to and another's are not. During the
+first step every gather is a *round*: ranks exchange the unit each wants and all of them gather every unit asked
+for, in index order, so their collectives stay paired even though they asked for different units; a rank that has
+its unit already (gathered in an earlier round) asks for nothing until it needs a collective, and at the end of the
+forward and of the backward every rank keeps answering rounds until all are done. A unit asked for by some ranks but
+not by others in the same round is *data-dependent*: at the end of the first forward it and its siblings (the units
+in the same container, e.g. every expert of that layer) are merged into the nearest enclosing unit, which gathers
+them with its own parameters from then on. Every rank then gathers the same units in the same order whatever the
+routing, and a merged unit's own hooks do nothing. Gradients are unaffected: an expert a rank did not use
+contributes zeros to the reduction, as under DDP with ``find_unused_parameters=True``. Two things keep the
+collectives paired in backward, where a rank's gradient reductions are issued as its gradients arrive, which now
+depends on its data: a merged unit's buckets are reduced when its enclosing unit's backward is over (not when its
+gradients have all arrived, which on a rank that skipped it is never), and from the first merge on, gathers run on a
+communicator of their own, so that a gather on one rank cannot pair with a reduction on another. Routing that parts
+ways only after the first step cannot be foreseen here: the later check (Note [divergence check]) stops it with the
+module to declare a leaf.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from lightning_zero.comm.collectives import PendingCollective, ProcessGroup, all_gather
 from lightning_zero.stage3.sharded_unit import ShardedUnit
@@ -128,12 +134,30 @@ class UnitExchange:
         indices = everyone.tolist()
         if len(set(indices)) > 1:
             names = ", ".join(f"rank {r}: {self.units[i].name!r}" for r, i in enumerate(indices))
+            leaf = self._leaf_candidate(sorted(set(indices)))
             raise RankDivergenceError(
                 f"ZeRO stage 3: ranks are about to gather different units ({names}). Ranks ran different modules "
                 f"(rank {self.group.rank()} is at unit {self.units[unit.index].name!r}) after the first step, so "
                 "their collectives no longer match. Units whose use depends on the data are found in the first step "
                 "and gathered with their enclosing unit from then on; this one was used the same way on every rank "
-                "then. HINT: make data-dependent branches agree across ranks (e.g. decide with "
-                "`strategy.reduce_boolean_decision`), or wrap the module that chooses the branch as one unit with "
-                "`ZeroConfig.wrap_module_classes`."
+                "then (a mixture of experts whose routing changed after it?). HINT: make data-dependent branches "
+                "agree across ranks (e.g. decide with `strategy.reduce_boolean_decision`), or declare the module "
+                f"that chooses between them a leaf, gathered as one unit: `ZeroConfig.leaf_module_classes=({leaf!r},)` "
+                "(Note [leaf modules]; a tuple replaces the automatic rule, so list every MoE block class)."
             )
+
+    def _leaf_candidate(self, indices: list[int]) -> str:
+        """The class name of the module enclosing the units at ``indices`` (the root excluded) that is not a
+        container: the module that chose between them, to suggest as a leaf."""
+        root = self.units[0].module
+        paths = [self.units[i].name.split(".") for i in indices if i != 0]
+        common: list[str] = []
+        for parts in zip(*paths, strict=False):
+            if len(set(parts)) > 1:
+                break
+            common.append(parts[0])
+        if len(paths) == 1:  # the other ranks are in the root unit: the unit's own parent chose
+            common = common[:-1]
+        while common and isinstance(root.get_submodule(".".join(common)), (nn.ModuleList, nn.ModuleDict)):
+            common.pop()
+        return type(root.get_submodule(".".join(common))).__name__

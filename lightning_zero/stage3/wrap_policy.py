@@ -10,6 +10,26 @@ Gathering is triggered by a unit module's own ``forward``. A parameter that some
 whose forward encloses that read. Two rules guarantee it for the cases we know: no unit is ever created inside an
 ``nn.MultiheadAttention``, and a parameter registered by modules of several units (tied weights such as an input
 embedding and an output projection) is owned by the innermost unit that contains all of them.
+
+Note [leaf modules]
+A *leaf* module is never split into several units: no unit is created anywhere in its subtree, so it is gathered
+whole with the unit that contains it (itself, if the policy makes it a unit). Ranks then issue the same gathers
+whichever of its children each one calls. That is what the block of a mixture of experts needs: each rank calls
+the experts its tokens were routed to and skips the others (Hugging Face's sparse MoE blocks skip an expert that
+received no token), and which ones changes from step to step. The merge of the first step (Note [data-dependent
+units] in ``divergence.py``) only sees the first step's routing; a leaf needs none.
+
+Which modules are leaves is decided from the module tree, which every rank builds alike, never from routing:
+``nn.MultiheadAttention`` always (Note [parameters read outside forward]); then ``ZeroConfig.leaf_module_classes``
+if it is a tuple; if it is None, every module with a direct child that is a non-empty ``nn.ModuleList`` or
+``nn.ModuleDict`` (subclasses included) registered under a name containing "expert". That is the shape of Hugging
+Face's MoE blocks (``MixtralSparseMoeBlock`` and ``Qwen2MoeSparseMoeBlock`` before their experts were fused into 3-D
+parameters, ``SwitchTransformersSparseMLP`` and ``NllbMoeSparseMLP`` with a ``ModuleDict`` of experts) and of most
+hand-written ones; the router sits next to the experts, so the leaf is the whole MoE block, as DeepSpeed's
+``set_z3_leaf_modules`` is used. Layers (``layers``, ``blocks``, ``h``) never match, so a transformer's decoder
+layers stay units; the cost of a leaf is that its experts are gathered together, as the first-step merge would
+gather them anyway once the ranks route differently. A mixture the rule misses raises ``RankDivergenceError`` with
+the class to list once its routing parts ways after the first step.
 """
 
 from __future__ import annotations
@@ -29,16 +49,49 @@ def _class_matches(module: nn.Module, names: tuple[str, ...]) -> bool:
     return cls.__name__ in names or f"{cls.__module__}.{cls.__qualname__}" in names
 
 
-def _check_classes_exist(root: nn.Module, names: tuple[str, ...]) -> None:
-    # A misspelled class would silently leave the whole model in the root unit: every rank would gather all of it.
+def _check_classes_exist(root: nn.Module, names: tuple[str, ...], field: str, otherwise: str) -> None:
+    # A misspelled wrap class would silently leave the whole model in the root unit (every rank would gather all of
+    # it); a misspelled leaf class would leave the units it was meant to merge to diverge after the first step.
     missing = [n for n in names if not any(_class_matches(m, (n,)) for m in root.modules())]
     if missing:
         present = sorted({type(m).__name__ for m in root.modules()})
         raise ValueError(
-            f"Invalid ZeroConfig.wrap_module_classes: {missing} name no module class of {type(root).__name__} "
-            f"(its classes: {present}). HINT: use a class name from that list, e.g. ('Block',), or None to wrap "
-            "the repeated layers automatically."
+            f"Invalid ZeroConfig.{field}: {missing} name no module class of {type(root).__name__} "
+            f"(its classes: {present}). HINT: use a class name from that list, {otherwise}."
         )
+
+
+def holds_experts(module: nn.Module) -> bool:
+    """Whether ``module`` has a non-empty ``ModuleList``/``ModuleDict`` child named like experts (Note [leaf
+    modules]): the automatic rule for ``ZeroConfig.leaf_module_classes=None``."""
+    return any(
+        isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) > 0 and "expert" in name.lower()
+        for name, child in module.named_children()
+    )
+
+
+def is_leaf(module: nn.Module, config: ZeroConfig) -> bool:
+    """Whether no unit may be created inside ``module`` (Note [leaf modules])."""
+    if isinstance(module, _LEAF_UNITS):
+        return True
+    if config.leaf_module_classes is None:
+        return holds_experts(module)
+    return _class_matches(module, config.leaf_module_classes)
+
+
+def leaf_modules(root: nn.Module, config: ZeroConfig) -> list[tuple[str, nn.Module]]:
+    """The outermost leaf modules of ``root`` (Note [leaf modules]), with qualified names, in pre-order."""
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(name: str, module: nn.Module) -> None:
+        if is_leaf(module, config):
+            found.append((name, module))
+            return
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", root)
+    return found
 
 
 def _repeated_layers(root: nn.Module) -> set[int]:
@@ -55,12 +108,14 @@ def find_unit_roots(root: nn.Module, config: ZeroConfig) -> list[tuple[str, nn.M
     """The modules (with qualified names, in forward-registration pre-order) that become units, the root excluded."""
     by_class = _repeated_layers(root) if config.wrap_module_classes is None else set()
     names = config.wrap_module_classes or ()
-    _check_classes_exist(root, names)
+    _check_classes_exist(root, names, "wrap_module_classes", "e.g. ('Block',), or None to wrap the repeated layers")
+    leaves = config.leaf_module_classes or ()
+    _check_classes_exist(root, leaves, "leaf_module_classes", "e.g. ('MoEBlock',), or None for the MoE blocks")
     chosen: set[int] = set()
 
     def visit(module: nn.Module, inside_leaf_unit: bool) -> int:
         """Returns the parameter elements of ``module`` not yet claimed by a unit below it."""
-        leaf = inside_leaf_unit or isinstance(module, _LEAF_UNITS)
+        leaf = inside_leaf_unit or is_leaf(module, config)  # Note [leaf modules]
         remaining = sum(p.numel() for p in module.parameters(recurse=False))
         for child in module.children():
             remaining += visit(child, leaf)
