@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
@@ -161,3 +162,55 @@ def gan(hpz: bool) -> dict[str, Any]:
     module = LitGAN()
     trainer.fit(module, DataLoader(real, batch_size=4))
     return summarize(trainer, module)
+
+
+def load_into_disk_tiers(root: str) -> list[dict[str, Any]]:
+    """A GPT with every tier on disk: train step 0, save, train step 1, run one forward with gradients and no
+    backward (its units' secondary shards hold step 1's weights), load the checkpoint of step 0, and train on step 2's
+    batch. Plain stage 3 with the same tiers, trained on steps 0 and 2 only, is the reference (stage 3 with tiers
+    gives DDP's numbers: ``tests/test_offload*.py``); hpZ gives plain stage 3's numbers bit for bit."""
+    from tests import offload_checkpoint_runs as tiered
+
+    results = []
+    for name, config in (("plain", {}), ("hpz", {"ranks_per_node": 2, "hpz_partition_size": 2})):
+        run = tiered.build(2, 64, f"{root}/{name}-tiers", seed=0, collective_timeout_s=15.0, **config)
+        losses = tiered.train(run, 1)
+        if name == "hpz":
+            tiered.save(run, f"{root}/step0")
+            tiered.train(run, 1, first=1)
+            tokens = torch.randint(0, 512, (1, 17), generator=torch.Generator().manual_seed(1))
+            run.model.loss(tokens[:, :-1], tokens[:, 1:])  # forward only: its secondaries outlive it
+            tiered.load(run, f"{root}/step0")
+        losses += tiered.train(run, 1, first=2)
+        results.append({"losses": losses, "weights": tiered.full_weights(run)})
+    return results
+
+
+class InterNodeBytes(pl.Callback):
+    """Per optimizer step, the bytes this rank sent to other nodes, by collective."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, int]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        assert isinstance(trainer.strategy, ZeroStrategy)
+        self.steps.append(trainer.strategy.communication_per_step("inter_node"))
+
+
+def host_tier_bytes(root: str) -> dict[str, list[dict[str, int]]]:
+    """The example GPT through the Trainer (bf16-mixed) with its parameter shards in the host tier, on the tier's
+    copy path (``FORCE_COPIES``: every gather copies the shard in, writing it): per step, the bytes sent to other
+    nodes by collective, for plain stage 3, for hpZ, and for hpZ without the tier."""
+    from tests import zeropp_runs
+    from tests.offload_runs import forced_host_copies
+
+    plain = {"ranks_per_node": 2, "collective_timeout_s": 15.0}
+    hpz = {**plain, "hpz_partition_size": 2}
+    runs = {"plain": {**plain, "offload_params": "cpu"}, "hpz": {**hpz, "offload_params": "cpu"}, "hpz_resident": hpz}
+    sent: dict[str, list[dict[str, int]]] = {}
+    with forced_host_copies():
+        for name, zero in runs.items():
+            recorder = InterNodeBytes()
+            zeropp_runs.fit_gpt(zero, 3, root, "tiny", callbacks=[recorder])
+            sent[name] = recorder.steps
+    return sent

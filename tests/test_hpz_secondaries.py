@@ -50,3 +50,21 @@ def test_hpz_under_manual_optimization_with_two_optimizers_matches_ddp():
     hpz = run_distributed(hpz_runs.gan, 4, True, init_process_group=False, timeout=90)
     for reference, candidate in zip(ddp, hpz, strict=True):
         _assert_matches(reference, candidate)
+
+
+@pytest.mark.timeout(120)
+def test_hpz_after_a_checkpoint_load_into_disk_tiers_trains_from_the_loaded_weights(tmp_path):
+    for reference, candidate in run_distributed(hpz_runs.load_into_disk_tiers, 4, str(tmp_path), timeout=90):
+        _assert_matches(reference, candidate)
+
+
+@pytest.mark.timeout(120)
+def test_hpz_with_parameter_shards_in_the_host_tier_keeps_backward_gathers_inside_the_node(tmp_path):
+    ranks = run_distributed(hpz_runs.host_tier_bytes, 4, str(tmp_path), init_process_group=False, timeout=110)
+    for sent in ranks:
+        for step in (1, 2):  # the first step's gathers are rounds (Note [data-dependent units])
+            plain, hpz = sent["plain"][step], sent["hpz"][step]
+            # Only the forward gather crosses nodes: half of plain stage 3's two; the gradients are unchanged.
+            assert hpz["all_gather"] == plain["all_gather"] // 2 > 0, (step, plain, hpz)
+            assert hpz["reduce_scatter"] == plain["reduce_scatter"]
+            assert hpz == sent["hpz_resident"][step]

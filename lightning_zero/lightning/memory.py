@@ -30,7 +30,7 @@ class ModelStateBytes(NamedTuple):
     optimizer_state: int
     """Optimizer state tensors (e.g. Adam's two moments) for this rank's shard."""
     secondary_shards: int = 0
-    """ZeRO++ hpZ: the secondary shards a rank holds between the units' forward and their backward, the sharded
+    """ZeRO++ hpZ: the secondary shards a rank holds between the units' forward and the optimizer step, the sharded
     parameters / ``hpz_partition_size`` (Note [secondary shards] in ``stage3/secondary_shard.py``); 0 without hpZ."""
 
     @property
