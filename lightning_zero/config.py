@@ -80,7 +80,8 @@ class ZeroConfig:
     children each calls. Name the block of a mixture of experts whose routing may change from step to step. None:
     every module holding a ``nn.ModuleList``/``nn.ModuleDict`` of experts, i.e. registered under a name containing
     "expert" (Hugging Face's sparse MoE blocks; Note [leaf modules] in ``stage3/wrap_policy.py``). A tuple replaces
-    that rule: list every MoE block class, or ``()`` for none. ``nn.MultiheadAttention`` is always a leaf."""
+    that rule: list every MoE block class, or ``()`` for none. ``nn.MultiheadAttention`` is always a leaf. Classes of
+    ``wrap_module_classes`` inside a leaf are not units."""
 
     prefetch_limit_numel: int | None = None
     """Stage 3: the next unit's all-gather (next in forward order during forward, previous during backward) is

@@ -28,8 +28,10 @@ parameters, ``SwitchTransformersSparseMLP`` and ``NllbMoeSparseMLP`` with a ``Mo
 hand-written ones; the router sits next to the experts, so the leaf is the whole MoE block, as DeepSpeed's
 ``set_z3_leaf_modules`` is used. Layers (``layers``, ``blocks``, ``h``) never match, so a transformer's decoder
 layers stay units; the cost of a leaf is that its experts are gathered together, as the first-step merge would
-gather them anyway once the ranks route differently. A mixture the rule misses raises ``RankDivergenceError`` with
-the class to list once its routing parts ways after the first step.
+gather them anyway once the ranks route differently. Inside a leaf no unit is made by any policy: a class of
+``wrap_module_classes`` or a module over ``wrap_min_numel`` there stays part of the leaf. A mixture the rule misses,
+if its routing parts ways only after the first step, raises ``RankDivergenceError`` naming the class to list (where
+the later check runs: on CPU by default, Note [divergence check]).
 """
 
 from __future__ import annotations
