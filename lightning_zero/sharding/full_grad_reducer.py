@@ -157,6 +157,7 @@ class FullGradReducer(GradientReducer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wait()
+        self._drop_round()
         if set_to_none:  # Note [full gradients between steps]
             self.grads = [None] * len(self.buckets)
             self._in_place = [False] * len(self.buckets)

@@ -22,16 +22,17 @@ nothing (Note [gradients sent from where autograd put them] in ``sharded_grad_re
 into their shards, so on two ranks the pool stays empty; beyond two it holds the receive rows of N-2 chunks.
 
 Note [bucket flush]
-A bucket is launched when all its parameters' gradients have arrived, but some parameters may get no gradient in a
-given backward (unused branches, frozen paths), so some buckets never complete by counting. The first hook of each
-backward queues a callback on the autograd engine that runs when the whole backward is done; it launches every
-bucket not yet launched, in order, and waits for all of them. Every rank therefore issues every bucket exactly once
-per reduction, in the same order, whatever the data did to its own backward, and no reduction is still reading a
-buffer when the next backward starts writing gradients into it. Reentrant activation checkpointing runs a nested
-backward inside the step's own; a flush queued there would run when the nested one ends, launching every bucket
-before most gradients exist (and again later: twice the bytes). The callback therefore does nothing when an autograd
-node is still executing around it (``torch._C._current_autograd_node()``: the nested backward's caller), and the next
-gradient of the enclosing backward queues it again.
+A bucket is launched when all its parameters' gradients are final (Note [final gradients] in
+``gradient_arrivals.py``), but some parameters may get no gradient in a given backward (unused branches, frozen
+paths), so some buckets never complete by counting. The first hook of each backward queues a callback on the
+autograd engine that runs when the whole backward is done; it launches every bucket not yet launched, in order, and
+waits for all of them. Every rank therefore issues every bucket exactly once per reduction, in the same order,
+whatever the data did to its own backward, and no reduction is still reading a buffer when the next backward starts
+writing gradients into it. Reentrant activation checkpointing runs a nested backward inside the step's own; a flush
+queued there would run when the nested one ends, launching every bucket before most gradients exist (and again
+later: twice the bytes). The callback therefore does nothing when an autograd node is still executing around it
+(``torch._C._current_autograd_node()``: the nested backward's caller), and the next gradient of the enclosing
+backward queues it again.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from lightning_zero.comm.streams import CollectiveStream
 from lightning_zero.compat import current_autograd_node, queue_autograd_callback
 from lightning_zero.config import ZeroConfig, dtype_from_name
 from lightning_zero.sharding.flat_bucket import FlatBucket, ParamSlot
+from lightning_zero.sharding.gradient_arrivals import GradientArrivals
 
 
 class BucketState(enum.Enum):
@@ -86,7 +88,8 @@ class GradientReducer:
     ) -> None:
         self.buckets = list(buckets)
         self.on_complete = on_complete
-        """Called when every gradient of a bucket has arrived in a backward (stage 3 frees the unit then)."""
+        """Called when every gradient of a bucket is final in a backward (stage 3 frees the unit then); not for a
+        bucket whose finality the first backward cannot tell (Note [final gradients])."""
         self.group = group
         self.world_size = group.size()
         self.config = config
@@ -94,14 +97,18 @@ class GradientReducer:
         self.require_sync = True
         """False inside ``no_sync()``: backward only accumulates locally (gradient accumulation)."""
         self.state = [BucketState.FILLING] * len(self.buckets)
-        self._arrived = [0] * len(self.buckets)
+        self.arrivals = GradientArrivals(self.buckets)
+        """Which parameters' gradients are final in the backward running now (Note [final gradients])."""
+        self._launched = [False] * len(self.buckets)
+        """Buckets launched in the current round: a gradient arriving for one is an error (Note [final gradients])."""
         self._next_launch = 0
         self._callback_queued = False
         self.launch_order = list(self.buckets)
         """The order buckets are reduced in: registration order at first, then the observed one (Note [bucket
         order])."""
         self._observed: list[int] | None = []
-        """Bucket indices in the order their gradients completed in the first backward; None once applied."""
+        """Bucket indices whose gradients completed in the first backward; None once applied. They are ordered by
+        their last gradient's arrival (``arrivals.last_call``)."""
         self.completed_by_caller: set[int] = set()
         """Buckets whose completion the caller declares (``complete()``) instead of counting gradient arrivals:
         stage 3's data-dependent units, which some ranks use and others not (Note [data-dependent units])."""
@@ -123,8 +130,8 @@ class GradientReducer:
         ``comm.hierarchical_reduce.HierarchicalReduceScatter``."""
         self._handles: list[RemovableHandle] = []
         for bucket in self.buckets:
-            for slot, param in bucket.slots_and_params():
-                hook = partial(self._on_grad_accumulated, bucket, slot)
+            for i, (slot, param) in enumerate(bucket.slots_and_params()):
+                hook = partial(self._on_grad_accumulated, bucket, slot, self.arrivals.position(bucket.index, i))
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))
 
     # -- subclass storage API ------------------------------------------------------------------------------------
@@ -166,7 +173,9 @@ class GradientReducer:
         name = self.config.reduce_dtype
         return bucket.dtype if name is None else dtype_from_name(name)
 
-    def _on_grad_accumulated(self, bucket: FlatBucket, slot: ParamSlot, param: nn.Parameter) -> None:
+    def _on_grad_accumulated(self, bucket: FlatBucket, slot: ParamSlot, position: int, param: nn.Parameter) -> None:
+        if self._launched[bucket.index]:
+            raise _late_gradient_error(slot)
         if self.state[bucket.index] is not BucketState.FILLING:
             self._begin_filling(bucket)
         self._store(bucket, slot, param)
@@ -175,10 +184,9 @@ class GradientReducer:
         self.queue_flush()
         if bucket.index in self.completed_by_caller:
             return
-        self._arrived[bucket.index] += 1
-        if self._arrived[bucket.index] == len(bucket.params):
+        if self.arrivals.arrive(bucket.index, position):  # Note [final gradients]
             self._observe(bucket)
-            if self.on_complete is not None:
+            if self.on_complete is not None and not self.arrivals.held(bucket.index):
                 self.on_complete(bucket)
             self._launch_complete_in_order()
 
@@ -198,7 +206,7 @@ class GradientReducer:
             return
         self.queue_flush()
         for bucket in buckets:
-            self._arrived[bucket.index] = len(bucket.params)
+            self.arrivals.declare_final(bucket.index)
             self._observe(bucket)
         self._launch_complete_in_order()
 
@@ -208,16 +216,23 @@ class GradientReducer:
 
     def _adopt_observed_order(self) -> None:
         """After the first reducing backward, launch buckets in the order rank 0 saw them complete (Note [bucket
-        order]); every rank takes rank 0's, so the reductions still pair up."""
+        order]); every rank takes rank 0's, so the reductions still pair up. The same collective maxes each
+        parameter's gradient count over ranks (Note [final gradients])."""
         if self._observed is None or not self.buckets:
             return
-        observed = torch.full((len(self.buckets),), -1, dtype=torch.int64, device=self.buckets[0].device)
-        observed[: len(self._observed)] = torch.tensor(self._observed, dtype=torch.int64)
+        nb = len(self.buckets)
+        calls = self.arrivals.calls()
+        exchanged = torch.full((nb + calls.numel(),), -1, dtype=torch.int64)
+        if self.group.rank() == 0:  # the others' -1 leave rank 0's order under the max
+            order = sorted(self._observed, key=lambda i: self.arrivals.last_call[i])
+            exchanged[: len(order)] = torch.tensor(order, dtype=torch.int64)
+        exchanged[nb:] = calls
         if self.world_size > 1:
-            torch.distributed.broadcast(
-                observed, src=torch.distributed.get_global_rank(self.group, 0), group=self.group
-            )
-        first = [i for i in observed.tolist() if i >= 0]
+            exchanged = exchanged.to(self.buckets[0].device)
+            torch.distributed.all_reduce(exchanged, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        values = exchanged.tolist()
+        self.arrivals.learn(values[nb:])
+        first = [i for i in values[:nb] if i >= 0]
         by_index = {b.index: b for b in self.buckets}
         self.launch_order = [by_index[i] for i in first] + [b for b in self.launch_order if b.index not in first]
         self._observed = None
@@ -232,7 +247,7 @@ class GradientReducer:
         """Launch buckets whose gradients have all arrived, never skipping an earlier incomplete one."""
         while self._next_launch < len(self.launch_order):
             bucket = self.launch_order[self._next_launch]
-            if self._arrived[bucket.index] < len(bucket.params):
+            if not self.arrivals.launchable(bucket.index):
                 return
             self._launch_one(bucket)
             self._next_launch += 1
@@ -244,6 +259,7 @@ class GradientReducer:
             self._wait_oldest()
         pending = self.ledger.record(self._launch(bucket))
         self.state[bucket.index] = BucketState.IN_FLIGHT
+        self._launched[bucket.index] = True
         self._in_flight.append((bucket, pending))
         if not self.config.overlap_comm:
             self.wait()
@@ -251,8 +267,18 @@ class GradientReducer:
     def _launch_remaining(self) -> None:
         for bucket in self.launch_order[self._next_launch :]:
             self._launch_one(bucket)
+
+    def _end_round(self) -> None:
+        """Every bucket has been launched: the next backward starts a new round."""
         self._next_launch = 0
-        self._arrived = [0] * len(self.buckets)
+        self._launched = [False] * len(self.buckets)
+        self.arrivals.reset()
+
+    def _drop_round(self) -> None:
+        """At ``zero_grad()``: forget what a backward that never reached its flush (it raised) left of its round, so
+        that the next backward starts one afresh instead of taking its gradients for late ones."""
+        self._callback_queued = False
+        self._end_round()
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
@@ -263,6 +289,7 @@ class GradientReducer:
         # accumulation target for the next backward, and stage 2's staging buffers are memory we promised to free.
         self.wait()
         self._adopt_observed_order()
+        self._end_round()
         if not self.config.keeps_reduce_buffers:
             self.pool.clear()  # Note [buffers between steps]
 
@@ -296,6 +323,7 @@ class GradientReducer:
         """Make every bucket's gradient shard final: launch what the hooks did not, then wait for all of it."""
         if any(state is BucketState.FILLING for state in self.state):
             self._launch_remaining()
+            self._end_round()
         self.wait()
 
     @contextmanager
@@ -312,6 +340,18 @@ class GradientReducer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _late_gradient_error(slot: ParamSlot) -> RuntimeError:
+    """Note [final gradients], in ``gradient_arrivals.py``: the case no rank can repair alone."""
+    return RuntimeError(
+        f"Parameter {slot.fqn!r} received a gradient after its bucket was reduced in this backward: it was used in "
+        "more reentrant activation-checkpoint segments, or outside them and then in one, than the first backward "
+        "showed, and a late contribution cannot be reduced without every rank reducing the bucket again. HINT: "
+        "checkpoint with `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` "
+        "(Hugging Face: `gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})`), "
+        "which hands every parameter its whole gradient at once."
+    )
 
 
 def accumulate_into(total: Tensor, out: Tensor, pending: PendingCollective) -> PendingCollective:

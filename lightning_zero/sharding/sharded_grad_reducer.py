@@ -221,6 +221,7 @@ class ShardedGradReducer(GradientReducer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wait()
+        self._drop_round()
         self.consume()
         self._held = [None] * len(self.buckets)  # gradients of a round that was never reduced are dropped
         if set_to_none:  # Note [gradient shards between steps]
