@@ -12,6 +12,14 @@ such as Adam's ``step``; DCP writes each once). Rank 0 adds ``lightning_state.pt
 the table of contents, merged from every rank (``format``: the layout; ``files``: safe
 reading and the atomic commit).
 
+Note [replicated entries are rank 0's]
+DCP's planner writes a tensor that several ranks hand it (a buffer, a frozen parameter, Adam's ``step``) once, from
+whichever rank its deduplication picks to balance the files (rank 1 of 2, typically). Ranks' copies can differ:
+BatchNorm statistics under ``broadcast_buffers=False``, or between DDP's broadcasts. DDP's checkpoint holds rank 0's,
+so every rank but 0 hands DCP only its ranges and its optimizer state (whose 0-d entries, such as ``step``, every rank
+holding a range of that parameter has alike), and every entry of the model's state dict or of a ``WeightAveraging``
+average that is not sharded is written by rank 0.
+
 Load (``load_checkpoint``, every rank): for every range this rank owns *now*, ask for the same range of the saved
 flattened tensor; DCP reads the overlapping pieces of whichever chunks were saved, so the world size, the stage and
 the bucket sizes may all differ from the saving run. Masters are filled first (the exact fp32 values), parameter
@@ -43,8 +51,10 @@ from lightning_zero.checkpoint.format import (
     FlatChunk,
     SavePlanner,
     Toc,
+    averaged_key,
     build_toc,
     merge_tocs,
+    model_key,
     open_committed,
 )
 from lightning_zero.checkpoint.full import full_checkpoint_sources, state_dict_sources
@@ -143,6 +153,9 @@ def save_sharded_checkpoint(
     rank = 0 if process_group is None else process_group.rank()
     optimizer_states = checkpoint.pop("optimizer_states", None)
     tensors, toc = build_toc(checkpoint.pop("state_dict", {}), optimizer_states or [], averaged)
+    if rank != 0:  # Note [replicated entries are rank 0's]
+        every_rank = (model_key(""), averaged_key(""))
+        tensors = {k: v for k, v in tensors.items() if isinstance(v, FlatChunk) or not k.startswith(every_rank)}
     if optimizer_states is not None:  # Lightning checks it is there; the tensors themselves live in DCP
         checkpoint["optimizer_states"] = [{"param_groups": s["param_groups"]} for s in optimizer_states]
     staged: list[Location | None] = [stage_save(target) if rank == 0 else None]
