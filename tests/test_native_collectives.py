@@ -14,7 +14,20 @@ from lightning_zero.comm.collectives import NATIVE_COLLECTIVES_ENV, native_colle
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.stage3.sharded_init import shard_module
 from tests.harness import run_distributed
-from tests.parity import batch, build_model, build_optimizer, loss_fn
+from tests.parity import (
+    Run,
+    assert_runs_match,
+    batch,
+    build_model,
+    build_optimizer,
+    ddp,
+    full_weights,
+    loss_fn,
+    native_collectives_on,
+    optimizer_no_sync,
+    zero,
+    zero3,
+)
 from tests.test_strategy import assert_fits_match, fit
 
 NATIVE = {NATIVE_COLLECTIVES_ENV: "1"}
@@ -149,3 +162,39 @@ def test_trainer_with_native_collectives_matches_trainer_ddp_at_every_stage():
     for reference, *sharded in run_distributed(_ddp_then_every_stage_native, 2, init_process_group=False, env=NATIVE):
         for run in sharded:
             assert_fits_match(reference, run)
+
+
+def _discarded_micro_batch(stage: int, grad_accumulation: str) -> list[Run]:
+    """[DDP, ZeRO on gloo's path, ZeRO on the native one]: each step runs a backward inside ``no_sync()``, throws
+    its gradients away with ``zero_grad()``, then trains on one more micro-batch."""
+    config = ZeroConfig(stage=stage, bucket_numel=4_000, grad_accumulation=grad_accumulation)  # type: ignore[arg-type]
+    runs = [_discard_and_train(ddp), _discard_and_train(zero3(config) if stage == 3 else zero(config))]
+    with native_collectives_on():
+        runs.append(_discard_and_train(zero3(config) if stage == 3 else zero(config)))
+    return runs
+
+
+def _discard_and_train(wrap: Any) -> Run:
+    model = build_model("gpt")
+    forward, optimizer = wrap(model, build_optimizer("adamw", model))
+    run, rank = Run(), dist.get_rank()
+    for step in range(3):
+        with optimizer_no_sync(forward, optimizer):
+            loss_fn("gpt", forward, batch("gpt", rank, step, 0)).backward()
+        optimizer.zero_grad()  # the gradients of that micro-batch must not reach the step
+        loss = loss_fn("gpt", forward, batch("gpt", rank, step, 1))
+        loss.backward()
+        optimizer.step()
+        run.losses.append(loss.item())
+    run.weights = full_weights(model, optimizer)
+    return run
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("grad_accumulation", ["local", "sharded"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_grad_after_a_no_sync_backward_discards_its_gradients_on_both_paths(stage, grad_accumulation):
+    # The native path stages gradients in pooled buffers during a local no_sync backward; zero_grad must drop them.
+    for reference, gloo, native in run_distributed(_discarded_micro_batch, 2, stage, grad_accumulation):
+        assert_runs_match(reference, gloo)
+        assert_runs_match(reference, native)

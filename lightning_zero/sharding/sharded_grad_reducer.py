@@ -223,7 +223,15 @@ class ShardedGradReducer(GradientReducer):
         self.wait()
         self._drop_round()
         self.consume()
-        self._held = [None] * len(self.buckets)  # gradients of a round that was never reduced are dropped
+        # Gradients of a round that was never reduced (a local no_sync backward) are dropped, wherever they were
+        # kept: held as autograd left them, or staged (Note [staging without memset]); a staging buffer goes back
+        # to the pool, and the next backward takes one whose slots are all stale.
+        self._held = [None] * len(self.buckets)
+        for staging in self._staging:
+            if staging is not None:
+                self.pool.give(staging)
+        self._staging = [None] * len(self.buckets)
+        self._stale = [set() for _ in self.buckets]
         if set_to_none:  # Note [gradient shards between steps]
             self.shards = [None if free else shard for shard, free in zip(self.shards, self._frees_shard, strict=True)]
         self.state = [BucketState.FILLING] * len(self.buckets)
