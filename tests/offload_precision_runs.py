@@ -8,8 +8,10 @@ import traceback
 from contextlib import nullcontext
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import Tensor
 
 from lightning_zero import DynamicLossScaler, ZeroPrecision
 from tests.offload_runs import forced_host_copies, train
@@ -63,3 +65,35 @@ def resume_in_precision(
     resumed = _run(second, root, precision, steps=4, ckpt_path=f"{root}/mid/epoch=0-step=2.ckpt")
     straight = _run(first, root, precision, steps=4)
     return [straight, resumed]
+
+
+OVERFLOW_STEP = 2
+
+
+class OverflowOnRank1(pl.Callback):
+    """Makes every gradient of rank 1's first micro-batch of optimizer step ``OVERFLOW_STEP`` non-finite (the loss
+    times inf), and records the loss scale after every step."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == OVERFLOW_STEP and not self._poisoned:
+            self._poisoned = True
+            loss.register_hook(lambda grad: grad * float("inf"))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        scaler = trainer.precision_plugin.loss_scaler  # type: ignore[attr-defined]
+        self.scales.append(scaler.scale)
+
+    _poisoned = False
+
+
+def overflow_in_the_tiers(root: str, variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """16-mixed, each variant with one overflow on rank 1: losses, weights and the loss scale after every batch."""
+    runs = {}
+    for label, variant in variants.items():
+        overflow = OverflowOnRank1()
+        run = _run(variant, root, "16-mixed", callbacks=[overflow])
+        runs[label] = {**run, "scales": overflow.scales}
+    return runs

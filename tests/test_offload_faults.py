@@ -14,7 +14,6 @@ import torch
 
 from lightning_zero import ZeroConfig
 from lightning_zero.lightning.offload_setup import build_memory_tiers
-from lightning_zero.offload import host_copies
 from lightning_zero.offload.directory import (
     OffloadDirectory,
     OffloadDirectoryError,
@@ -115,13 +114,3 @@ def test_disk_tier_on_a_gpu_is_refused_naming_the_field(tmp_path):
     with pytest.raises(NotImplementedError, match=r"ZeroConfig\.offload_params='disk' on a cuda device"):
         build_memory_tiers(config, torch.nn.Linear(2, 2), _fake_trainer(tmp_path), torch.device("cuda", 0), 2, 2)
     assert list(tmp_path.iterdir()) == []  # refused before anything was written
-
-
-def test_host_tier_copy_path_with_fp16_loss_scaling_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(host_copies, "FORCE_COPIES", True)  # the path a GPU takes
-    config = ZeroConfig(stage=2, offload_optimizer="cpu")
-    trainer = _fake_trainer(tmp_path, "16-mixed")
-    with pytest.raises(ValueError, match=r"offload_optimizer='cpu' on a cpu device with precision='16-mixed'"):
-        build_memory_tiers(config, torch.nn.Linear(2, 2), trainer, torch.device("cpu"), 2, 2)
-    monkeypatch.setattr(host_copies, "FORCE_COPIES", False)  # on the CPU itself the host tier moves nothing: fine
-    assert build_memory_tiers(config, torch.nn.Linear(2, 2), trainer, torch.device("cpu"), 2, 2) is not None

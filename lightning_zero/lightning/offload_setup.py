@@ -12,7 +12,6 @@ from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.offload.directory import OffloadDirectory, check_free_space, resolve_offload_dir
-from lightning_zero.offload.host_copies import uses_copies
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
@@ -39,20 +38,6 @@ def build_memory_tiers(
             f"ZeroConfig.{field}='disk' on a {device.type} device is not implemented: the disk tier reads and writes "
             "host memory, and the staging copies between it and the device are not built. HINT: use 'cpu' (the "
             "host tier, Note [host tier data path] in lightning_zero/offload/host_copies.py) or 'none'."
-        )
-    if config.offload_optimizer == "cpu" and uses_copies(device) and trainer.precision == "16-mixed":
-        raise ValueError(
-            f"offload_optimizer='cpu' on a {device.type} device with precision='16-mixed' is not supported: the "
-            "gradients are unscaled and checked for overflow on the device before the host copies them, and the "
-            "host tier does not do that yet. HINT: use precision='bf16-mixed' or '32-true'."
-        )
-    if config.offload_optimizer == "disk" and config.stage == 3 and trainer.precision == "16-mixed":
-        raise ValueError(
-            "offload_optimizer='disk' at stage 3 with precision='16-mixed' is not supported: the gradient shards go "
-            "to the disk as their reduction completes (Note [gradients on disk] in "
-            "lightning_zero/offload/tiered_grad_reducer.py), and loss scaling must check every gradient for overflow "
-            "and unscale it before the step. HINT: use precision='bf16-mixed' (no loss scaling), or keep the "
-            "gradients in memory with stage=2 and offload_optimizer='disk'."
         )
     directory = None
     if config.offloads_to_disk:

@@ -104,6 +104,14 @@ class HostTier:
         assert host.grad is not None
         return host.grad
 
+    def nonfinite(self, reducer: GradientReducer) -> list[Tensor]:
+        """Per host-tier bucket, whether its reduced gradient holds inf/NaN (0-d bools), checked on the device shard
+        the host copy was taken from: no wait for the copy, no host synchronization (loss scaling)."""
+        return [
+            torch.isfinite(reducer.grad_shard(host.bucket)[host.lo : host.hi]).logical_not().any()
+            for host in self._buckets.values()
+        ]
+
     def offset(self, bucket: FlatBucket) -> int:
         """Where the bucket's host tensors start in shard coordinates."""
         return self._buckets[id(bucket)].lo

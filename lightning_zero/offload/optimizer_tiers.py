@@ -74,6 +74,7 @@ class OptimizerTiers:
         self._coefficient: Tensor | None = None
         self._coefficients: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._clamp: float | None = None
+        self._unscale: float | None = None
 
     @property
     def _opt(self) -> ZeroOptimizer:
@@ -110,6 +111,9 @@ class OptimizerTiers:
         self._optimizer = optimizer
         for i, seg in enumerate(optimizer.segments):
             self._chunks.setdefault(id(seg.bucket), _Chunk([])).segments.append(i)
+        reducer = self._reducer()
+        if reducer is not None and optimizer.loss_scaler is not None:
+            reducer.check_finite = True  # Note [gradients on disk]
         if self.host is not None:
             optimizer.reducer.reduced_hooks.append(partial(self.host.on_reduced, optimizer.reducer))
             for group in optimizer.optimizer.param_groups:  # the multi-tensor kernels on the host tensors
@@ -150,6 +154,8 @@ class OptimizerTiers:
                 continue
             shard, first = self._tiered_gradient(bucket)
             pieces = [shard[opt.segments[i].start - first : opt.segments[i].stop - first] for i in used]
+            if self._unscale is not None:  # the values the step will see, as the step without tiers clips them
+                pieces = [p.to(opt.masters[i].dtype) * self._unscale for p, i in zip(pieces, used, strict=True)]
             if norm_type == float("inf"):
                 found = [p.abs().max().float() for p in pieces]
             else:
@@ -168,6 +174,17 @@ class OptimizerTiers:
         reducer = self._reducer()
         assert reducer is not None
         return reducer.load_grad(bucket), 0
+
+    def gradients_reduced(self, found: Tensor, inv_scale: float | None) -> None:
+        self._unscale = inv_scale
+        self.set_gradient_transform(None, None)
+        if inv_scale is None:
+            return
+        flags = [] if self.host is None else self.host.nonfinite(self._opt.reducer)
+        reducer = self._reducer()
+        flag = reducer.take_nonfinite() if reducer is not None else None
+        for bad in [*flags, *([flag] if flag is not None else [])]:
+            found.add_(bad.to(found.device))
 
     def set_gradient_transform(self, coefficient: Tensor | None, clamp: float | None) -> None:
         self._coefficient = coefficient
@@ -213,7 +230,10 @@ class OptimizerTiers:
                 grad = shard[seg.start - first : seg.stop - first]
                 master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
                 grads.append(master.grad)
-        # In the masters' dtype, as the step without tiers clips them (ZeroOptimizer.clip_grad_*).
+        # In the masters' dtype, as the step without tiers unscales and clips them (ZeroOptimizer.reduce_gradients,
+        # clip_grad_*), in that order.
+        if grads and self._unscale is not None:
+            torch._foreach_mul_(grads, self._unscale)
         if grads and self._coefficient is not None:
             key = (grads[0].device, grads[0].dtype)
             if key not in self._coefficients:  # one copy per step: a device scalar read on the host waits for it

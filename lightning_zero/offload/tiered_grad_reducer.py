@@ -14,6 +14,13 @@ norm pass, one extra read of the gradient shards, only in steps that clip by nor
 the streaming step multiplies each shard by it as it is read. Clipping by value is applied the same way. The norm
 pass costs the gradients' bytes once more, instead of keeping them in memory or writing them twice. Hooks that read
 ``master.grad`` before the step (``on_before_optimizer_step``) see no gradient for a bucket on disk.
+
+fp16 loss scaling needs two things of every gradient before the first element is stepped: whether it is finite
+(the step is skipped by every rank otherwise) and its unscaled value. The check is made as each shard's reduction
+completes, while the shard is in memory anyway, and kept as one flag (``take_nonfinite``) that joins the overflow
+vote of ``ZeroOptimizer.reduce_gradients``; no extra read. Unscaling is one more factor applied as the step and the
+norm pass read the shards (``StateTiers.gradients_reduced``), in fp32, in the order the step without tiers applies
+them (unscale, then clip), so the numbers are the same.
 """
 
 from __future__ import annotations
@@ -54,6 +61,10 @@ class TieredGradReducer(ShardedGradReducer):
         self._on_disk = on_disk
         super().__init__(buckets, group, config, ledger, on_complete)
         self._tiered = [on_disk(b) for b in self.buckets]
+        self.check_finite = False
+        """Loss scaling: each tiered shard is checked for inf/NaN as its reduction completes (Note [gradients on
+        disk])."""
+        self._nonfinite: Tensor | None = None
 
     def offloads(self, bucket: FlatBucket) -> bool:
         return self._tiered[bucket.index]
@@ -76,7 +87,25 @@ class TieredGradReducer(ShardedGradReducer):
     def _complete(self, bucket: FlatBucket) -> None:
         super()._complete(bucket)
         if self._tiered[bucket.index]:
+            shard = self.shards[bucket.index]
+            if self.check_finite and shard is not None:  # accumulated (an earlier inf stays non-finite)
+                bad = torch.isfinite(shard).logical_not().any()
+                self._nonfinite = bad if self._nonfinite is None else self._nonfinite.logical_or(bad)
             self.swapper.release(grad_key(bucket), write=True)
+
+    def take_nonfinite(self) -> Tensor | None:
+        """Whether a tiered shard reduced since the last step holds inf/NaN (a 0-d bool tensor; None: none checked),
+        forgotten once taken."""
+        found, self._nonfinite = self._nonfinite, None
+        return found
+
+    def consume(self) -> None:
+        self._nonfinite = None
+        super().consume()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._nonfinite = None
 
     def load_grad(self, bucket: FlatBucket) -> Tensor:
         """The bucket's gradient shard, read back for the step or the norm pass; ``drop_grad`` when done."""

@@ -32,8 +32,9 @@ some buckets live in host memory or on disk between steps, and at stage 3 with t
 gradient shards. The step then always runs in chunks, one bucket at a time (Note [step in chunks]): the tiers load
 the bucket's masters, state and gradients (read ahead while the previous bucket is stepped), the user's optimizer
 steps them, and the tiers write back what changed (in the background) before the next bucket. Gradients of buckets
-held in a tier never become ``master.grad`` outside the step; clipping reaches them through the tiers
-(``gradient_norms``, ``set_gradient_transform``: Note [gradients on disk] in ``offload/tiered_grad_reducer.py``).
+held in a tier never become ``master.grad`` outside the step; loss scaling (``gradients_reduced``: their overflow
+check and unscaling) and clipping (``gradient_norms``, ``set_gradient_transform``) reach them through the tiers
+(Note [gradients on disk] in ``offload/tiered_grad_reducer.py``).
 
 Nothing reads a tiered bucket's masters, optimizer state or parameter shard outside ``load``/``unload``: between
 them a tensor in a tier has no memory (Note [swap lifecycle] in ``offload/tensor_swapper.py``). So the edit check
@@ -194,12 +195,6 @@ class ZeroOptimizer(Optimizer):
         self._raw_step = without_step_hooks(type(optimizer).step)  # Note [step hooks]
         if tiers is not None:
             tiers.attach(self)
-            if loss_scaler is not None and any(tiers.holds_gradient(b) for b in self.buckets):
-                raise ValueError(
-                    "16-mixed (loss scaling) with gradient shards kept by a memory tier (offload_optimizer='disk' at "
-                    "stage 3, or 'cpu' on a GPU) is not supported: unscaling and the overflow check read the "
-                    "gradients in memory. HINT: use precision='bf16-mixed' or '32-true'."
-                )
 
     @property
     def _device(self) -> torch.device:
@@ -253,9 +248,11 @@ class ZeroOptimizer(Optimizer):
         device = self._device
         found = torch.zeros(1, dtype=torch.float32, device=device)
         present = [g for g in grads if g is not None]
-        if self.loss_scaler is not None and present:
-            inv_scale = torch.full_like(found, 1.0 / self.loss_scaler.scale_of_gradients)
-            non_finite_check_and_unscale_(present, found, inv_scale)
+        inv_scale = None if self.loss_scaler is None else 1.0 / self.loss_scaler.scale_of_gradients
+        if inv_scale is not None and present:
+            non_finite_check_and_unscale_(present, found, torch.full_like(found, inv_scale))
+        if self.tiers is not None:  # the tiered gradients' overflow check and unscaling: Note [tiered step]
+            self.tiers.gradients_reduced(found, inv_scale)
         # One collective decides both, identically on every rank: (1 + parameters,) of 0/1 flags, summed.
         flags = torch.cat([found, self.presence.local_flags(device)])
         self.ledger.record(all_reduce_sum(flags, self.group)).wait()
@@ -265,8 +262,6 @@ class ZeroOptimizer(Optimizer):
         for i, (seg, master, reduced) in enumerate(zip(self.segments, self.masters, grads, strict=True)):
             self.segment_used[i] = self.presence.used(seg.bucket, seg.slot)
             master.grad = reduced if self.segment_used[i] else None
-        if self.tiers is not None:
-            self.tiers.set_gradient_transform(None, None)
         self._grads_ready = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:

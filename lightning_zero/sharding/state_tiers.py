@@ -43,6 +43,12 @@ class StateTiers(Protocol):
         """Per tiered-gradient segment that got a gradient: its norm (fp32), read in one pass over the tier."""
         ...
 
+    def gradients_reduced(self, found: Tensor, inv_scale: float | None) -> None:
+        """The step's gradients are reduced (once per step, before clipping). With loss scaling (``inv_scale``):
+        add to ``found`` (one element) a non-zero count if a tiered gradient is not finite, and unscale the tiered
+        gradients as the step and the norm pass read them."""
+        ...
+
     def set_gradient_transform(self, coefficient: Tensor | None, clamp: float | None) -> None:
         """Scale (clip by norm) or clamp (clip by value) the tiered gradients as the step reads them."""
         ...
