@@ -41,7 +41,14 @@ def _save(name: str, root: str) -> dict[str, Any]:
     live = {n: b.clone() for n, b in module.named_buffers()}
     path = Path(root) / f"{name}.ckpt"
     trainer.save_checkpoint(path)
-    return {"live": live}
+    in_group: dict[str, torch.Tensor] = {}
+    if name != "ddp" and trainer.is_global_zero:  # one process of the group consolidates, the others wait
+        from lightning_zero.cli.consolidate import consolidate_checkpoint
+
+        full = consolidate_checkpoint(path, Path(root) / f"{name}-in-group.ckpt")
+        in_group = {n: t for n, t in torch.load(full, weights_only=True)["state_dict"].items() if n in live}
+    trainer.strategy.barrier()
+    return {"live": live, "in_group": in_group}
 
 
 def _all(root: str) -> dict[str, dict[str, Any]]:
@@ -65,3 +72,5 @@ def test_saved_buffers_are_rank_zeros_at_every_stage(tmp_path):
         for buffer, value in live0.items():
             torch.testing.assert_close(saved[buffer], value, rtol=0, atol=0, msg=f"{name} {buffer}")
             torch.testing.assert_close(saved[buffer], rank0["ddp"]["saved"][buffer], msg=f"{name} {buffer} vs DDP")
+            if name != "ddp":
+                torch.testing.assert_close(rank0[name]["in_group"][buffer], value, rtol=0, atol=0)

@@ -27,7 +27,6 @@ from typing import Literal
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from lightning_zero.checkpoint.files import (
     CheckpointError,
@@ -44,6 +43,7 @@ from lightning_zero.checkpoint.format import (
     open_committed,
 )
 from lightning_zero.checkpoint.storage import Location, locate, put_atomically, serialized
+from lightning_zero.compat import dcp_load
 
 # Lightning state that only makes sense next to the optimizer tensors this file leaves out, and WeightAveraging's
 # averaged-model counters, which belong with the averaged copy that is either exported or left out.
@@ -79,7 +79,7 @@ def consolidate_checkpoint(
             request = FlatChunk(flat, 0, shape) if toc["tensors"][source]["flat"] else flat.view(shape)
             with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the point
                 warnings.simplefilter("ignore", UserWarning)
-                dcp_load({source: request}, storage_reader=reader, planner=SafeLoadPlanner())
+                dcp_load({source: request}, reader, SafeLoadPlanner(), None)  # this process alone, even in a group
             tensor = flat.view(shape)
             by_storage[storage] = tensor.float() if tensor.is_floating_point() else tensor
         full[key] = by_storage[storage]
