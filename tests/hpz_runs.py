@@ -9,6 +9,9 @@ primary shard was written would then decide differently on rank 0 than on the ot
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import nullcontext
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroConfig, ZeroOptimizer, ZeroStrategy
@@ -214,3 +218,56 @@ def host_tier_bytes(root: str) -> dict[str, list[dict[str, int]]]:
             zeropp_runs.fit_gpt(zero, 3, root, "tiny", callbacks=[recorder])
             sent[name] = recorder.steps
     return sent
+
+
+def subgroup(members: list[int], configs: list[dict[str, Any]]) -> dict[str, Any]:
+    """6 ranks as 3 nodes x 2; ``members`` train the parity GPT as one ZeRO group, the other ranks take no part in it
+    and never call into ZeRO. Per member, ``runs``: DDP over the group, then stage 3 with each of ``configs``' ZeRO++
+    fields (a ValueError's message in place of a run that raised one). Then every rank creates a group of the whole
+    world, as any later ``new_group`` must, and all-reduces its rank over it: ``world_sum``."""
+    group = dist.new_group(members)  # every rank creates it (collective over the world)
+    runs = _train_in(group, configs) if dist.get_rank() in members else None
+    everyone = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=20))
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total, group=everyone)
+    return {"runs": runs, "world_sum": float(total)}
+
+
+def _train_in(group: dist.ProcessGroup, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from tests.parity import batch, build_model, build_optimizer, loss_fn
+
+    me = group.rank()
+
+    def train(wrap: Callable[[nn.Module, torch.optim.Optimizer], tuple[nn.Module, Any]]) -> dict[str, Any]:
+        model = build_model("gpt")
+        forward, optimizer = wrap(model, build_optimizer("adamw", model))
+        losses = []
+        for step in range(3):
+            optimizer.zero_grad()
+            loss = loss_fn("gpt", forward, batch("gpt", me, step, 0))
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+        gatherer = getattr(optimizer, "gatherer", None)
+        with gatherer.gathered() if gatherer is not None else nullcontext():
+            weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        return {"losses": losses, "weights": weights}
+
+    def ddp(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, Any]:
+        return DistributedDataParallel(model, process_group=group), optimizer
+
+    def zero3(config: ZeroConfig) -> Callable[[nn.Module, torch.optim.Optimizer], tuple[nn.Module, Any]]:
+        def wrap(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, Any]:
+            gatherer = shard_module(model, config, group, torch.device("cpu"))
+            return model, ZeroOptimizer(model, optimizer, group, config, gatherer=gatherer)
+
+        return wrap
+
+    results = [train(ddp)]
+    for fields in configs:
+        config = ZeroConfig(stage=3, ranks_per_node=2, collective_timeout_s=15.0, **fields)
+        try:
+            results.append(train(zero3(config)))
+        except ValueError as error:
+            results.append({"error": str(error)})
+    return results

@@ -5,11 +5,18 @@ Ranks are placed on nodes in consecutive blocks (torchrun, SLURM's block distrib
 ``node_rank * ranks_per_node + local_rank``), so global rank ``g`` lives on node ``g // ranks_per_node``. The size of
 a block comes from ``ZeroConfig.ranks_per_node`` or, when that is None, from the cluster environment
 (``ranks_per_node_from_environment``); one machine can thus pretend to be several nodes (4 ranks as 2 nodes x 2),
-which is how ZeRO++ is tested on a CPU. The topology is pure arithmetic on global ranks: the ledger uses it to
-split the bytes of each call by link (Note [bytes by link] in ``ledger.py``).
+which is how ZeRO++ is tested on a CPU. The topology is pure arithmetic on global ranks, over the whole world: the
+ledger uses it to split the bytes of each call by link (Note [bytes by link] in ``ledger.py``).
 
-Process groups are built once, by ``build_node_groups``: ``torch.distributed.new_group`` is collective over the
-*default* group, so every rank creates every group, in the same order, including the groups it is not a member of.
+A ZeRO process group may be a subset of the world (data parallelism inside each of several model replicas). Its
+ranks, in group order (``new_group`` sorts them, so in global order too), then fall on nodes in runs; ZeRO++ needs
+every node to hold the same number of them (``group_ranks_per_node``), and cuts its node groups out of those runs.
+
+Process groups are built once, by ``build_node_groups``, with ``use_local_synchronization``: only the members of a
+group create it, so it is enough that the ZeRO group's ranks call it (a plain ``new_group`` is collective over the
+whole default group, and would wait forever for the ranks outside a ZeRO group that is a subset). torch names such
+a group after its ranks and the number of groups the creating rank already has; the members of a node group are
+ranks of one ZeRO group that have run the same program so far, so they agree on both.
 """
 
 from __future__ import annotations
@@ -78,6 +85,23 @@ class NodeTopology:
         return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
 
 
+def group_ranks_per_node(ranks: list[int], topology: NodeTopology) -> int:
+    """How many of ``ranks`` (a ZeRO group's global ranks) each node holds; every node holding any must hold the same
+    number, or ZeRO++'s node groups would differ in size (Note [node topology])."""
+    counts: dict[int, int] = {}
+    for rank in ranks:
+        counts[topology.node_of(rank)] = counts.get(topology.node_of(rank), 0) + 1
+    if len(set(counts.values())) != 1:
+        per_node = ", ".join(f"node {node}: {n}" for node, n in sorted(counts.items()))
+        raise ValueError(
+            f"Invalid ZeRO process group for ZeRO++: its ranks {ranks} fall unevenly on nodes of "
+            f"{topology.ranks_per_node} ranks ({per_node}). Expected the same number of the group's ranks on every "
+            "node it spans, so that hpZ's partitions and qgZ's two levels are the same on every node. HINT: build the "
+            "ZeRO group from whole nodes or from the same local ranks of every node, or check ranks_per_node."
+        )
+    return next(iter(counts.values()))
+
+
 @dataclass(frozen=True, slots=True)
 class NodeGroups:
     """This rank's two groups of a two-level collective: its node, and its peers of the same local index."""
@@ -90,21 +114,17 @@ class NodeGroups:
 
 def build_node_groups(ranks: list[int], partition_size: int, timeout: timedelta, *, with_inter: bool) -> NodeGroups:
     """Groups over ``ranks`` (a ZeRO group's global ranks, in group order) cut into blocks of ``partition_size``:
-    the block of this rank, and (``with_inter``) the ranks sharing its position in every block. Every rank of the
-    default group must call this with the same arguments (Note [node topology])."""
+    the block of this rank, and (``with_inter``) the ranks sharing its position in every block. Every rank of
+    ``ranks`` calls this with the same arguments, and only those (Note [node topology])."""
     me = dist.get_rank()
+    assert me in ranks, (me, ranks)
+    assert len(ranks) % partition_size == 0, (ranks, partition_size)
     blocks = [ranks[i : i + partition_size] for i in range(0, len(ranks), partition_size)]
-    intra: ProcessGroup | None = None
-    for block in blocks:
-        group = dist.new_group(block, timeout=timeout)
-        if me in block:
-            intra = group
-    inter: ProcessGroup | None = None
+    mine = ranks.index(me)
+    block = blocks[mine // partition_size]
+    intra = dist.new_group(block, timeout=timeout, use_local_synchronization=True)
+    inter = None
     if with_inter:
-        for position in range(partition_size):
-            column = [block[position] for block in blocks]
-            group = dist.new_group(column, timeout=timeout)
-            if me in column:
-                inter = group
-    assert intra is not None, (me, ranks)
+        column = [b[mine % partition_size] for b in blocks]
+        inter = dist.new_group(column, timeout=timeout, use_local_synchronization=True)
     return NodeGroups(intra, inter)
