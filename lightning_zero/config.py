@@ -78,9 +78,9 @@ class ZeroConfig:
     leaf module: its whole subtree is gathered with the unit that contains it (the leaf itself, if
     ``wrap_module_classes`` or ``wrap_min_numel`` makes it one), so ranks gather the same units whichever of its
     children each calls. Name the block of a mixture of experts whose routing may change from step to step. None:
-    every module holding a ``nn.ModuleList``/``nn.ModuleDict`` of experts, i.e. registered under a name containing
-    "expert" (Hugging Face's sparse MoE blocks; Note [leaf modules] in ``stage3/wrap_policy.py``). A tuple replaces
-    that rule: list every MoE block class, or ``()`` for none. ``nn.MultiheadAttention`` is always a leaf. Classes of
+    every non-empty ``nn.ModuleList``/``nn.ModuleDict`` registered under a name containing "expert" (Hugging Face's
+    sparse MoE blocks keep their experts so; Note [leaf modules] in ``stage3/wrap_policy.py``). A tuple replaces that
+    rule: list every MoE block class, or ``()`` for none. ``nn.MultiheadAttention`` is always a leaf. Classes of
     ``wrap_module_classes`` inside a leaf are not units."""
 
     prefetch_limit_numel: int | None = None

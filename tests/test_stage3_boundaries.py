@@ -287,3 +287,39 @@ def _compiled_runs(stage: int) -> list[list[float]]:
 def test_torch_compile_matches_ddp_with_compile(stage):
     for reference, compiled in run_distributed(_compiled_runs, 2, stage, timeout=280):
         torch.testing.assert_close(torch.tensor(compiled), torch.tensor(reference), rtol=1e-4, atol=1e-5)
+
+
+class _ListOfLayers(torch.nn.Module):
+    """Layers of different classes in a ``ModuleList`` the parent iterates: the list itself is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 8)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _sharded_and_plain_outputs(config: ZeroConfig) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    plain = _ListOfLayers()
+    torch.manual_seed(0)
+    sharded = _ListOfLayers()
+    gatherer = shard_module(sharded, config, dist.group.WORLD, torch.device("cpu"))
+    x = torch.randn(3, 8)
+    return [u.name for u in gatherer.units], sharded(x).detach(), plain(x).detach()
+
+
+@pytest.mark.timeout(60)
+def test_a_container_without_a_forward_is_never_a_unit():
+    """The size threshold once made the ``ModuleList`` (144 elements, above 100; each layer is 72) a unit: nothing
+    calls a list, so its gather never ran and the layers computed with placeholders. Its parameters now stay in the
+    enclosing unit."""
+    config = ZeroConfig(stage=3, wrap_module_classes=(), wrap_min_numel=100)
+    for units, sharded, plain in run_distributed(_sharded_and_plain_outputs, 2, config):
+        assert units == ["<root>"]
+        torch.testing.assert_close(sharded, plain, rtol=0, atol=0)

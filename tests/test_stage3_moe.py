@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_zero import RankDivergenceError, ZeroConfig
 from lightning_zero.cli.estimate import Precisions, layout_estimates
@@ -122,8 +122,8 @@ def test_hugging_face_mixtral_with_varying_routing_matches_ddp_find_unused():
 @pytest.mark.timeout(180)
 def test_hugging_face_switch_transformers_experts_are_leaves_and_match_ddp_find_unused():
     """Switch Transformers' sparse MLPs call only the experts (a ``ModuleDict``) that received a token. With the
-    size threshold each expert would be a unit of its own; as a leaf each MLP is gathered whole (by default with
-    its block, under the threshold as a unit of its own).
+    size threshold each expert would be a unit of its own; as a leaf each container of experts is gathered whole (by
+    default with its block, under the threshold as a unit of its own).
     SGD with momentum: the encoder's gradients differ from DDP's in the last bit from the first step on (sums in
     another order: zero2's are exact), and AdamW's normalization grows that to 1e-4 relative on the weights of an
     expert that a single token reached, within 6 steps, under the default units as under these."""
@@ -156,16 +156,30 @@ def _names(modules: list[tuple[str, nn.Module]]) -> list[str]:
     return [name for name, _ in modules]
 
 
-def test_automatic_leaves_are_the_blocks_holding_experts_and_nothing_else():
+class _ExpertsNextToLayers(nn.Module):
+    """A model-level ``experts`` list between two layers (the composition tests' ``VaryingMoE`` shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+
+def test_automatic_leaves_are_the_containers_of_experts_and_nothing_else():
     config = ZeroConfig(stage=3)
-    assert _names(leaf_modules(BUILDERS["moe"]().model, config)) == [""]  # the model is one MoE block
-    assert _names(leaf_modules(MoELM(), config)) == ["blocks.0", "blocks.1"]
+    assert _names(leaf_modules(BUILDERS["moe"]().model, config)) == ["experts"]
+    assert _names(find_unit_roots(BUILDERS["moe"]().model, config)) == []  # the experts stay in the root unit
+    assert _names(leaf_modules(MoELM(), config)) == ["blocks.0.experts", "blocks.1.experts"]
     assert _names(find_unit_roots(MoELM(), config)) == ["blocks.0", "blocks.1"]  # no expert is a unit
+    # The layers next to a model-level list of experts stay units: only the container is a leaf.
+    assert _names(find_unit_roots(_ExpertsNextToLayers(), config)) == ["layers.0", "layers.1"]
     switch = BUILDERS["hf_switch"]().model
-    mlps = ["encoder.block.0.layer.1.mlp", "encoder.block.1.layer.1.mlp"]
-    mlps += ["decoder.block.0.layer.2.mlp", "decoder.block.1.layer.2.mlp"]
-    assert _names(leaf_modules(switch, config)) == mlps
-    assert not [n for n in _names(find_unit_roots(switch, ZeroConfig(stage=3, wrap_min_numel=2000))) if "expert" in n]
+    experts = [f"encoder.block.{b}.layer.1.mlp.experts" for b in range(2)]
+    experts += [f"decoder.block.{b}.layer.2.mlp.experts" for b in range(2)]
+    assert _names(leaf_modules(switch, config)) == experts
+    assert not [
+        n for n in _names(find_unit_roots(switch, ZeroConfig(stage=3, wrap_min_numel=2000))) if ".experts." in n
+    ]
     # Layers, attention and fused experts are no leaves: the decoder layers stay units.
     assert _names(leaf_modules(BUILDERS["hf_mixtral"]().model, config)) == []
     assert _names(find_unit_roots(BUILDERS["hf_mixtral"]().model, config)) == ["model.layers.0", "model.layers.1"]
@@ -187,6 +201,14 @@ class MixtralSparseMoeBlock(nn.Module):
         self.gate = nn.Linear(8, 4, bias=False)
         self.experts = nn.ModuleList(_Expert() for _ in range(4))
 
+    def forward(self, x: Tensor) -> Tensor:
+        choice = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for index in choice.unique().tolist():  # only the experts that received a token
+            expert = self.experts[index]
+            out[choice == index] = expert.w2(expert.w1(x[choice == index]))
+        return out
+
 
 class _DecoderLayer(nn.Module):
     def __init__(self) -> None:
@@ -194,30 +216,35 @@ class _DecoderLayer(nn.Module):
         self.attn = nn.Linear(8, 8)
         self.block_sparse_moe = MixtralSparseMoeBlock()
 
+    def forward(self, x: Tensor) -> Tensor:
+        h = x + self.attn(x)
+        out: Tensor = h + self.block_sparse_moe(h)
+        return out
+
 
 def test_transformers_4_mixtral_shape_is_a_leaf_inside_its_decoder_layer_unit():
     model = nn.Sequential(nn.Embedding(10, 8), nn.ModuleList(_DecoderLayer() for _ in range(2)))
     config = ZeroConfig(stage=3)
-    assert _names(leaf_modules(model, config)) == ["1.0.block_sparse_moe", "1.1.block_sparse_moe"]
+    assert _names(leaf_modules(model, config)) == ["1.0.block_sparse_moe.experts", "1.1.block_sparse_moe.experts"]
     assert _names(find_unit_roots(model, config)) == ["1.0", "1.1"]  # the experts are not units of their own
 
 
 def test_estimate_reports_leaves_inside_their_units():
     """The estimate lays stage 3 out with the policy ``shard_module`` uses: with a size threshold that would make
-    each expert a unit, each of Switch Transformers' MoE MLPs is one unit (a leaf may be a unit; nothing inside it
-    is), and the largest unit holds a whole MLP."""
+    each expert a unit, each of Switch Transformers' containers of experts is one unit instead (a leaf may be a
+    unit; nothing inside it is), and the largest unit holds all the experts of a layer."""
     model = BUILDERS["hf_switch"]().model
-    mlp_numel = sum(p.numel() for p in model.get_submodule("encoder.block.0.layer.1.mlp").parameters())
+    experts_numel = sum(p.numel() for p in model.get_submodule("encoder.block.0.layer.1.mlp.experts").parameters())
     adamw = torch.optim.AdamW(model.parameters())
     config = ZeroConfig(stage=3, wrap_min_numel=2000)
     stage3 = layout_estimates(model, adamw, 2, Precisions.of("fp32", None), config)[3]
     names = [u.name for u in stage3.units]
     assert names == ["<root>", *_names(find_unit_roots(model, config))]
     assert "encoder.block.0" in names
-    assert not [n for n in names if "expert" in n]
-    assert [n for n in names if n.endswith(".mlp")] == _names(leaf_modules(model, config))
+    assert not [n for n in names if ".experts." in n]
+    assert [n for n in names if n.endswith(".experts")] == _names(leaf_modules(model, config))
     assert stage3.largest_unit is not None
-    assert stage3.largest_unit.numel >= mlp_numel
+    assert stage3.largest_unit.numel >= experts_numel
     assert format_units(stage3, 4).startswith(f"Stage 3: {len(names)} gather units; the largest")
 
 

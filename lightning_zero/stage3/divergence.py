@@ -12,10 +12,10 @@ only (``ZeroConfig.check_rank_divergence``), where it costs a few microseconds p
 
 Note [data-dependent units]
 A module that one rank calls and another skips must not be a unit of its own, or the ranks' gathers part ways. The
-blocks of a mixture of experts are found from the module tree before any step and never split (Note [leaf modules]
-in ``wrap_policy.py``); this note is the fallback for other shapes: a unit whose use depends on the data in the
-first step, e.g. an expert (one of several same-class modules in a ``ModuleList``, a unit by the default policy) in
-a block the leaf rule does not recognize, which one rank's tokens are routed to and another's are not. During the
+experts of a mixture are found from the module tree before any step and never split (Note [leaf modules] in
+``wrap_policy.py``); this note is the fallback for other shapes: a unit whose use depends on the data in the first
+step, e.g. an expert (one of several same-class modules in a ``ModuleList``, a unit by the default policy) in a
+block the leaf rule does not recognize, which one rank's tokens are routed to and another's are not. During the
 first step every gather is a *round*: ranks exchange the unit each wants and all of them gather every unit asked
 for, in index order, so their collectives stay paired even though they asked for different units; a rank that has
 its unit already (gathered in an earlier round) asks for nothing until it needs a collective, and at the end of the

@@ -7,31 +7,35 @@ around the whole model's forward.
 Note [parameters read outside forward]
 Gathering is triggered by a unit module's own ``forward``. A parameter that some *other* module reads directly, say
 ``nn.MultiheadAttention`` reading ``out_proj.weight`` without calling ``out_proj``, must therefore live in a unit
-whose forward encloses that read. Two rules guarantee it for the cases we know: no unit is ever created inside an
-``nn.MultiheadAttention``, and a parameter registered by modules of several units (tied weights such as an input
-embedding and an output projection) is owned by the innermost unit that contains all of them.
+whose forward encloses that read. Three rules guarantee it for the cases we know: no unit is ever created inside an
+``nn.MultiheadAttention``; a module without a forward of its own (``nn.ModuleList``, ``nn.ModuleDict``) is never a
+unit, since nothing calls it (its members may be); and a parameter registered by modules of several units (tied
+weights such as an input embedding and an output projection) is owned by the innermost unit that contains all of
+them.
 
 Note [leaf modules]
 A *leaf* module is never split into several units: no unit is created anywhere in its subtree, so it is gathered
 whole with the unit that contains it (itself, if the policy makes it a unit). Ranks then issue the same gathers
-whichever of its children each one calls. That is what the block of a mixture of experts needs: each rank calls
-the experts its tokens were routed to and skips the others (Hugging Face's sparse MoE blocks skip an expert that
-received no token), and which ones changes from step to step. The merge of the first step (Note [data-dependent
-units] in ``divergence.py``) only sees the first step's routing; a leaf needs none.
+whichever of its children each one calls. That is what the experts of a mixture need: each rank calls the experts
+its tokens were routed to and skips the others (Hugging Face's sparse MoE blocks skip an expert that received no
+token), and which ones changes from step to step. The merge of the first step (Note [data-dependent units] in
+``divergence.py``) only sees the first step's routing; a leaf needs none.
 
 Which modules are leaves is decided from the module tree, which every rank builds alike, never from routing:
-``nn.MultiheadAttention`` always (Note [parameters read outside forward]); then ``ZeroConfig.leaf_module_classes``
-if it is a tuple; if it is None, every module with a direct child that is a non-empty ``nn.ModuleList`` or
-``nn.ModuleDict`` (subclasses included) registered under a name containing "expert". That is the shape of Hugging
-Face's MoE blocks (``MixtralSparseMoeBlock`` and ``Qwen2MoeSparseMoeBlock`` before their experts were fused into 3-D
-parameters, ``SwitchTransformersSparseMLP`` and ``NllbMoeSparseMLP`` with a ``ModuleDict`` of experts) and of most
-hand-written ones; the router sits next to the experts, so the leaf is the whole MoE block, as DeepSpeed's
-``set_z3_leaf_modules`` is used. Layers (``layers``, ``blocks``, ``h``) never match, so a transformer's decoder
-layers stay units; the cost of a leaf is that its experts are gathered together, as the first-step merge would
-gather them anyway once the ranks route differently. Inside a leaf no unit is made by any policy: a class of
-``wrap_module_classes`` or a module over ``wrap_min_numel`` there stays part of the leaf. A mixture the rule misses,
-if its routing parts ways only after the first step, raises ``RankDivergenceError`` naming the class to list (where
-the later check runs: on CPU by default, Note [divergence check]).
+``nn.MultiheadAttention`` always (Note [parameters read outside forward]); then the classes of
+``ZeroConfig.leaf_module_classes`` if it is a tuple; if it is None, every non-empty ``nn.ModuleList`` or
+``nn.ModuleDict`` (subclasses included) registered under a name containing "expert". That is where Hugging Face's
+MoE blocks keep experts they may skip (``MixtralSparseMoeBlock.experts`` and ``Qwen2MoeSparseMoeBlock.experts``
+before transformers 5 fused them into 3-D parameters, ``SwitchTransformersSparseMLP.experts`` and
+``NllbMoeSparseMLP.experts``, a ``ModuleDict``), and so do most hand-written ones. The container is the leaf, not
+the block around it: the router, a shared expert and whatever else the block holds are called on every rank and may
+stay in units of their own, as may the layers next to a model-level ``experts`` list. Layers (``layers``, ``blocks``,
+``h``) never match, so a transformer's decoder layers stay units. The cost of a leaf is that its experts are
+gathered together, as the first-step merge would gather them anyway once the ranks route differently. Inside a leaf
+no unit is made by any policy: a class of ``wrap_module_classes`` or a module over ``wrap_min_numel`` there stays
+part of the leaf. A mixture the rule misses, if its routing parts ways only after the first step, raises
+``RankDivergenceError`` naming the class to list (where the later check runs, by default on CPU:
+Note [divergence check]); listing a class makes its whole block a leaf, as DeepSpeed's ``set_z3_leaf_modules`` does.
 """
 
 from __future__ import annotations
@@ -63,21 +67,18 @@ def _check_classes_exist(root: nn.Module, names: tuple[str, ...], field: str, ot
         )
 
 
-def holds_experts(module: nn.Module) -> bool:
-    """Whether ``module`` has a non-empty ``ModuleList``/``ModuleDict`` child named like experts (Note [leaf
-    modules]): the automatic rule for ``ZeroConfig.leaf_module_classes=None``."""
-    return any(
-        isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) > 0 and "expert" in name.lower()
-        for name, child in module.named_children()
-    )
+def is_experts_container(name: str, module: nn.Module) -> bool:
+    """Whether ``module``, registered as ``name`` in its parent, is a non-empty ``ModuleList``/``ModuleDict`` of
+    experts: the automatic rule for ``ZeroConfig.leaf_module_classes=None`` (Note [leaf modules])."""
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 0 and "expert" in name.lower()
 
 
-def is_leaf(module: nn.Module, config: ZeroConfig) -> bool:
-    """Whether no unit may be created inside ``module`` (Note [leaf modules])."""
+def is_leaf(name: str, module: nn.Module, config: ZeroConfig) -> bool:
+    """Whether no unit may be created inside ``module``, registered as ``name`` in its parent (Note [leaf modules])."""
     if isinstance(module, _LEAF_UNITS):
         return True
     if config.leaf_module_classes is None:
-        return holds_experts(module)
+        return is_experts_container(name, module)
     return _class_matches(module, config.leaf_module_classes)
 
 
@@ -85,15 +86,21 @@ def leaf_modules(root: nn.Module, config: ZeroConfig) -> list[tuple[str, nn.Modu
     """The outermost leaf modules of ``root`` (Note [leaf modules]), with qualified names, in pre-order."""
     found: list[tuple[str, nn.Module]] = []
 
-    def visit(name: str, module: nn.Module) -> None:
-        if is_leaf(module, config):
-            found.append((name, module))
+    def visit(path: str, name: str, module: nn.Module) -> None:
+        if is_leaf(name, module, config):
+            found.append((path, module))
             return
         for child_name, child in module.named_children():
-            visit(f"{name}.{child_name}" if name else child_name, child)
+            visit(f"{path}.{child_name}" if path else child_name, child_name, child)
 
-    visit("", root)
+    visit("", "", root)
     return found
+
+
+def _has_forward(module: nn.Module) -> bool:
+    """Whether ``module`` can be called: ``ModuleList``, ``ModuleDict`` and ``ParameterList`` cannot, so their own
+    forward hooks would never gather them (Note [parameters read outside forward])."""
+    return type(module).forward is not nn.Module.forward
 
 
 def _repeated_layers(root: nn.Module) -> set[int]:
@@ -112,16 +119,16 @@ def find_unit_roots(root: nn.Module, config: ZeroConfig) -> list[tuple[str, nn.M
     names = config.wrap_module_classes or ()
     _check_classes_exist(root, names, "wrap_module_classes", "e.g. ('Block',), or None to wrap the repeated layers")
     leaves = config.leaf_module_classes or ()
-    _check_classes_exist(root, leaves, "leaf_module_classes", "e.g. ('MoEBlock',), or None for the MoE blocks")
+    _check_classes_exist(root, leaves, "leaf_module_classes", "e.g. ('MoEBlock',), or None for containers of experts")
     chosen: set[int] = set()
 
-    def visit(module: nn.Module, inside_leaf_unit: bool) -> int:
-        """Returns the parameter elements of ``module`` not yet claimed by a unit below it."""
-        leaf = inside_leaf_unit or is_leaf(module, config)  # Note [leaf modules]
+    def visit(name: str, module: nn.Module, inside_leaf_unit: bool) -> int:
+        """Returns the parameter elements of ``module`` (registered as ``name``) not yet claimed by a unit below."""
+        leaf = inside_leaf_unit or is_leaf(name, module, config)  # Note [leaf modules]
         remaining = sum(p.numel() for p in module.parameters(recurse=False))
-        for child in module.children():
-            remaining += visit(child, leaf)
-        if module is root or inside_leaf_unit:
+        for child_name, child in module.named_children():
+            remaining += visit(child_name, child, leaf)
+        if module is root or inside_leaf_unit or not _has_forward(module):
             return remaining
         by_size = config.wrap_min_numel > 0 and remaining >= config.wrap_min_numel
         if remaining > 0 and (id(module) in by_class or _class_matches(module, names) or by_size):
@@ -129,7 +136,7 @@ def find_unit_roots(root: nn.Module, config: ZeroConfig) -> list[tuple[str, nn.M
             return 0
         return remaining
 
-    visit(root, inside_leaf_unit=False)
+    visit("", root, inside_leaf_unit=False)
     return [(name, m) for name, m in root.named_modules() if id(m) in chosen]
 
 
