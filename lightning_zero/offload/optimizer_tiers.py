@@ -182,8 +182,8 @@ class OptimizerTiers:
             return
         flags = [] if self.host is None else self.host.nonfinite(self._opt.reducer)
         reducer = self._reducer()
-        flag = reducer.take_nonfinite() if reducer is not None else None
-        for bad in [*flags, *([flag] if flag is not None else [])]:
+        flags += reducer.nonfinite(self._opt.buckets) if reducer is not None else []
+        for bad in flags:
             found.add_(bad.to(found.device))
 
     def set_gradient_transform(self, coefficient: Tensor | None, clamp: float | None) -> None:
@@ -273,6 +273,7 @@ class OptimizerTiers:
 
     def end_step(self) -> None:
         self._in_step = False
+        self._unscale = None
         if self.host is not None:
             self.host.end_step()
         if self.swapper is not None:

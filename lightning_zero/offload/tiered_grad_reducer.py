@@ -17,10 +17,10 @@ pass costs the gradients' bytes once more, instead of keeping them in memory or 
 
 fp16 loss scaling needs two things of every gradient before the first element is stepped: whether it is finite
 (the step is skipped by every rank otherwise) and its unscaled value. The check is made as each shard's reduction
-completes, while the shard is in memory anyway, and kept as one flag (``take_nonfinite``) that joins the overflow
-vote of ``ZeroOptimizer.reduce_gradients``; no extra read. Unscaling is one more factor applied as the step and the
-norm pass read the shards (``StateTiers.gradients_reduced``), in fp32, in the order the step without tiers applies
-them (unscale, then clip), so the numbers are the same.
+completes, while the shard is in memory anyway, and kept as a flag per bucket (``nonfinite``) that joins the
+overflow vote of ``ZeroOptimizer.reduce_gradients``; no extra read. Unscaling is one more factor applied as the
+step and the norm pass read the shards (``StateTiers.gradients_reduced``), in fp32, in the order the step without
+tiers applies them (unscale, then clip), so the numbers are the same.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class TieredGradReducer(ShardedGradReducer):
         self.check_finite = False
         """Loss scaling: each tiered shard is checked for inf/NaN as its reduction completes (Note [gradients on
         disk])."""
-        self._nonfinite: Tensor | None = None
+        self._nonfinite: dict[int, Tensor] = {}
+        """Per bucket index reduced since the gradients last restarted from zero: whether its shard holds inf/NaN."""
 
     def offloads(self, bucket: FlatBucket) -> bool:
         return self._tiered[bucket.index]
@@ -88,24 +89,24 @@ class TieredGradReducer(ShardedGradReducer):
         super()._complete(bucket)
         if self._tiered[bucket.index]:
             shard = self.shards[bucket.index]
-            if self.check_finite and shard is not None:  # accumulated (an earlier inf stays non-finite)
+            if self.check_finite and shard is not None:  # the accumulated shard: an earlier inf stays non-finite
                 bad = torch.isfinite(shard).logical_not().any()
-                self._nonfinite = bad if self._nonfinite is None else self._nonfinite.logical_or(bad)
+                earlier = self._nonfinite.get(bucket.index)
+                self._nonfinite[bucket.index] = bad if earlier is None else earlier.logical_or(bad)
             self.swapper.release(grad_key(bucket), write=True)
 
-    def take_nonfinite(self) -> Tensor | None:
-        """Whether a tiered shard reduced since the last step holds inf/NaN (a 0-d bool tensor; None: none checked),
-        forgotten once taken."""
-        found, self._nonfinite = self._nonfinite, None
-        return found
+    def nonfinite(self, buckets: Sequence[FlatBucket]) -> list[Tensor]:
+        """For those of ``buckets`` reduced since the gradients restarted from zero: whether each one's tiered shard
+        holds inf/NaN (0-d bools). Each optimizer asks about its own buckets."""
+        return [self._nonfinite[b.index] for b in buckets if b.index in self._nonfinite]
 
     def consume(self) -> None:
-        self._nonfinite = None
+        self._nonfinite.clear()
         super().consume()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        self._nonfinite = None
+        self._nonfinite.clear()
 
     def load_grad(self, bucket: FlatBucket) -> Tensor:
         """The bucket's gradient shard, read back for the step or the norm pass; ``drop_grad`` when done."""
