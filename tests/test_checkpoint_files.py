@@ -12,20 +12,23 @@ import re
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from lightning_zero.checkpoint import local_commit, sharded_checkpoint
 from lightning_zero.checkpoint.files import (
     DCP_METADATA_FILE,
     LIGHTNING_STATE_FILE,
     CheckpointError,
-    commit,
     remove,
+    stage_save,
 )
 from lightning_zero.checkpoint.format import SafeLoadPlanner
+from lightning_zero.checkpoint.local_commit import commit, recover_interrupted_commits
 from lightning_zero.checkpoint.sharded_checkpoint import (
     load_checkpoint,
     load_full_state_dict,
@@ -33,6 +36,7 @@ from lightning_zero.checkpoint.sharded_checkpoint import (
     save_sharded_checkpoint,
     sharded_model_state,
 )
+from lightning_zero.checkpoint.storage import locate
 from lightning_zero.cli.consolidate import consolidate_checkpoint
 from lightning_zero.models.mlp import MLP
 from lightning_zero.sharding.flat_bucket import build_buckets
@@ -245,3 +249,113 @@ def test_commit_replaces_whatever_is_there_and_leaves_nothing_behind(tmp_path, e
     remove(tmp_path / "link.ckpt")  # removing a link never touches what it points to
     remove(final)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.ckpt"]
+
+
+# -- a crash inside the commit where the filesystem cannot exchange (NFS, Lustre, FUSE) -------------------------------
+class _Crash(BaseException):
+    """The process dies here: nothing after it runs, no cleanup either."""
+
+
+def _weights_of(offset: float) -> MLP:
+    module = _mlp()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(offset)
+    return module
+
+
+def _loaded_weights(path: Path) -> dict[str, torch.Tensor]:
+    module = _mlp()
+    _load(module, path)
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def _same(a: dict[str, torch.Tensor], b: nn.Module) -> bool:
+    return all(torch.equal(a[n], p) for n, p in b.named_parameters())
+
+
+CRASH_POINTS = ["before the first rename", "between the renames", "before deleting the previous one"]
+
+
+def _crash_in_second_commit(final: Path, point: str, first: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Save twice under ``final``, the second time on a filesystem that cannot exchange, dying at ``point``.
+
+    ``first="without exchange"``: the first save too (``final`` is a link); ``"with exchange"``: a real directory."""
+    with monkeypatch.context() as patch:
+        if first == "without exchange":
+            patch.setattr(local_commit, "_exchange", lambda a, b: False)
+        _save(_weights_of(0.0), final)
+    assert final.is_symlink() == (first == "without exchange")
+    renames: list[tuple[str, str]] = []
+    rename = os.rename
+
+    def rename_or_die(src: Any, dst: Any) -> None:
+        if Path(dst).parent != final.parent:  # DCP's own renames inside the staged directory
+            return rename(src, dst)
+        renames.append((os.fspath(src), os.fspath(dst)))
+        if (point, len(renames)) in (("before the first rename", 1), ("between the renames", 2)):
+            raise _Crash
+        return rename(src, dst)
+
+    def die(path: Path, missing_ok: bool = False) -> None:
+        raise _Crash
+
+    with monkeypatch.context() as patch:
+        patch.setattr(local_commit, "_exchange", lambda a, b: False)
+        patch.setattr(sharded_checkpoint, "abandon_save", lambda staged, target: None)  # a dead process cleans nothing
+        patch.setattr(local_commit.os, "rename", rename_or_die)
+        if point == "before deleting the previous one":
+            patch.setattr(local_commit, "_delete", die)
+        with pytest.raises(_Crash):
+            _save(_weights_of(1.0), final)
+    assert len(renames) == (1 if point == "before the first rename" else 2), renames
+
+
+@pytest.mark.parametrize("first", ["without exchange", "with exchange"])
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_a_crash_in_a_commit_without_exchange_leaves_a_checkpoint_that_the_next_save_keeps(
+    tmp_path, point, first, monkeypatch
+):
+    final = tmp_path / "last.ckpt"
+    _crash_in_second_commit(final, point, first, monkeypatch)
+    expected = _weights_of(1.0 if point == "before deleting the previous one" else 0.0)
+    # Committed through a link, the name never goes missing; only replacing a real directory can leave that moment.
+    assert final.exists() == (first == "without exchange" or point != "between the renames")
+    if final.exists():
+        assert _same(_loaded_weights(final), expected)
+    # The next save of the name starts by staging its directory: the checkpoint is there, and stays there.
+    stage_save(locate(final))
+    assert final.exists()
+    assert _same(_loaded_weights(final), expected)
+    # ... and once it commits, only the new checkpoint is left (a link and the one directory it names, or the
+    # directory itself).
+    monkeypatch.setattr(local_commit, "_exchange", lambda a, b: False)
+    _save(_weights_of(2.0), final)
+    assert final.is_symlink() == (first == "without exchange")
+    assert _same(_loaded_weights(final), _weights_of(2.0))
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".last.ckpt.data-")] == ["last.ckpt"]
+    assert len(list(tmp_path.iterdir())) == (2 if first == "without exchange" else 1)
+    remove(final)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_left_between_the_renames_is_found_by_a_load_and_by_the_directory_scan(tmp_path, monkeypatch):
+    final, other = tmp_path / "a" / "last.ckpt", tmp_path / "b" / "last.ckpt"
+    for path in (final, other):
+        path.parent.mkdir()
+        _crash_in_second_commit(path, "between the renames", "with exchange", monkeypatch)
+        assert not path.exists()
+    # Loading the name puts the previous checkpoint back and loads it.
+    assert _same(_loaded_weights(final), _weights_of(0.0))
+    assert recover_interrupted_commits(other.parent) == [other]
+    assert _same(_loaded_weights(other), _weights_of(0.0))
+    assert recover_interrupted_commits(other.parent) == []
+
+
+def test_removing_a_link_made_by_lightning_keeps_what_it_points_to(tmp_path, monkeypatch):
+    monkeypatch.setattr(local_commit, "_exchange", lambda a, b: False)
+    target = _save(_mlp(), tmp_path / "epoch=0-step=1.ckpt")
+    assert target.is_symlink()  # committed as a link: this filesystem "cannot exchange"
+    (tmp_path / "last.ckpt").symlink_to(target.name)  # Lightning's save_last="link"
+    remove(tmp_path / "last.ckpt")
+    assert _loaded_weights(target)

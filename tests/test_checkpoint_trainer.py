@@ -403,3 +403,39 @@ def test_crash_mid_save_keeps_the_previous_checkpoint_and_never_offers_the_parti
         # ckpt_path="last" resolves to the complete checkpoint of step 2; the next save clears the partial one.
         assert run_distributed(_resume_from_last, 2, root, init_process_group=False) == [2, 2]
         assert sorted(os.listdir(f"{root}/ck")) == ["last.ckpt"]
+
+
+def _die_in_the_second_commit_without_exchange(root: str) -> None:
+    from lightning_zero.checkpoint import local_commit
+
+    local_commit._exchange = lambda a, b: False  # type: ignore[assignment]  # as on NFS, Lustre, FUSE
+    rename, into_last = os.rename, []
+
+    def rename_or_die(src: Any, dst: Any) -> None:
+        if os.fspath(dst) == f"{root}/ck/last.ckpt":
+            into_last.append(src)
+            if len(into_last) == 2 and dist.get_rank() == 0:  # the new save is complete, its commit not done
+                os.kill(os.getpid(), signal.SIGKILL)
+        rename(src, dst)
+
+    os.rename = rename_or_die  # type: ignore[assignment]
+    fit(
+        zero(2),
+        2,
+        4,
+        root,
+        callbacks=[ModelCheckpoint(dirpath=f"{root}/ck", every_n_train_steps=2, save_top_k=0, save_last=True)],
+    )
+
+
+@pytest.mark.timeout(120)
+def test_crash_in_a_commit_without_exchange_resumes_from_the_previous_checkpoint():
+    """On a filesystem without RENAME_EXCHANGE (NFS, Lustre, FUSE) last.ckpt is a link renamed over the old one."""
+    with tempfile.TemporaryDirectory() as root:
+        with pytest.raises(DistributedTestError, match="rank 0") as crash:
+            run_distributed(_die_in_the_second_commit_without_exchange, 2, root, init_process_group=False, timeout=60)
+        assert "SIGKILL" in crash.value.failures[0]
+        assert os.path.islink(f"{root}/ck/last.ckpt")  # still the first save's
+        # ckpt_path="last" resolves to the complete checkpoint of step 2; its next save clears what is left.
+        assert run_distributed(_resume_from_last, 2, root, init_process_group=False) == [2, 2]
+        assert sorted(os.listdir(f"{root}/ck")) == ["last.ckpt"]

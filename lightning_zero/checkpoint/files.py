@@ -9,26 +9,16 @@ anything else before it is built, and then checks the structure (file names stay
 present and long enough). DCP also stores non-tensor values as pickles that ``DefaultLoadPlanner.load_bytes`` opens
 with ``weights_only=False``; we never write those and ``SafeLoadPlanner`` refuses to read them.
 
-Note [atomic commit]
-On a local filesystem (remote URLs: Note [commit on an object store] in ``storage.py``), a save writes into a hidden
-sibling ``.<name>.partial-<token>`` (never matched by Lightning's ``*.ckpt`` / ``last*`` lookups). Rank 0 writes
-``lightning_state.pt`` only after DCP has finished every rank's files and ``.metadata`` (all fsynced), then commits
-with one rename. Replacing an existing checkpoint (``last.ckpt`` is saved over and over) swaps the two directories
-atomically with ``renameat2(RENAME_EXCHANGE)`` and deletes the old one afterwards, so at every instant ``<name>`` is
-either the old complete checkpoint or the new complete one. A crash leaves at most a hidden partial directory,
-removed by the next save of the same name. Removal renames before deleting, for the same reason.
+The local commit itself (Note [atomic commit]) is ``local_commit.py``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import io
 import os
 import pickle
-import shutil
-import uuid
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,6 +29,13 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from lightning_zero.checkpoint.local_commit import (
+    commit,
+    partial_sibling,
+    remove_local,
+    remove_stale_siblings,
+    write_synced,
+)
 from lightning_zero.checkpoint.storage import (
     Location,
     locate,
@@ -260,44 +257,8 @@ def abandon_save(staged: Location, target: Location) -> None:
         remove_stale_siblings(target.local)
 
 
-def partial_sibling(path: Path) -> Path:
-    return path.with_name(f".{path.name}.partial-{uuid.uuid4().hex[:12]}")
-
-
-def remove_stale_siblings(path: Path) -> None:
-    """Delete what interrupted saves and removals of ``path`` left behind."""
-    for stale in list(path.parent.glob(f".{path.name}.partial-*")) + list(path.parent.glob(f".{path.name}.trash-*")):
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-def write_synced(obj: object, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def commit(staged: Path, final: Path) -> None:
-    """Make the complete directory ``staged`` appear as ``final`` in one step, replacing what was there."""
-    _fsync_directory(staged)
-    previous: Path | None = None
-    if not os.path.lexists(final):
-        os.rename(staged, final)
-    elif _exchange(staged, final):
-        previous = staged  # the exchange left the old checkpoint (or file, or link) where the new one was
-    else:
-        # No atomic exchange on this OS or filesystem: a crash between the two renames leaves the old checkpoint
-        # under a hidden name instead of ``final``, never a partial one under ``final``.
-        previous = final.with_name(f".{final.name}.trash-{uuid.uuid4().hex[:12]}")
-        os.rename(final, previous)
-        os.rename(staged, final)
-    _fsync_directory(final.parent)
-    if previous is not None:
-        _delete(previous)
-
-
 def remove(checkpoint: str | os.PathLike[str]) -> None:
-    """Remove a checkpoint file, directory or link; a directory is renamed away first, then deleted.
+    """Remove a checkpoint file, directory or link (``local_commit.remove_local``).
 
     On a remote URL, ``lightning_state.pt`` goes first: without it what is left is never taken for a checkpoint."""
     target = locate(checkpoint)
@@ -308,41 +269,4 @@ def remove(checkpoint: str | os.PathLike[str]) -> None:
         with contextlib.suppress(FileNotFoundError):
             target.fs.rm(target.path, recursive=True)
         return
-    path = target.local
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.is_dir():
-        trash = path.with_name(f".{path.name}.trash-{uuid.uuid4().hex[:12]}")
-        os.rename(path, trash)
-        shutil.rmtree(trash)
-
-
-def _delete(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
-
-
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths with Linux ``renameat2(RENAME_EXCHANGE)``; False where unsupported."""
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    # Nonzero (EINVAL, ENOSYS): the filesystem cannot exchange; the caller falls back to two renames.
-    return bool(renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0)
-
-
-def _fsync_directory(path: Path) -> None:
-    with contextlib.suppress(OSError):  # some filesystems cannot open or sync a directory
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    remove_local(target.local)

@@ -58,6 +58,7 @@ from lightning_zero.checkpoint.format import (
     open_committed,
 )
 from lightning_zero.checkpoint.full import full_checkpoint_sources, state_dict_sources
+from lightning_zero.checkpoint.local_commit import recover_interrupted_commit
 from lightning_zero.checkpoint.slices import LoadPlan, owned_parameter_slices, read_whole
 from lightning_zero.checkpoint.storage import ChecksummingWriter, Location, locate
 from lightning_zero.checkpoint.tiered import Span, TierStorage, chunk_of
@@ -214,6 +215,10 @@ def load_checkpoint(
     ``state_dict`` the full averaged copy of the model if the save had one (``save_sharded_checkpoint(averaged=)``).
     """
     checkpoint = locate(path)
+    if not checkpoint.remote and (process_group is None or process_group.rank() == 0):
+        recover_interrupted_commit(checkpoint.local)  # Note [atomic commit]
+    if process_group is not None:
+        dist.barrier(group=process_group)
     checkpoint.forget_listings()
     slices = owned_parameter_slices(zero_optimizers, gatherer)
     if checkpoint.isfile():  # e.g. a DDP run's checkpoint: full tensors, sliced here

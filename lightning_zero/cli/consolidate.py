@@ -28,12 +28,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint.files import (
-    CheckpointError,
-    SafeReader,
-    partial_sibling,
-    write_synced,
-)
+from lightning_zero.checkpoint.files import CheckpointError, SafeReader
 from lightning_zero.checkpoint.format import (
     FlatChunk,
     SafeLoadPlanner,
@@ -42,6 +37,7 @@ from lightning_zero.checkpoint.format import (
     model_key,
     open_committed,
 )
+from lightning_zero.checkpoint.local_commit import partial_sibling, recover_interrupted_commit, write_synced
 from lightning_zero.checkpoint.storage import Location, locate, put_atomically, serialized
 from lightning_zero.compat import dcp_load
 
@@ -63,6 +59,8 @@ def consolidate_checkpoint(
     if weights not in ("live", "ema"):
         raise ValueError(f"Invalid weights: {weights!r}. Expected 'live' (the trained weights) or 'ema'.")
     directory, out = locate(ckpt_dir), locate(out_file)
+    if not directory.remote:
+        recover_interrupted_commit(directory.local)  # Note [atomic commit]
     directory.forget_listings()
     state, toc, data, metadata = open_committed(directory)
     reader = SafeReader(data, metadata, toc["files"])
