@@ -74,8 +74,11 @@ def test_every_tier_trains_in_every_precision_as_ddp_and_as_zero_without_tiers(p
         assert crashed == {}, "\n".join(f"{k}: {runs[k]['trace']}" for k in crashed)
         ddp, untiered = runs["ddp"], runs[f"stage{stage}"]
         _assert_close(f"stage{stage}", untiered, ddp, TOLERANCE)
-        for label in variants:
+        for label, variant in variants.items():
             run = runs[label]
+            on_disk = "disk" in (variant.get("offload_optimizer"), variant.get("offload_params"))
+            assert (run["tiers"][2] > 0) == on_disk, (label, run["tiers"])  # the tier was used...
+            assert (run["host_copies"][0] > 0) == bool(variant.get("copies")), label  # ...and the copy path taken
             _assert_close(f"{label} against DDP", run, ddp, TOLERANCE)
             _assert_close(f"{label} against ZeRO without tiers", run, untiered, EXACT)
             # optimizer.state_dict() reads the state from the tiers: Adam's moments, step counts, as without them
