@@ -13,11 +13,13 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import lightning
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
+from packaging.version import Version
 from torch import Tensor, nn
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.utils.data import DataLoader, TensorDataset
@@ -226,6 +228,8 @@ def _resume_exactly(root: str, stage: int, devices: int, boundary_too: bool, pre
     ],
 )
 def test_resumed_training_is_bit_identical_to_uninterrupted(stage, devices, boundary_too, precision):
+    if boundary_too and Version(lightning.__version__) < Version("2.5"):
+        pytest.skip("Lightning 2.4 resumes a checkpoint saved at the end of an epoch inexactly, under DDP too")
     with tempfile.TemporaryDirectory() as root:
         for uninterrupted, *resumed in run_distributed(
             _resume_exactly, devices, root, stage, devices, boundary_too, precision, init_process_group=False
