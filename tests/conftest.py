@@ -1,4 +1,4 @@
-"""Shared pytest configuration: ``gpu`` / ``slow`` markers and an importable ``tests`` package.
+"""Shared pytest configuration: ``gpu`` / ``gpus(n)`` / ``slow`` markers and an importable ``tests`` package.
 
 Convention: test modules import the harness as ``from tests.harness import run_distributed`` (``tests`` is a
 package, see ``tests/__init__.py``).
@@ -27,14 +27,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     # Registered here (not only in pyproject) so ``--strict-markers`` accepts them wherever pytest is run from.
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped when torch.cuda.is_available() is False")
+    config.addinivalue_line(
+        "markers", "gpus(n): needs n CUDA devices (one NCCL rank per GPU); skipped, saying so, on a machine with fewer"
+    )
     config.addinivalue_line("markers", "slow: long-running; skipped unless --runslow is given")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_slow = None if config.getoption("--runslow") else pytest.mark.skip(reason="slow test: use --runslow")
-    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
+    # device_count() asks the driver without creating a CUDA context: the ranks the harness forks start clean.
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    skip_gpu = None if gpus else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if skip_slow is not None and item.get_closest_marker("slow") is not None:
             item.add_marker(skip_slow)
         if skip_gpu is not None and item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)
+        needs = item.get_closest_marker("gpus")
+        if needs is not None and gpus and gpus < needs.args[0]:
+            reason = f"needs {needs.args[0]} GPUs (NCCL refuses two ranks on one GPU); this machine has {gpus}"
+            item.add_marker(pytest.mark.skip(reason=reason))

@@ -1,13 +1,19 @@
-"""The CUDA + NCCL path, for the day a machine with GPUs runs the suite (skipped without CUDA: ``gpu`` marker).
+"""The CUDA path, for the machines with GPUs that run it (skipped without CUDA: ``gpu`` marker).
 
-Nothing here has run yet: no machine of the project has a GPU. Each test needs ``torch.cuda.device_count() >= 2``
-(one NCCL rank per GPU) and says what it checks; the harness starts the ranks as for the gloo tests, and Lightning
-(``init_process_group=False``) creates the NCCL group from the variables it sets.
+What needs one NCCL rank per GPU is marked ``gpus(2)`` and skips, saying so, on a machine with one GPU (NCCL refuses
+two ranks on one device); the rest runs on one GPU: world size 1 on NCCL for the CUDA kernels, streams, pinned memory
+and the allocator, and two ranks sharing the GPU over gloo for multi-rank parity. ``scripts/gpu_check.sh`` runs this
+file on a GPU machine and records every outcome (``benchmarks/README.md``, "What has run on GPUs"). The harness starts
+the ranks as for the gloo tests, and Lightning (``init_process_group=False``) creates the NCCL group from the
+variables it sets.
 
-- parity with ``Trainer(strategy="ddp")`` for every stage, fp32, losses and weights step by step;
-- peak ``torch.cuda.max_memory_allocated`` of a stage-3 (and stage-1/2) step within the model-state formula plus
-  the measured activations of the same model and the communication buffers the design allows;
-- a profiler trace in which stage 3's all-gather kernels overlap compute kernels (Note [collective streams]);
+- parity with ``Trainer(strategy="ddp")`` for every stage, fp32 and bf16-mixed, with the host tier (optimizer, and
+  parameters at stage 3) and the ``zero3_offload`` preset, losses and weights step by step;
+- the host tier's copies ordered against compute with ``torch.cuda._sleep`` widening every race window, its masters
+  pinned in host memory;
+- peak ``torch.cuda.max_memory_allocated`` of a step within the model-state formula plus the measured activations
+  of the same model and the communication buffers the design allows;
+- a profiler trace in which stage 3's all-gather kernels overlap compute kernels (Note [collective streams]; 2 GPUs);
 - teardown: ``fit``, ``validate``, ``fit`` keeps the stage-3 model sharded on its GPU, nothing moved to the host.
 """
 
@@ -20,25 +26,29 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.utils.data import DataLoader
 
 import lightning_zero  # noqa: F401  (registers the presets)
 from lightning_zero import ZeroConfig, ZeroOptimizer, ZeroStrategy, expected_model_state_bytes, shard_module
 from lightning_zero.models.gpt import GPT, GPTConfig
+from lightning_zero.offload import host_copies
 from tests.harness import run_distributed
 from tests.test_strategy import STEPS, ParityModule, _dataset, _full_weights
 from tests.test_teardown import TrackedModule, _sharded_state
 
 pytestmark = pytest.mark.gpu
-GPUS = 2
 RTOL, ATOL = 1e-4, 1e-5  # NCCL's ring sums in another order than gloo's; both runs share every other kernel
+TOLERANCES = {"32-true": (RTOL, ATOL), "bf16-mixed": (2e-2, 2e-2)}  # bf16: as tests/test_mixed_precision.py
+WORLDS = [pytest.param(n, marks=pytest.mark.gpus(n), id=f"{n}gpu") for n in (1, 2)]
+"""One NCCL rank per GPU: a test parametrized by these runs on one GPU and, where there are two, on two."""
 
 
-def _gpu_trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
+def _gpu_trainer(strategy: Any, devices: int, **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(
         strategy=strategy,
         accelerator="gpu",
-        devices=GPUS,
+        devices=devices,
         max_steps=STEPS,
         logger=False,
         enable_checkpointing=False,
@@ -48,27 +58,41 @@ def _gpu_trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
     )
 
 
-def _gpu_fit(strategy: Any) -> dict[str, Any]:
+def _gpu_fit(strategy: Any, devices: int, precision: str = "32-true") -> dict[str, Any]:
     module = ParityModule("gpt", "adamw")
-    trainer = _gpu_trainer(strategy)
+    trainer = _gpu_trainer(strategy, devices, precision=precision)
     trainer.fit(module, DataLoader(_dataset("gpt", 2 * 4 * STEPS), batch_size=4))
-    weights = {n: w.cpu() for n, w in _full_weights(trainer, module.model).items()}
-    return {"losses": module.losses, "weights": weights, "backend": dist.get_backend()}
+    weights = {n: w.float().cpu() for n, w in _full_weights(trainer, module.model).items()}
+    dtypes = {str(p.dtype) for p in module.model.parameters()}
+    return {"losses": module.losses, "weights": weights, "backend": dist.get_backend(), "dtypes": dtypes}
 
 
-def _ddp_then_every_stage() -> list[dict[str, Any]]:
-    return [_gpu_fit("ddp")] + [_gpu_fit(ZeroStrategy(stage=s, bucket_numel=4_000)) for s in (1, 2, 3)]
+def assert_matches(run: dict[str, Any], reference: dict[str, Any], precision: str, what: str) -> None:
+    rtol, atol = TOLERANCES[precision]
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=rtol, atol=atol,
+                               msg=lambda m: f"{what}: per-step losses: {m}")  # fmt: skip
+    for name, expected in reference["weights"].items():
+        torch.testing.assert_close(run["weights"][name], expected, rtol=rtol, atol=atol, msg=f"{what} {name}")
 
 
-@pytest.mark.timeout(600)
-def test_every_stage_matches_ddp_on_gpus_with_nccl():
-    for reference, *sharded in run_distributed(_ddp_then_every_stage, GPUS, init_process_group=False):
-        for run in sharded:
+def _ddp_then_every_stage(devices: int) -> list[dict[str, Any]]:
+    return [_gpu_fit("ddp", devices)] + [
+        _gpu_fit(ZeroStrategy(stage=s, bucket_numel=4_000), devices) for s in (1, 2, 3)
+    ]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_stage_matches_ddp_on_gpus_with_nccl(world):
+    for reference, *sharded in run_distributed(_ddp_then_every_stage, world, world, init_process_group=False,
+                                               timeout=240):  # fmt: skip
+        for stage, run in enumerate(sharded, start=1):
             assert run["backend"] == "nccl"
-            torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=RTOL,
-                                       atol=ATOL)  # fmt: skip
-            for name, expected in reference["weights"].items():
-                torch.testing.assert_close(run["weights"][name], expected, rtol=RTOL, atol=ATOL, msg=name)
+            assert_matches(run, reference, "32-true", f"stage {stage}")
+
+
+def _world() -> int:
+    return int(os.environ["WORLD_SIZE"])  # before Lightning creates the group: the harness sets it
 
 
 def _nccl_group() -> torch.device:
@@ -120,15 +144,16 @@ def _peak_memory(stage: int) -> dict[str, int]:
         optimizer.zero_grad()
         torch.cuda.synchronize()
     psi = sum(b.numel for b in optimizer.reducer.buckets)
-    state = expected_model_state_bytes(psi, GPUS, stage, param_bytes=4, master_bytes=0).total
+    state = expected_model_state_bytes(psi, dist.get_world_size(), stage, param_bytes=4, master_bytes=0).total
     return {"peak": torch.cuda.max_memory_allocated(), "state": state, "activations": activations,
             "buffers": buffers, "inputs": tokens.numel() * tokens.element_size()}  # fmt: skip
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_peak_gpu_memory_is_the_formula_plus_activations(stage):
-    for m in run_distributed(_peak_memory, GPUS, stage, init_process_group=False):
+@pytest.mark.parametrize("world", WORLDS)
+def test_peak_gpu_memory_is_the_formula_plus_activations(world, stage):
+    for m in run_distributed(_peak_memory, world, stage, init_process_group=False, timeout=240):
         allowed = m["state"] + m["activations"] + m["buffers"] + m["inputs"]
         assert m["peak"] <= 1.05 * allowed, m  # 5%: allocator rounding to 512-byte blocks, kernel workspaces
 
@@ -162,9 +187,10 @@ def _all_gather_overlap() -> dict[str, float]:
     return {"gather_us": sum(end - start for start, end in gathers), "overlapped_us": overlapped}
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(300)
+@pytest.mark.gpus(2)  # at world size 1 there is nothing to gather from another rank
 def test_stage3_all_gathers_overlap_compute_on_gpus():
-    for m in run_distributed(_all_gather_overlap, GPUS, init_process_group=False):
+    for m in run_distributed(_all_gather_overlap, 2, init_process_group=False, timeout=240):
         assert m["gather_us"] > 0, m
         # Prefetched gathers run on their own stream while the previous unit computes (Note [collective streams]).
         assert m["overlapped_us"] >= 0.25 * m["gather_us"], m
@@ -172,7 +198,7 @@ def test_stage3_all_gathers_overlap_compute_on_gpus():
 
 def _teardown_on_gpu() -> dict[str, Any]:
     module = TrackedModule()
-    trainer = _gpu_trainer(ZeroStrategy(stage=3, persistence_threshold=100))
+    trainer = _gpu_trainer(ZeroStrategy(stage=3, persistence_threshold=100), _world())
     loader = DataLoader(_dataset("gpt", 2 * 4 * 2 * STEPS), batch_size=4)
     trainer.fit(module, loader)
     trainer.validate(module, DataLoader(_dataset("gpt", 16), batch_size=4), verbose=False)
@@ -183,9 +209,10 @@ def _teardown_on_gpu() -> dict[str, Any]:
     return {"state": state, "devices": devices, "moves": module.moves_after_run, "steps": len(module.losses)}
 
 
-@pytest.mark.timeout(600)
-def test_zero3_fit_validate_fit_stays_sharded_on_the_gpu():
-    for m in run_distributed(_teardown_on_gpu, GPUS, init_process_group=False):
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", WORLDS)
+def test_zero3_fit_validate_fit_stays_sharded_on_the_gpu(world):
+    for m in run_distributed(_teardown_on_gpu, world, init_process_group=False, timeout=240):
         assert m["devices"] == {"cuda"}, m  # nothing was moved to the host
         assert m["state"]["full"] == [], m
         assert m["state"]["detached"] == [], m
@@ -203,18 +230,87 @@ HOST_TIERS = [
 ]
 
 
-def _ddp_then_host_tiers() -> list[dict[str, Any]]:
-    return [_gpu_fit("ddp")] + [_gpu_fit(ZeroStrategy(**tier, bucket_numel=4_000)) for tier in HOST_TIERS]
+TIERED: list[str | dict[str, Any]] = [*HOST_TIERS, "zero3_offload"]  # the preset: both tiers in host memory
+"""The host-tier runs compared with DDP: ZeroStrategy arguments, or a registered preset's name."""
 
 
-@pytest.mark.timeout(900)
-def test_host_tier_matches_ddp_on_gpus():
-    for reference, *tiered in run_distributed(_ddp_then_host_tiers, GPUS, init_process_group=False):
-        for tier, run in zip(HOST_TIERS, tiered, strict=True):
-            torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=RTOL,
-                                       atol=ATOL, msg=str(tier))  # fmt: skip
-            for name, expected in reference["weights"].items():
-                torch.testing.assert_close(run["weights"][name], expected, rtol=RTOL, atol=ATOL, msg=f"{tier} {name}")
+def _tiered_strategy(tier: str | dict[str, Any]) -> Any:
+    return tier if isinstance(tier, str) else ZeroStrategy(**tier, bucket_numel=4_000)
+
+
+def _ddp_then_host_tiers(devices: int, precision: str) -> list[dict[str, Any]]:
+    return [_gpu_fit("ddp", devices, precision)] + [_gpu_fit(_tiered_strategy(t), devices, precision) for t in TIERED]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", WORLDS)
+def test_host_tier_matches_ddp_on_gpus(world):
+    for reference, *tiered in run_distributed(_ddp_then_host_tiers, world, world, "32-true",
+                                              init_process_group=False, timeout=240):  # fmt: skip
+        for tier, run in zip(TIERED, tiered, strict=True):
+            assert_matches(run, reference, "32-true", str(tier))
+
+
+def _ddp_then_bf16_runs() -> list[dict[str, Any]]:
+    stages: list[str | dict[str, Any]] = [{"stage": s} for s in (1, 2, 3)]
+    return [_gpu_fit("ddp", 1, "bf16-mixed")] + [
+        _gpu_fit(_tiered_strategy(v), 1, "bf16-mixed") for v in stages + TIERED
+    ]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.gpus(1)
+def test_bf16_mixed_every_stage_and_host_tier_matches_ddp_on_one_gpu():
+    ((reference, *runs),) = run_distributed(_ddp_then_bf16_runs, 1, init_process_group=False, timeout=240)
+    for variant, run in zip([f"stage {s}" for s in (1, 2, 3)] + [str(t) for t in TIERED], runs, strict=True):
+        assert run["dtypes"] == {"torch.bfloat16"}, variant  # ZeRO's bf16-mixed: bf16 parameters, fp32 masters
+        assert_matches(run, reference, "bf16-mixed", variant)
+
+
+# Note: `torch.cuda._sleep` makes the compute stream (or the copy stream) busy for that many GPU cycles (about
+# 1 ms per 2M on an H100), so an ordering the tier forgot (a copy that does not wait for the kernel that writes its
+# source, a reader that does not wait for the copy) reads stale or zeroed memory and the run leaves DDP's numbers.
+SLEEP_CYCLES = 2_000_000
+
+
+def _sleepy_copies() -> None:
+    """Every host-tier copy: its device source is zeroed and restored after a sleep on the compute stream, and the
+    copy itself starts after a sleep on the copy stream."""
+    original = host_copies.CopyStream.copy
+
+    def copy(self: host_copies.CopyStream, dst: Tensor, src: Tensor) -> host_copies.Copy:
+        if self.stream is not None and src.is_cuda:
+            saved = src.clone()
+            src.zero_()
+            torch.cuda._sleep(SLEEP_CYCLES)
+            src.copy_(saved)  # the source holds its value again only once the sleep is over
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                torch.cuda._sleep(SLEEP_CYCLES)  # the copy lands late: whoever reads it early reads old bytes
+        return original(self, dst, src)
+
+    host_copies.CopyStream.copy = copy  # type: ignore[method-assign]  # this rank only: a process of its own
+
+
+SLEEPY_TIERS: list[dict[str, Any]] = [
+    {"stage": 2, "offload_optimizer": "cpu"},
+    {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+]
+
+
+def _ddp_then_sleepy_tiers() -> list[dict[str, Any]]:
+    reference = _gpu_fit("ddp", 1)
+    _sleepy_copies()
+    return [reference] + [_gpu_fit(ZeroStrategy(**tier, bucket_numel=4_000), 1) for tier in SLEEPY_TIERS]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.gpus(1)
+def test_host_tier_copies_are_ordered_against_compute_with_sleeps_widening_the_races():
+    ((reference, *runs),) = run_distributed(_ddp_then_sleepy_tiers, 1, init_process_group=False, timeout=240)
+    for tier, run in zip(SLEEPY_TIERS, runs, strict=True):
+        assert_matches(run, reference, "32-true", f"{tier} with sleeps")
 
 
 def _host_tier_step(offload_params: str) -> dict[str, Any]:
@@ -268,10 +364,13 @@ def _host_tier_step(offload_params: str) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("offload_params", ["none", "cpu"])
-def test_host_tier_keeps_masters_and_state_pinned_on_the_host_and_copies_gradients_during_backward(offload_params):
-    for m in run_distributed(_host_tier_step, GPUS, offload_params, init_process_group=False):
+@pytest.mark.parametrize("world", WORLDS)
+def test_host_tier_keeps_masters_and_state_pinned_on_the_host_and_copies_gradients_during_backward(
+    world, offload_params
+):
+    for m in run_distributed(_host_tier_step, world, offload_params, init_process_group=False, timeout=240):
         assert m["masters"] == {("cpu", True)}, m
         assert m["state"] == {"cpu"}, m
         assert m["shards"] == {"cuda"}, m
