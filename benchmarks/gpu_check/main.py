@@ -155,6 +155,7 @@ def main(argv: list[str]) -> int:
         summary["elapsed_s"] = round(time.monotonic() - begin, 1)
         print(f"[gpu_check] {name}: {record['status']} in {record.get('seconds', 0):.1f} s", flush=True)
         write(out, summary)
+    print(render(summary).split("\n## ", 1)[0], flush=True)  # the table: also in the output when no file comes back
     return 0
 
 
