@@ -359,3 +359,18 @@ def test_removing_a_link_made_by_lightning_keeps_what_it_points_to(tmp_path, mon
     (tmp_path / "last.ckpt").symlink_to(target.name)  # Lightning's save_last="link"
     remove(tmp_path / "last.ckpt")
     assert _loaded_weights(target)
+
+
+def test_without_exchange_or_links_a_commit_renames_through_the_previous_name(tmp_path, monkeypatch):
+    def no_links(*args: Any) -> None:
+        raise OSError("symbolic links are not supported")
+
+    monkeypatch.setattr(local_commit, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(local_commit.os, "symlink", no_links)
+    final = tmp_path / "last.ckpt"
+    for offset in (0.0, 1.0):
+        _save(_weights_of(offset), final)
+        assert final.is_dir()
+        assert not final.is_symlink()
+        assert _same(_loaded_weights(final), _weights_of(offset))
+        assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]

@@ -18,13 +18,14 @@ loaders follow the link; ``remove_local`` deletes the link first, then the data 
 
 So at every instant ``<name>`` is either the old complete checkpoint or the new complete one, and a crash leaves at most
 hidden leftovers (``.partial-``, ``.data-`` not linked, ``.link-``, ``.trash-``, ``.probe-``), removed by the next save
-of the same name. Removal renames before deleting, for the same reason. One case is left: a real directory already under
-``<name>`` on a filesystem that cannot exchange (made elsewhere, or copied there). It is replaced by two renames, the
-old one to ``.<name>.previous-<token>`` first, so that a crash between them leaves it under a name that says what it is:
-``recover_interrupted_commit`` renames it back, when the checkpoint is loaded by its name (``consolidate`` too) and when
-the next save of that name starts, and it is deleted only once ``<name>`` exists again (a directory cannot become a link
-without such a moment, so every save of that name replaces it so). Lightning resolves ``ckpt_path="last"`` before any
-strategy code runs, so in this one case a resume by ``"last"`` right after such a crash does not see it: pass the path.
+of the same name. Removal renames before deleting, for the same reason. One case is left: a filesystem that cannot
+exchange and finds a real directory already under ``<name>`` (made elsewhere, or copied there), or that has no links
+either. There the old checkpoint is renamed to ``.<name>.previous-<token>`` and the new one to ``<name>``, so that a
+crash between the two renames leaves it under a name that says what it is: ``recover_interrupted_commit`` renames it
+back when the checkpoint is loaded by its name (``consolidate`` too) and when the next save of that name starts, and it
+is deleted only once ``<name>`` exists again (a directory cannot become a link without such a moment, so every save of
+that name goes this way). Lightning resolves ``ckpt_path="last"`` before any strategy code runs, so in this one case a
+resume by ``"last"`` right after such a crash does not see it: pass the path.
 """
 
 from __future__ import annotations
@@ -60,13 +61,13 @@ def commit(staged: Path, final: Path) -> None:
     previous: Path | None = None
     old_data = _linked_data(final)  # replaced by a link or not, the data of a link we made goes with it
     if not os.path.lexists(final):
-        if _can_exchange(final):
+        if _can_exchange(final) or not _can_link(final):
             os.rename(staged, final)
         else:
             _link(staged, final)
     elif _exchange(staged, final):
         previous = staged  # the exchange left the old checkpoint (or file, or link) where the new one was
-    elif final.is_symlink() or not final.is_dir():
+    elif (final.is_symlink() or not final.is_dir()) and _can_link(final):
         _link(staged, final)
     else:
         # A real directory that cannot be exchanged: Note [atomic commit], its last case.
@@ -181,6 +182,17 @@ def _can_exchange(beside: Path) -> bool:
         for probe in probes:
             with contextlib.suppress(OSError):
                 probe.rmdir()
+
+
+def _can_link(beside: Path) -> bool:
+    """Whether the filesystem of ``beside``'s directory has symbolic links (some FUSE mounts do not)."""
+    probe = _sibling(beside, "probe")
+    try:
+        os.symlink(probe.name, probe)
+    except OSError:
+        return False
+    probe.unlink()
+    return True
 
 
 def _fsync_directory(path: Path) -> None:
