@@ -134,11 +134,18 @@ class _Probe(ProbeModule):
         self.trained_with = _norms(self)
 
 
-def _fit(strategy: str, sync_batchnorm: bool, steps: int = 4) -> dict[str, Any]:
-    import lightning_zero  # noqa: F401  (registers "zero1", "zero2", "zero3")
+class _ValidatedProbe(_Probe):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        assert self.model is not None
+        assert self._loss is not None
+        self._loss(self.model, batch)
 
-    module = _Probe("batchnorm_mlp", steps=steps)
-    trainer = pl.Trainer(
+    def val_dataloader(self) -> Any:
+        return self.train_dataloader()
+
+
+def _trainer(strategy: str, sync_batchnorm: bool, steps: int) -> pl.Trainer:
+    return pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
@@ -151,6 +158,13 @@ def _fit(strategy: str, sync_batchnorm: bool, steps: int = 4) -> dict[str, Any]:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
+
+
+def _fit(strategy: str, sync_batchnorm: bool, steps: int = 4, build_in: str = "init") -> dict[str, Any]:
+    import lightning_zero  # noqa: F401  (registers "zero1", "zero2", "zero3")
+
+    module = _Probe("batchnorm_mlp", steps=steps, build_in=build_in)  # type: ignore[arg-type]
+    trainer = _trainer(strategy, sync_batchnorm, steps)
     trainer.fit(module)
     assert module.model is not None
     weights, buffers = full_state(trainer, module.model)
@@ -177,6 +191,8 @@ def _runs() -> dict[str, dict[str, Any]]:
     try:
         with sync_batchnorm_on_cpu():
             runs = {s: _fit(s, sync_batchnorm=True) for s in STRATEGIES}
+            # Stage 3 on the meta device: BatchNorm built there, converted, then materialized and sharded.
+            runs["zero3_meta"] = _fit("zero3", sync_batchnorm=True, build_in="configure_model")
     finally:
         DistributedDataParallel._passing_sync_batchnorm_handle = ddp_refusal  # type: ignore[method-assign]
         strategy_processes.refuse_sync_batchnorm_on_cpu = zero_refusal
@@ -208,6 +224,8 @@ def test_sync_batchnorm_matches_ddp_at_every_stage():
         for strategy in ("ddp", "zero1", "zero2"):
             assert runs[strategy]["after"] == ["_BatchNormXd"], strategy
         assert runs["zero3"]["after"] == ["SyncBatchNorm"]
+        assert runs["zero3_meta"]["norms"] == ["SyncBatchNorm"]
+        assert all(torch.isfinite(torch.tensor(runs["zero3_meta"]["losses"])))
         # The ranks train on different batches, so synchronized statistics are not what each rank sees alone.
         unsynced = runs["ddp_unsynced"]
         assert unsynced["norms"] == ["BatchNorm1d"]
@@ -215,7 +233,7 @@ def test_sync_batchnorm_matches_ddp_at_every_stage():
         assert not torch.allclose(unsynced["buffers"]["1.running_mean"], reference["buffers"]["1.running_mean"])
     assert ranks[0]["ddp"]["losses"] != ranks[1]["ddp"]["losses"]
     # Synchronized statistics are the same on both ranks; DDP's own also match across ranks.
-    for strategy in STRATEGIES:
+    for strategy in [*STRATEGIES, "zero3_meta"]:
         for name, value in ranks[0][strategy]["buffers"].items():
             torch.testing.assert_close(ranks[1][strategy]["buffers"][name], value, msg=f"{strategy} {name}")
 
@@ -239,10 +257,20 @@ def test_sync_batchnorm_on_cpu_is_refused_as_under_ddp():
                 errors,
             )
             assert "HINT:" in errors[strategy]
+        assert errors["zero3_after_validate"].startswith("Trainer(sync_batchnorm=True) cannot convert 'model.1'")
 
 
 def _refusals() -> dict[str, str]:
-    return {s: _refusal(s) for s in STRATEGIES}
+    errors = {s: _refusal(s) for s in STRATEGIES}
+    # Stage 3 sharded the model in a validate without converting it; a later fit cannot replace its layers.
+    module = _ValidatedProbe("batchnorm_mlp", steps=1)
+    trainer = _trainer("zero3", sync_batchnorm=True, steps=1)
+    trainer.validate(module)
+    try:
+        trainer.fit(module)
+    except ValueError as error:
+        errors["zero3_after_validate"] = str(error)
+    return errors
 
 
 def test_cpu_kernels_agree_with_batch_norm_on_one_rank():

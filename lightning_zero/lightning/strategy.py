@@ -131,8 +131,8 @@ class ZeroStrategy(ShardedCheckpointing):
         assert self.accelerator is not None
         assert self.model is not None
         self.accelerator.setup(trainer)
-        if self._gatherer is None:  # a sharded model keeps its layers: Note [teardown keeps the model sharded]
-            self.sync_layers(trainer)
+        # A sharded model keeps its layers: Note [teardown keeps the model sharded].
+        self.sync_layers(trainer, sharded=self._gatherer is not None)
         self.model = self.precision_plugin.convert_module(self.model)
         if self._tiers is None:
             assert self.lightning_module is not None

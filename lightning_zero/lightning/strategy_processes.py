@@ -177,13 +177,23 @@ class ProcessPerDevice(ParallelStrategy):
             self._fault_monitor = None
 
     # -- Trainer(sync_batchnorm=True) ---------------------------------------------------------------------------------
-    def sync_layers(self, trainer: pl.Trainer) -> None:
+    def sync_layers(self, trainer: pl.Trainer, sharded: bool = False) -> None:
         """Before fitting, apply Lightning's layer sync (BatchNorm -> SyncBatchNorm) as ``DDPStrategy.setup`` does,
-        and refuse it where DDP refuses it. Call before the model is moved, converted to a precision or sharded."""
+        and refuse it where DDP refuses it. Call before the model is moved, converted to a precision or sharded;
+        ``sharded``: it was sharded already (its layers cannot be replaced any more)."""
         sync = layer_sync(self)
         if trainer.state.fn != TrainerFn.FITTING or sync is None:
             return
         assert self.model is not None
+        if sharded:
+            unsynced = [n for n, m in self.model.named_modules() if type(m) in _BATCH_NORMS]
+            if unsynced:
+                raise ValueError(
+                    f"Trainer(sync_batchnorm=True) cannot convert {unsynced[0]!r} and the other BatchNorm layers of a "
+                    "model that stage 3 sharded in an earlier validate/test/predict: its sharded units hold those "
+                    "layers. HINT: fit before evaluating, or fit a freshly built model."
+                )
+            return
         self.model = sync.apply(self.model)
         self._layers_synced = True
         refuse_sync_batchnorm_on_cpu(self.model, self.root_device)
@@ -218,6 +228,10 @@ class ProcessPerDevice(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+"""The layers ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` replaces."""
 
 
 def refuse_sync_batchnorm_on_cpu(module: nn.Module, device: torch.device) -> None:
