@@ -148,8 +148,11 @@ def _shutdown(procs: Mapping[int, BaseProcess], doomed: Collection[int], stack_d
         p.join()
     stacks = {}
     for r in doomed:
-        with open(os.path.join(stack_dir, f"rank{r}.stacks")) as f:
-            stacks[r] = f.read().strip()
+        try:
+            with open(os.path.join(stack_dir, f"rank{r}.stacks")) as f:
+                stacks[r] = f.read().strip()
+        except FileNotFoundError:  # killed before it opened the file: its start outlasted the timeout
+            stacks[r] = "(none: the rank had not started)"
     return stacks
 
 

@@ -167,6 +167,14 @@ def test_hung_rank_is_killed_at_timeout() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_rank_killed_before_it_started_is_reported_as_not_finished() -> None:
+    # A timeout shorter than a rank's start: it is killed before it opens its stack-dump file.
+    with pytest.raises(DistributedTestError) as excinfo:
+        run_distributed(_rank_info, 1, timeout=0.001)
+    assert "did not finish within timeout" in excinfo.value.failures[0]
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(("how", "expected"), [("exit", "exited with code 3"), ("kill", "signal SIGKILL")])
 def test_rank_dying_without_reporting(how: str, expected: str) -> None:
     with pytest.raises(DistributedTestError) as excinfo:
