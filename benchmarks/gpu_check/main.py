@@ -44,13 +44,14 @@ SECTIONS: list[tuple[str, Section, float, float]] = [
 TOTAL_BUDGET = {"gpu": 480.0, "dry": 55.0}
 
 
-def parse(argv: list[str]) -> tuple[Config, float, list[str]]:
+def parse(argv: list[str]) -> tuple[Config, float, float, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="folder for summary.json, summary.md and the logs")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--dry", action="store_true", help="tiny sizes and budgets (the CPU test)")
     parser.add_argument("--only", default="", help="comma-separated sections to run (default: all)")
     parser.add_argument("--total-budget", type=float, default=None, help="seconds for everything")
+    parser.add_argument("--budget-scale", type=float, default=1.0, help="multiplies every budget (a loaded machine)")
     parser.add_argument("--inject-failure", default="", help="tests only: this section raises at its start")
     parser.add_argument("--inject-hang", default="", help="tests only: this section's ranks hang at their start")
     ns = parser.parse_args(argv)
@@ -67,7 +68,7 @@ def parse(argv: list[str]) -> tuple[Config, float, list[str]]:
         inject_hang=ns.inject_hang,
     )
     total = ns.total_budget if ns.total_budget is not None else TOTAL_BUDGET["dry" if ns.dry else "gpu"]
-    return config, total, only or names
+    return config, total * ns.budget_scale, ns.budget_scale, only or names
 
 
 def render(summary: dict[str, Any]) -> str:
@@ -123,7 +124,7 @@ def run_section(name: str, fn: Section, config: Config, ledger: Ledger) -> dict[
 
 
 def main(argv: list[str]) -> int:
-    config, total, selected = parse(argv)
+    config, total, scale, selected = parse(argv)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     begin = time.monotonic()
@@ -141,7 +142,7 @@ def main(argv: list[str]) -> int:
         if name not in selected:
             continue
         left = total - (time.monotonic() - begin)
-        budget = min(dry_budget if config.dry else gpu_budget, left - 2)
+        budget = min((dry_budget if config.dry else gpu_budget) * scale, left - 2)
         if config.inject_hang == name:
             budget = min(budget, 8.0)  # tests only: the hang is ended by the section's budget; keep it short
         if budget < 5:

@@ -10,9 +10,19 @@ from typing import Any
 import pytest
 
 
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+def _write(line: dict[str, Any]) -> None:
     path = os.environ.get("GPU_CHECK_PYTEST_LINES")
-    if not path or (report.when != "call" and report.outcome == "passed"):
+    if path:
+        with open(path, "a") as file:
+            file.write(json.dumps(line) + "\n")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _write({"collected": [item.nodeid for item in session.items]})
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when != "call" and report.outcome == "passed":
         return
     line: dict[str, Any] = {"test": report.nodeid, "when": report.when, "outcome": report.outcome,
                             "seconds": round(report.duration, 2)}  # fmt: skip
@@ -20,5 +30,4 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         line["reason"] = str(report.longrepr[2]).removeprefix("Skipped: ")
     elif report.failed:
         line["error"] = report.longreprtext[-2500:]
-    with open(path, "a") as file:
-        file.write(json.dumps(line) + "\n")
+    _write(line)
