@@ -17,9 +17,11 @@ What differs across the declared range (checked on torch 2.6.0, 2.7.0 and 2.13 w
 - DCP's ``load`` takes ``no_dist`` from 2.7; on 2.6 a load by one process inside a process group goes through the
   older ``load_state_dict``, which does (``dcp_load``).
 
-Not routed here: methods and attributes that Lightning's ``Strategy`` and ``Precision`` classes let a subclass
-override or set (``_configure_launcher``, ``_launcher``, ``_precision_plugin``, ``_clip_gradients``), which are the
-extension points of those classes; ``tests/test_compat.py`` checks that they are still there.
+Not routed here, but named and checked in ``tests/test_compat.py`` too: the methods and attributes that Lightning's
+``Strategy`` and ``Precision`` let a subclass override or set (``_configure_launcher``, ``_launcher``,
+``_precision_plugin``, ``_clip_gradients``), and attributes of torch's own objects read or set where the object is
+(an optimizer's hook registries, a storage's ``_cdata``, a tensor's ``_version``, an RNN's flat weights,
+``MultiheadAttention._reset_parameters``).
 """
 
 from __future__ import annotations
