@@ -40,6 +40,8 @@ from tests.test_teardown import TrackedModule, _sharded_state
 pytestmark = pytest.mark.gpu
 RTOL, ATOL = 1e-4, 1e-5  # NCCL's ring sums in another order than gloo's; both runs share every other kernel
 TOLERANCES = {"32-true": (RTOL, ATOL), "bf16-mixed": (2e-2, 2e-2)}  # bf16: as tests/test_mixed_precision.py
+RANKS_TIMEOUT = 120  # seconds for one test's ranks: a hang must not eat the other tests' share of a GPU session
+TEST_TIMEOUT = 180
 WORLDS = [pytest.param(n, marks=pytest.mark.gpus(n), id=f"{n}gpu") for n in (1, 2)]
 """One NCCL rank per GPU: a test parametrized by these runs on one GPU and, where there are two, on two."""
 
@@ -81,11 +83,11 @@ def _ddp_then_every_stage(devices: int) -> list[dict[str, Any]]:
     ]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.parametrize("world", WORLDS)
 def test_every_stage_matches_ddp_on_gpus_with_nccl(world):
     for reference, *sharded in run_distributed(_ddp_then_every_stage, world, world, init_process_group=False,
-                                               timeout=240):  # fmt: skip
+                                               timeout=RANKS_TIMEOUT):  # fmt: skip
         for stage, run in enumerate(sharded, start=1):
             assert run["backend"] == "nccl"
             assert_matches(run, reference, "32-true", f"stage {stage}")
@@ -149,11 +151,11 @@ def _peak_memory(stage: int) -> dict[str, int]:
             "buffers": buffers, "inputs": tokens.numel() * tokens.element_size()}  # fmt: skip
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("world", WORLDS)
 def test_peak_gpu_memory_is_the_formula_plus_activations(world, stage):
-    for m in run_distributed(_peak_memory, world, stage, init_process_group=False, timeout=240):
+    for m in run_distributed(_peak_memory, world, stage, init_process_group=False, timeout=RANKS_TIMEOUT):
         allowed = m["state"] + m["activations"] + m["buffers"] + m["inputs"]
         assert m["peak"] <= 1.05 * allowed, m  # 5%: allocator rounding to 512-byte blocks, kernel workspaces
 
@@ -187,10 +189,10 @@ def _all_gather_overlap() -> dict[str, float]:
     return {"gather_us": sum(end - start for start, end in gathers), "overlapped_us": overlapped}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.gpus(2)  # at world size 1 there is nothing to gather from another rank
 def test_stage3_all_gathers_overlap_compute_on_gpus():
-    for m in run_distributed(_all_gather_overlap, 2, init_process_group=False, timeout=240):
+    for m in run_distributed(_all_gather_overlap, 2, init_process_group=False, timeout=RANKS_TIMEOUT):
         assert m["gather_us"] > 0, m
         # Prefetched gathers run on their own stream while the previous unit computes (Note [collective streams]).
         assert m["overlapped_us"] >= 0.25 * m["gather_us"], m
@@ -209,10 +211,10 @@ def _teardown_on_gpu() -> dict[str, Any]:
     return {"state": state, "devices": devices, "moves": module.moves_after_run, "steps": len(module.losses)}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.parametrize("world", WORLDS)
 def test_zero3_fit_validate_fit_stays_sharded_on_the_gpu(world):
-    for m in run_distributed(_teardown_on_gpu, world, init_process_group=False, timeout=240):
+    for m in run_distributed(_teardown_on_gpu, world, init_process_group=False, timeout=RANKS_TIMEOUT):
         assert m["devices"] == {"cuda"}, m  # nothing was moved to the host
         assert m["state"]["full"] == [], m
         assert m["state"]["detached"] == [], m
@@ -242,11 +244,11 @@ def _ddp_then_host_tiers(devices: int, precision: str) -> list[dict[str, Any]]:
     return [_gpu_fit("ddp", devices, precision)] + [_gpu_fit(_tiered_strategy(t), devices, precision) for t in TIERED]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.parametrize("world", WORLDS)
 def test_host_tier_matches_ddp_on_gpus(world):
     for reference, *tiered in run_distributed(_ddp_then_host_tiers, world, world, "32-true",
-                                              init_process_group=False, timeout=240):  # fmt: skip
+                                              init_process_group=False, timeout=RANKS_TIMEOUT):  # fmt: skip
         for tier, run in zip(TIERED, tiered, strict=True):
             assert_matches(run, reference, "32-true", str(tier))
 
@@ -258,10 +260,10 @@ def _ddp_then_bf16_runs() -> list[dict[str, Any]]:
     ]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.gpus(1)
 def test_bf16_mixed_every_stage_and_host_tier_matches_ddp_on_one_gpu():
-    ((reference, *runs),) = run_distributed(_ddp_then_bf16_runs, 1, init_process_group=False, timeout=240)
+    ((reference, *runs),) = run_distributed(_ddp_then_bf16_runs, 1, init_process_group=False, timeout=RANKS_TIMEOUT)
     for variant, run in zip([f"stage {s}" for s in (1, 2, 3)] + [str(t) for t in TIERED], runs, strict=True):
         assert run["dtypes"] == {"torch.bfloat16"}, variant  # ZeRO's bf16-mixed: bf16 parameters, fp32 masters
         assert_matches(run, reference, "bf16-mixed", variant)
@@ -305,10 +307,10 @@ def _ddp_then_sleepy_tiers() -> list[dict[str, Any]]:
     return [reference] + [_gpu_fit(ZeroStrategy(**tier, bucket_numel=4_000), 1) for tier in SLEEPY_TIERS]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.gpus(1)
 def test_host_tier_copies_are_ordered_against_compute_with_sleeps_widening_the_races():
-    ((reference, *runs),) = run_distributed(_ddp_then_sleepy_tiers, 1, init_process_group=False, timeout=240)
+    ((reference, *runs),) = run_distributed(_ddp_then_sleepy_tiers, 1, init_process_group=False, timeout=RANKS_TIMEOUT)
     for tier, run in zip(SLEEPY_TIERS, runs, strict=True):
         assert_matches(run, reference, "32-true", f"{tier} with sleeps")
 
@@ -364,13 +366,13 @@ def _host_tier_step(offload_params: str) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.parametrize("offload_params", ["none", "cpu"])
 @pytest.mark.parametrize("world", WORLDS)
 def test_host_tier_keeps_masters_and_state_pinned_on_the_host_and_copies_gradients_during_backward(
     world, offload_params
 ):
-    for m in run_distributed(_host_tier_step, world, offload_params, init_process_group=False, timeout=240):
+    for m in run_distributed(_host_tier_step, world, offload_params, init_process_group=False, timeout=RANKS_TIMEOUT):
         assert m["masters"] == {("cpu", True)}, m
         assert m["state"] == {"cpu"}, m
         assert m["shards"] == {"cuda"}, m

@@ -32,7 +32,7 @@ def _describe(config: Config) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "host_memory_available_bytes": memory_available(),
         "env": environment_variables(),
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+        "nccl": str(torch.cuda.nccl.version()) if torch.cuda.is_available() else None,
     }
     for package in ("lightning", "pytorch-lightning", "transformers", "peft", "pytest", "pytest-timeout"):
         try:
@@ -66,7 +66,8 @@ def environment(config: Config) -> dict[str, Any]:
 def _probe(config: Config) -> dict[str, str]:
     from tests.test_gpu_gloo import gloo_cuda_probe
 
-    return gloo_cuda_probe(config.device)
+    rank = dist.get_rank()
+    return gloo_cuda_probe(config.device, lambda op, outcome: note(config, rank=rank, op=op, outcome=outcome))
 
 
 def gloo_probe(config: Config) -> dict[str, Any]:
