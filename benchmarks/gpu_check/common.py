@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tests.harness import run_distributed
+from tests.harness import DistributedTestError, run_distributed
 
 T = TypeVar("T")
 ROOT_OF = str(Path(__file__).resolve().parents[2])
@@ -122,8 +122,10 @@ def environment_variables() -> dict[str, str]:
 def brief(error: BaseException) -> str:
     """One line for a failed run: the exception of the first failed rank, or why it was killed."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not isinstance(error, DistributedTestError):
+        return f"{type(error).__name__}: {lines[0] if lines else ''}"[:400]
     for line in lines:
         if line.startswith(("did not finish", "still running", "exited with", "died from")):
             return f"{lines[0]}: {line}"[:400]
     exceptions = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b", line)]
-    return f"{lines[0] if lines else type(error).__name__}: {exceptions[-1] if exceptions else ''}"[:400]
+    return f"{lines[0]}: {exceptions[-1] if exceptions else ''}"[:400]
