@@ -315,11 +315,32 @@ def test_host_tier_copies_are_ordered_against_compute_with_sleeps_widening_the_r
         assert_matches(run, reference, "32-true", f"{tier} with sleeps")
 
 
+def _count_pageable_copies() -> dict[str, int]:
+    """Counts, in this rank, the host tier's copies and those whose host side is not pinned, per direction. Such a
+    copy is synchronous: the overlap the tier is built for would be lost without an error. Uploads are never waited
+    for on the host, so each must be pinned; a download the host waits for at once (the edit check's read of the
+    parameters) loses nothing by being pageable, so downloads are only counted."""
+    counts = {"copies": 0, "pageable_up": 0, "pageable_down": 0}
+    original = host_copies.CopyStream.copy
+
+    def copy(self: host_copies.CopyStream, dst: Tensor, src: Tensor) -> host_copies.Copy:
+        counts["copies"] += 1
+        if src.device.type == "cpu" and not src.is_pinned():
+            counts["pageable_up"] += 1
+        if dst.device.type == "cpu" and not dst.is_pinned():
+            counts["pageable_down"] += 1
+        return original(self, dst, src)
+
+    host_copies.CopyStream.copy = copy  # type: ignore[method-assign]  # this rank only: a process of its own
+    return counts
+
+
 def _host_tier_step(offload_params: str) -> dict[str, Any]:
     """Where a stage-3 step with the host tier keeps things, what it copies, and how much of the gradients' copy to
     the host overlaps backward's kernels."""
     from lightning_zero.offload.memory_tiers import MemoryTiers
 
+    pageable = _count_pageable_copies()
     device = _nccl_group()
     config = GPTConfig.small(n_layer=8)
     zero = ZeroConfig(stage=3, offload_optimizer="cpu", offload_params=offload_params)
@@ -361,6 +382,7 @@ def _host_tier_step(offload_params: str) -> dict[str, Any]:
         "shard_bytes": sum(m.numel() * 4 for m in optimizer.masters),
         "to_host_us": sum(end - start for start, end in to_host),
         "overlapped_us": overlapped,
+        **pageable,
     }
     tiers.close()
     return result
@@ -374,6 +396,8 @@ def test_host_tier_keeps_masters_and_state_pinned_on_the_host_and_copies_gradien
 ):
     for m in run_distributed(_host_tier_step, world, offload_params, init_process_group=False, timeout=RANKS_TIMEOUT):
         assert m["masters"] == {("cpu", True)}, m
+        assert m["copies"] > 0, m
+        assert m["pageable_up"] == 0, m  # every upload reads pinned host memory
         assert m["state"] == {"cpu"}, m
         assert m["shards"] == {"cuda"}, m
         if offload_params == "cpu":  # between uses the parameter shards hold no device memory
