@@ -57,6 +57,7 @@ class ShardedCheckpointing(ProcessPerDevice):
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
         refuse_weight_averaging_at_stage_3(model.trainer.callbacks, self.config.stage)  # type: ignore[attr-defined]
+        refuse_parameter_changing_callbacks(model.trainer.callbacks, self.config.stage)  # type: ignore[attr-defined]
 
     @property
     @override
@@ -149,6 +150,36 @@ def refuse_weight_averaging_at_stage_3(trainer_callbacks: list[pl.Callback], sta
                 "`lightning_zero.ShardedEMA(decay=..., update_every_n_steps=..., update_starting_at_step=..., "
                 "update_starting_at_epoch=...)`, which takes EMAWeightAveraging's arguments and averages each rank's "
                 "shard at every stage, or train with stage 1 or 2."
+            )
+
+
+def refuse_parameter_changing_callbacks(trainer_callbacks: list[pl.Callback], stage: int) -> None:
+    """Refuse, when fit starts, Lightning's callbacks that would fail only after training has run.
+
+    ``StochasticWeightAveraging`` (not a ``WeightAveraging`` subclass) copies its full average into the parameters
+    when training ends, which at stage 3 are placeholders (Note [Lightning's WeightAveraging]); at stages 1 and 2 it
+    gives DDP's weights (``tests/test_lightning_callbacks.py``). ``BaseFinetuning`` callbacks unfreeze layers
+    mid-fit with ``optimizer.add_param_group``, which ``ZeroOptimizer`` refuses at every stage: it decides at setup
+    which parameters it reduces, shards and steps.
+    """
+    for callback in trainer_callbacks:
+        name = type(callback).__name__
+        if stage == 3 and isinstance(callback, callbacks.StochasticWeightAveraging):
+            raise ValueError(
+                f"Lightning's {name} callback cannot run under ZeroStrategy(stage=3): it copies the whole model "
+                "and, when training ends, writes its full average into the parameters, which at stage 3 hold no data "
+                "outside their unit's forward (Note [Lightning's WeightAveraging]). HINT: train with stage 1 or 2, "
+                "where it gives DDP's weights, or use `lightning_zero.ShardedEMA(decay=...)` for an exponential "
+                "moving average on the shards (at every stage; not SWA's equal-weight mean)."
+            )
+        if isinstance(callback, callbacks.BaseFinetuning):
+            raise ValueError(
+                f"Lightning's {name} callback cannot run under ZeroStrategy: it unfreezes layers mid-fit with "
+                "`optimizer.add_param_group`, and ZeroOptimizer decides at setup which parameters it reduces, shards "
+                "and steps (it refuses add_param_group and parameters (un)frozen after setup). HINT: fine-tune in "
+                "phases, one `trainer.fit` per phase with `requires_grad` set before it starts (each fit builds "
+                "fresh sharded optimizers over the trainable parameters; the weights carry over in the module or a "
+                "checkpoint), or train with strategy='ddp'."
             )
 
 
