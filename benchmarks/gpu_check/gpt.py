@@ -17,6 +17,7 @@ import os
 import statistics
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,10 @@ class CheckGPT(pl.LightningModule):
         if self.model is not None:
             return
         torch.manual_seed(0)
-        self.model = GPT(self.config)
+        # FSDP2: on meta, as stage 3 builds it; Lightning's ModelParallelStrategy materializes the shards on the GPU
+        # in setup (to_empty, then each module's reset_parameters): no 5 GB fp32 model initialized on the CPU first.
+        with torch.device("meta") if self.fsdp2 else nullcontext():
+            self.model = GPT(self.config)
         if self.fsdp2:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

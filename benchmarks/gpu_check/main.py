@@ -34,12 +34,12 @@ from gpu_check.common import Config, Ledger, brief  # noqa: E402
 Section = Callable[[Config], dict[str, Any]]
 SECTIONS: list[tuple[str, Section, float, float]] = [
     # name, function, budget in seconds on a GPU, budget in the dry mode
-    ("environment", sections.environment, 20, 15),
-    ("gloo_cuda_probe", sections.gloo_probe, 25, 15),
-    ("gpu_tests", sections.gpu_tests, 160, 30),
+    ("environment", sections.environment, 15, 15),
+    ("gloo_cuda_probe", sections.gloo_probe, 20, 15),
+    ("gpu_tests", sections.gpu_tests, 190, 30),
     ("host_syncs", sections.host_syncs, 30, 20),
-    ("gpt_stage3_vs_fsdp2", gpt.stage3_vs_fsdp2, 70, 25),
-    ("offload_largest_model", gpt.offload_largest, 175, 25),
+    ("gpt_stage3_vs_fsdp2", gpt.stage3_vs_fsdp2, 65, 25),
+    ("offload_largest_model", gpt.offload_largest, 160, 25),
 ]
 TOTAL_BUDGET = {"gpu": 480.0, "dry": 55.0}
 
