@@ -17,7 +17,7 @@ import functools
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -170,7 +170,13 @@ def every_value_sample(cases: tuple[dict[str, Any], ...]) -> list[dict[str, Any]
     return sample
 
 
-def distances(run: Mapping[str, Any], ref: Mapping[str, Any], dtype: torch.dtype) -> tuple[float, float]:
+class Distances(NamedTuple):
+    loss: float  # the largest relative difference of a step's loss
+    weight: float  # the largest relative difference of a weight tensor's update
+    tensor: str  # that tensor's name
+
+
+def distances(run: Mapping[str, Any], ref: Mapping[str, Any], dtype: torch.dtype) -> Distances:
     """How far ``run`` trained from ``ref`` (results of ``composition_runs.fit`` from the same initial weights):
     the largest relative difference of a step's loss, and the largest over weight tensors of
 
@@ -181,13 +187,15 @@ def distances(run: Mapping[str, Any], ref: Mapping[str, Any], dtype: torch.dtype
     that is rounded away in one run and not in the other). A tensor ``ref`` left exactly as it was (frozen, or
     never used) must be left exactly as it was in ``run`` too: infinite distance otherwise."""
     loss = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref["losses"], strict=True))
-    weight, eps = 0.0, torch.finfo(dtype).eps
+    eps = torch.finfo(dtype).eps
+    by_tensor = {}
     for name, expected in ref["weights"].items():
         initial, got = ref["initial"][name], run["weights"][name]
         if torch.equal(expected, initial):
-            weight = max(weight, 0.0 if torch.equal(got.to(dtype), initial.to(dtype)) else float("inf"))
+            by_tensor[name] = 0.0 if torch.equal(got.to(dtype), initial.to(dtype)) else float("inf")
             continue
         target = expected.to(dtype).float()
         moved = (target - initial.to(dtype).float()).norm() + eps * target.norm()
-        weight = max(weight, float((got.to(dtype).float() - target).norm() / moved))
-    return loss, weight
+        by_tensor[name] = float((got.to(dtype).float() - target).norm() / moved)
+    worst = max(by_tensor, key=lambda n: (by_tensor[n] != by_tensor[n], by_tensor[n]))  # NaN first
+    return Distances(loss, by_tensor[worst], worst)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from tests.composition import NA, distances
+from tests.composition import NA, Distances, distances
 from tests.composition_runs import PARAM_DTYPE, ddp_compressed, ddp_one_rank, ddp_spread, zero_only
 from tests.harness import run_distributed
 
@@ -32,8 +32,8 @@ SHAPES: tuple[dict[str, Any], ...] = (
 """The optimization shapes measured for every model: one SGD (automatic), AdamW + SGD (manual), accumulation."""
 
 
-def _largest(pairs: list[tuple[float, float]]) -> tuple[float, float]:
-    return max(p[0] for p in pairs), max(p[1] for p in pairs)
+def _largest(pairs: list[Distances]) -> tuple[float, float]:
+    return max(p.loss for p in pairs), max(p.weight for p in pairs)
 
 
 def one_rank_against_two(case: dict[str, Any]) -> tuple[float, float]:
@@ -44,7 +44,8 @@ def one_rank_against_two(case: dict[str, Any]) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as root:
         (one,) = run_distributed(ddp_one_rank, 1, case, root, init_process_group=False, timeout=200)
     mean = [sum(step) / 2 for step in zip(two[0]["losses"], two[1]["losses"], strict=True)]
-    return distances({**two[0], "losses": mean}, one, PARAM_DTYPE[case["precision"]])
+    found = distances({**two[0], "losses": mean}, one, PARAM_DTYPE[case["precision"]])
+    return found.loss, found.weight
 
 
 def compressed_against_plain(case: dict[str, Any]) -> tuple[float, float]:

@@ -25,9 +25,12 @@ dtype) rounds where DDP's does not, and accumulated micro-batches add in the par
 array, the cases that train stay within a few times the spread; ``SPREAD_MULTIPLE`` is 5. A gradient off by
 a factor (the SGD steps would show it in full) or a stale or skipped update gives distances of order 1.
 
-qwZ+qgZ quantize what travels (int8 in blocks of 64) and change training by much more than rounding: a quantized
-case is held to ``SPREAD_MULTIPLE`` times ZeRO++'s own effect, qwZ+qgZ against plain stage 3 on the same 4 ranks
-(``QUANTIZATION``), and must leave every frozen or unused weight exactly as it was.
+qwZ+qgZ quantize what travels (int8 in blocks of 64) and change training by much more than rounding: measured
+against plain stage 3 on the same 4 ranks and read exactly (``QUANTIZATION``), a step's loss moves by up to 0.12
+relative (the MoE, whose routing flips) and a tensor's 3-step update by up to 2.2 times itself (small tensors next to
+large ones in a block: norm weights, biases, LoRA's A). So a quantized case is held to ``SPREAD_MULTIPLE`` times
+that, which checks that it trains (finite, no step lost or doubled in the loss) rather than its weights, and to
+the exact rule: every frozen or unused weight must read back exactly as it was.
 """
 
 from __future__ import annotations
@@ -65,10 +68,10 @@ SPREAD: dict[str, tuple[float, float]] = {
 }
 """(loss, weight) distance of DDP from DDP per precision (see the module docstring)."""
 QUANTIZATION: dict[str, tuple[float, float]] = {
-    "32-true": (0.0, 0.0),
-    "bf16-mixed": (0.0, 0.0),
-    "16-mixed": (0.0, 0.0),
-    "bf16-true": (0.0, 0.0),
+    "32-true": (0.12, 2.2),
+    "bf16-mixed": (0.12, 2.1),
+    "16-mixed": (0.12, 2.2),
+    "bf16-true": (0.12, 2.1),
 }
 """(loss, weight) distance of qwZ+qgZ from plain stage 3 per precision."""
 SPREAD_MULTIPLE = 5.0
@@ -137,7 +140,7 @@ def test_the_matrix_covers_every_valid_pair_of_options_and_each_refusal_has_a_ca
 
 # The default sample: the first cases of the array (the greedy generator puts those covering the most pairs first),
 # which hold every value of every factor; measured with the refusals at about 2.5 minutes on the 2-core machine.
-SAMPLE_SIZE = 8
+SAMPLE_SIZE = 12
 SAMPLE = matrix().cases[:SAMPLE_SIZE]
 
 
@@ -159,9 +162,9 @@ def _assert_matches_ddp(case: dict[str, Any], ddp: dict[str, Any], zero: dict[st
         for name, expected in ddp["weights"].items():
             torch.testing.assert_close(zero["weights"][name], expected, rtol=FP32_RTOL, atol=1e-6, msg=name)
         return
-    loss, weight = distances(zero, ddp, PARAM_DTYPE[case["precision"]])
+    loss, weight, tensor = distances(zero, ddp, PARAM_DTYPE[case["precision"]])
     assert loss <= limits[0], f"a step's loss is off by {loss:.2e} relative, above {limits[0]:.2e}"
-    assert weight <= limits[1], f"a weight's update is off by {weight:.2e} relative, above {limits[1]:.2e}"
+    assert weight <= limits[1], f"{tensor}: its update is off by {weight:.2e} relative, above {limits[1]:.2e}"
 
 
 def _timeout(case: dict[str, Any]) -> float:
