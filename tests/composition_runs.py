@@ -310,12 +310,14 @@ def fit(
     data_ranks: list[int] | None = None,
     compress: bool = False,
     exact_read: bool = False,
+    devices: int | None = None,
 ) -> dict[str, Any]:
     """One fit; ``zero=False`` is the DDP reference (no checkpointing, ``find_unused_parameters`` where needed).
     A setup error is returned as ``error`` with the losses recorded before it (none, if refused before training)."""
     module = CompositionModule(case, checkpointing=zero and case["checkpointing"] != "none", data_ranks=data_ranks)
     initial = {n: p.detach().float().clone() for n, p in module.model.named_parameters()}
-    devices = 1 if data_ranks is not None else world_size(case)
+    if devices is None:
+        devices = 1 if data_ranks is not None else world_size(case)
     unused = case["model"] == "moe" or case["manual"]
     host_copies.FORCE_COPIES = zero and case["optimizer_tier"] == "host_copies"
     try:
@@ -382,8 +384,8 @@ def ddp_spread(case: dict[str, Any], root: str) -> dict[str, Any]:
     return fit(case, root, zero=False)
 
 
-def zero_only(case: dict[str, Any], root: str, exact_read: bool = False) -> dict[str, Any]:
-    return fit(case, root, zero=True, exact_read=exact_read)
+def zero_only(case: dict[str, Any], root: str, exact_read: bool = False, devices: int | None = None) -> dict[str, Any]:
+    return fit(case, root, zero=True, exact_read=exact_read, devices=devices)
 
 
 def ddp_one_rank(case: dict[str, Any], root: str) -> dict[str, Any]:

@@ -32,6 +32,11 @@ SHAPES: tuple[dict[str, Any], ...] = (
 """The optimization shapes measured for every model: one SGD (automatic), AdamW + SGD (manual), accumulation."""
 
 
+def _trained(*runs: dict[str, Any]) -> None:
+    for run in runs:
+        assert "error" not in run, f"{run['error']}\n{run['where']}"
+
+
 def _largest(pairs: list[Distances]) -> tuple[float, float]:
     return max(p.loss for p in pairs), max(p.weight for p in pairs)
 
@@ -43,6 +48,7 @@ def one_rank_against_two(case: dict[str, Any]) -> tuple[float, float]:
         two = run_distributed(ddp_spread, 2, case, root, init_process_group=False, timeout=200)
     with tempfile.TemporaryDirectory() as root:
         (one,) = run_distributed(ddp_one_rank, 1, case, root, init_process_group=False, timeout=200)
+    _trained(*two, one)
     mean = [sum(step) / 2 for step in zip(two[0]["losses"], two[1]["losses"], strict=True)]
     found = distances({**two[0], "losses": mean}, one, PARAM_DTYPE[case["precision"]])
     return found.loss, found.weight
@@ -53,6 +59,7 @@ def compressed_against_plain(case: dict[str, Any]) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as root:
         ranks = run_distributed(ddp_compressed, 2, case, root, init_process_group=False, timeout=200)
     dtype = PARAM_DTYPE[case["precision"]]
+    _trained(*(r["compressed"] for r in ranks), *(r["plain"] for r in ranks))
     return _largest([distances(r["compressed"], r["plain"], dtype) for r in ranks])
 
 
@@ -62,9 +69,10 @@ def quantized_against_exact(case: dict[str, Any]) -> tuple[float, float]:
     quantized = {**case, "stage": 3, "param_tier": "none", "reshard_root": True, "zeropp": "qwz_qgz"}
     with tempfile.TemporaryDirectory() as root:
         plain = run_distributed(
-            zero_only, 4, {**quantized, "zeropp": "off"}, root, True, init_process_group=False, timeout=300
+            zero_only, 4, {**quantized, "zeropp": "off"}, root, True, 4, init_process_group=False, timeout=300
         )
     with tempfile.TemporaryDirectory() as root:
         runs = run_distributed(zero_only, 4, quantized, root, True, init_process_group=False, timeout=300)
     dtype = PARAM_DTYPE[case["precision"]]
+    _trained(*runs, *plain)
     return _largest([distances(q, p, dtype) for q, p in zip(runs, plain, strict=True)])
