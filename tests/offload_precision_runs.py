@@ -52,6 +52,8 @@ def tiers_in_precision(
     runs = {"ddp": _run("ddp", root, precision)}
     for stage in stages:
         runs[f"stage{stage}"] = _run({"stage": stage}, root, precision)
+        # The kernels the optimizer's tiers choose (Note [tier step kernels]), chosen by the user here.
+        runs[f"stage{stage}_fused"] = _run({"stage": stage}, root, precision, fused=True)
     for label, variant in variants.items():
         runs[label] = _run(variant, root, precision)
     return runs

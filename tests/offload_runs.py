@@ -44,15 +44,18 @@ class TierBytesAtEnd(pl.Callback):
 
 
 class RecordingGPT(TinyGPT):
-    def __init__(self, foreach: bool | None = None) -> None:
+    def __init__(self, foreach: bool | None = None, fused: bool | None = None) -> None:
         super().__init__()
         self.losses: list[float] = []
         self.foreach = foreach
+        self.fused = fused
 
     def configure_optimizers(self) -> Any:
         configured = super().configure_optimizers()
         for group in configured["optimizer"].param_groups:
             group["foreach"] = self.foreach  # None: torch's choice (the single-tensor loop on the CPU)
+            if self.fused is not None:
+                group["fused"] = self.fused
         return configured
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -74,10 +77,11 @@ def train(
     precision: str | None = "32-true",
     foreach: bool | None = None,
     plugins: list[Any] | None = None,
+    fused: bool | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` steps; ``strategy``: "ddp" or ``ZeroStrategy`` keywords. Returns losses, weights, what the
     tier directory holds after the run, the bytes per tier and the bytes the host tier copied."""
-    module = RecordingGPT(foreach)
+    module = RecordingGPT(foreach, fused)
     tier_bytes = TierBytesAtEnd()
     callbacks = [*(callbacks or []), tier_bytes]
     if save_to is not None:  # saved during fit, where the tiers hold the optimizer state

@@ -12,8 +12,8 @@ the device is not the host (CUDA), this is the data path (``host_tier.py`` for t
   (``GradientReducer.on_reduced``), its gradient shard is copied device-to-host on a side stream (``CopyStream``)
   that first waits for the compute stream, so the copy overlaps the rest of backward. The step waits for that copy's
   event on the host before it reads the gradients; a device shard is kept referenced until then;
-- **the step** runs bucket by bucket on the host masters, with torch's multi-tensor (``foreach``) implementation
-  unless the optimizer asks otherwise (``fused=True`` gives the fused CPU kernels of Adam, AdamW, SGD, Adagrad);
+- **the step** runs bucket by bucket on the host masters, with torch's fused CPU kernels (Adam, AdamW, SGD,
+  Adagrad) or else the multi-tensor ones, unless the optimizer asks otherwise (Note [tier step kernels]);
   clipping reads the host gradients for its norm and applies the coefficient as the step reads them;
 - **parameters up**: after a bucket is stepped its masters are rounded into the staging buffer and copied
   host-to-device into the parameter shard on the side stream; the compute stream waits for that event (not the
@@ -23,8 +23,9 @@ the device is not the host (CUDA), this is the data path (``host_tier.py`` for t
   [edits reach the masters]); this costs the shard's bytes once more per step;
 - **stage-3 parameter shards** (``offload_params="cpu"``) live in a ``HostStore``, the host tier's store for the
   ``TensorSwapper``: a unit's shard gets device memory only while it is used, is copied host-to-device ahead of the
-  unit's gather in the order the previous step used them (Note [read-ahead order]), and copied back only if it was
-  modified (a write-back gather); the step writes the new values into the store.
+  unit's gather in the order the previous step used them (Note [read-ahead order]) without the host waiting for
+  the copy (Note [stream-ordered reads] in ``tensor_swapper.py``), and copied back only if it was modified (a
+  write-back gather); the step writes the new values into the store.
 
 On a CPU device (these machines) the device is the host and none of this moves anything: the host tier is the
 normal step (copies between tensors of the same device are skipped). ``FORCE_COPIES`` (tests only) makes a CPU
@@ -58,7 +59,7 @@ def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 class Copy:
     """A copy issued on a ``CopyStream``: ``wait()`` blocks the host until it is done (and lets its tensors go);
-    ``order_compute()`` makes the compute stream wait for it without blocking the host."""
+    ``order_compute()`` makes the calling thread's current (compute) stream wait for it without blocking the host."""
 
     def __init__(self, event: Any | None, keep: tuple[Tensor, ...], device: torch.device) -> None:
         self._event = event
@@ -94,6 +95,11 @@ class CopyStream:
             dst.copy_(src, non_blocking=True)
             event = self.stream.record_event()
         return Copy(event, (dst, src), self.device)
+
+    def synchronize(self) -> None:
+        """Block the host until every copy issued so far is done."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
 
 class HostStore:
@@ -138,11 +144,12 @@ class HostStore:
         self._count(written=tensor.numel() * tensor.element_size())
         return copy.wait
 
-    def start_read(self, key: Hashable, tensor: Tensor) -> Callable[[], None]:
+    def start_read(self, key: Hashable, tensor: Tensor) -> Copy:
+        """The copy to the device, ordered by stream events where it is used (Note [stream-ordered reads])."""
         assert key in self._host, f"{key} was never written to the host tier"
         copy = self.copies.copy(tensor, self._view(key, tensor).view(tensor.shape))
         self._count(read=tensor.numel() * tensor.element_size())
-        return copy.wait
+        return copy
 
     def read_range(self, key: Hashable, start: int, out: Tensor) -> None:
         out.copy_(self._view(key, out, start))  # host memory to host memory: not counted
@@ -152,4 +159,5 @@ class HostStore:
         self._view(key, values, start).copy_(values)
 
     def close(self) -> None:
+        self.copies.synchronize()  # no copy still reads or writes the buffers
         self._host.clear()

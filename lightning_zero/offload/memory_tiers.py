@@ -137,7 +137,7 @@ class MemoryTiers:
         """The ``StateTiers`` of one more optimizer; its buckets are placed when it builds its masters."""
         swapper = self.swapper if self.optimizer_on_disk or self.params_on_disk else None
         host = HostTier(self.device, self.swapper if self.host_params else None) if self.host_optimizer else None
-        tiers = OptimizerTiers(swapper, self._place, host)
+        tiers = OptimizerTiers(swapper, self._place, host, self.config.offload_optimizer != "none")
         self.optimizer_tiers.append(tiers)
         return tiers
 

@@ -13,6 +13,26 @@ Note [host tier on this machine]
 tier moves nothing and the step is the normal one. On a GPU (or on the CPU with ``host_copies.FORCE_COPIES``, as the
 tests run it) the host-tier buckets take the data path of Note [host tier data path] (``HostTier``): host masters,
 gradients copied from the device as their reduction completes, the step on the host, updated shards copied back.
+
+Note [tier step kernels]
+The tiers' step runs on host memory (the host tier, the disk tier, the CPU device), where its speed is the memory
+traffic of the update. torch's multi-tensor (``foreach``) Adam makes one pass over memory per elementary operation,
+about 80 bytes per fp32 parameter; its fused CPU kernels (``fused=True``: Adam, AdamW, SGD, Adagrad) read and write
+each parameter, gradient and moment once, as DeepSpeed's ``DeepSpeedCPUAdam`` does, and run at that kernel's speed
+(``benchmarks/host_step.py``). So with ``offload_optimizer`` on, every param group whose ``foreach`` and ``fused``
+the user left to torch (``None``), and whose tensors are all floating-point on the host, steps fused; a group of
+another optimizer, or with device tensors (the masters of buckets ``offload_ratio`` leaves on a GPU), takes the
+multi-tensor kernels in the host tier and torch's default elsewhere. An explicit ``foreach=`` or ``fused=`` in the
+optimizer's defaults or a param group is kept. The fused kernels round differently from the single-tensor and
+multi-tensor ones (a few ULPs per step): a tiered run matches DDP within the parity tests' 1e-5, not bit for bit;
+the host tier with and without its copy path chooses the same kernels and agrees exactly.
+
+The fused kernels write the parameters and moments without moving their version counters (torch 2.13: after
+``AdamW(fused=True).step()`` ``p._version`` and ``exp_avg._version`` are unchanged), which is how the swapper tells
+a modified entry from a clean one (Note [swap lifecycle]): unmarked, a stepped master, moment or fp32 parameter shard
+on disk would be freed without being written, and the next step would read the old values. So after each tiered
+bucket's step the tiers bump the counters of the masters and element-wise state of its fused groups' stepped
+segments (``OptimizerTiers._mark_stepped``).
 """
 
 from __future__ import annotations
@@ -24,15 +44,36 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from lightning_zero.offload.host_tier import HostTier
 from lightning_zero.offload.tensor_swapper import TensorSwapper
 from lightning_zero.offload.tiered_grad_reducer import TieredGradReducer
 from lightning_zero.sharding.flat_bucket import FlatBucket
+from lightning_zero.sharding.optimizer_hooks import without_step_hooks
 from lightning_zero.sharding.param_groups import MasterRun, Segment, masters_for
 
 if TYPE_CHECKING:
     from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
+
+
+_FUSED_ON_CPU = (torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad)  # AdamW is an Adam
+"""torch optimizers with fused CPU kernels (``fused=True``); a subclass counts if it keeps their ``step``."""
+
+
+def choose_step_kernels(optimizer: torch.optim.Optimizer, multi_tensor: bool) -> None:
+    """The kernels of a tiered step, per param group the user left to torch (Note [tier step kernels])."""
+    step = without_step_hooks(type(optimizer).step)  # torch wraps each class's step once, for its hooks
+    fusable = any(isinstance(optimizer, cls) and step is without_step_hooks(cls.step) for cls in _FUSED_ON_CPU)
+    for group in optimizer.param_groups:
+        if "foreach" not in group or group["foreach"] is not None or group.get("fused"):
+            continue  # no choice to make, or the user's
+        params: list[Tensor] = group["params"]
+        host_floats = all(p.device.type == "cpu" and p.is_floating_point() for p in params)
+        if fusable and host_floats and group.get("fused", False) is None and not group.get("differentiable"):
+            group["fused"] = True
+        elif multi_tensor:
+            group["foreach"] = True
 
 
 def param_key(bucket: FlatBucket) -> tuple[str, int]:
@@ -50,6 +91,8 @@ class _Chunk:
         self.segments = segments
         self.loaded: list[Hashable] = []
         self.grad_loaded = False
+        self.stepping = False
+        """Whether ``loaded`` was loaded for the step (Note [tier step kernels]: what it changes is marked)."""
 
 
 class OptimizerTiers:
@@ -62,8 +105,12 @@ class OptimizerTiers:
         swapper: TensorSwapper | None,
         place: Callable[[list[FlatBucket]], set[int]],
         host: HostTier | None = None,
+        steps_tiers: bool = False,
     ) -> None:
         self.swapper = swapper
+        self.steps_tiers = steps_tiers
+        """Whether the optimizer's tier is on (``offload_optimizer``): its step takes the kernels of Note [tier step
+        kernels] even where the tier moves nothing (the host tier on a CPU device)."""
         self._place = place
         self.host = host
         self.on_disk: set[int] = set()
@@ -116,9 +163,8 @@ class OptimizerTiers:
             reducer.check_finite = True  # Note [gradients on disk]
         if self.host is not None:
             optimizer.reducer.reduced_hooks.append(partial(self.host.on_reduced, optimizer.reducer))
-            for group in optimizer.optimizer.param_groups:  # the multi-tensor kernels on the host tensors
-                if group.get("foreach", False) is None and not group.get("fused"):
-                    group["foreach"] = True
+        if self.host is not None or self.steps_tiers:
+            choose_step_kernels(optimizer.optimizer, multi_tensor=self.host is not None)
         if self.swapper is None:
             return
         for run in optimizer.master_runs:
@@ -182,7 +228,7 @@ class OptimizerTiers:
             return
         flags = [] if self.host is None else self.host.nonfinite(self._opt.reducer)
         reducer = self._reducer()
-        flags += reducer.nonfinite(self._opt.buckets) if reducer is not None else []
+        flags += reducer.nonfinite(self._opt.buckets, self._opt.gradient_owner) if reducer is not None else []
         for bad in flags:
             found.add_(bad.to(found.device))
 
@@ -215,6 +261,7 @@ class OptimizerTiers:
         for key in keys:
             self.swapper.acquire(key, in_order=step)  # Note [read-ahead order]: the step's order only
         chunk.loaded = keys
+        chunk.stepping = step
         reducer = self._reducer()
         if step and reducer is not None and reducer.offloads(bucket):
             self._set_gradients(bucket, chunk, reducer.load_grad(bucket), 0)
@@ -255,6 +302,9 @@ class OptimizerTiers:
         if chunk is None or self.swapper is None:
             return
         opt = self._opt
+        if chunk.stepping:
+            self._mark_stepped(chunk)
+            chunk.stepping = False
         for key in chunk.loaded:
             self.swapper.release(key)
         chunk.loaded = []
@@ -270,6 +320,21 @@ class OptimizerTiers:
             assert reducer is not None
             reducer.drop_grad(bucket)
             chunk.grad_loaded = False
+
+    def _mark_stepped(self, chunk: _Chunk) -> None:
+        """Bump the version counters of what a fused step changed in the chunk (Note [tier step kernels]), so that
+        the swapper writes them back (Note [swap lifecycle])."""
+        opt = self._opt
+        groups = opt.optimizer.param_groups
+        changed: list[Tensor] = []
+        for i in chunk.segments:
+            if not opt.segment_used[i] or not groups[opt.segments[i].group].get("fused"):
+                continue
+            master = opt.masters[i]
+            changed.append(master)  # a view of the parameter shard, when that is the master: one counter
+            changed += [v for v in opt.optimizer.state.get(master, {}).values() if isinstance(v, Tensor) and v.dim()]
+        if changed:
+            increment_version(changed)
 
     def end_step(self) -> None:
         self._in_step = False

@@ -28,6 +28,19 @@ one slice between the caller's tensor and wherever the entry's current value is:
 (a write then makes it dirty, so it is written back as usual), otherwise its region of the file, which is read or
 written in place. A clean read-ahead copy is dropped before a ranged write (it would be stale). Nothing becomes
 resident, so a save or load holds one slice at a time, and the entries keep their read-ahead order.
+
+Note [stream-ordered reads]
+The host tier's store (``HostStore``) reads an entry by a copy to the device on its copy stream, which it returns
+as a ``Copy`` instead of a function to run. The swapper never waits for such a read on the host: it issues the copy
+on the training thread (read-ahead, or a use nobody predicted) and, when the entry is next needed (``acquire``, or
+anything that settles the entry), makes the compute stream wait for the copy's event. The host thus runs ahead of
+the device by as many units as read-ahead covers, as the gatherer's prefetch does, while every kernel that uses the
+entry (and every reuse of its memory after it is freed, allocated as it was on the compute stream) is ordered after
+its copy by the device. The host waits for a read only where the host touches the bytes the copy reads: before a
+ranged write into the store (``write_range``), when an entry is replaced (``add``), and in ``flush``. The copy itself
+still starts after the compute queued when it was issued (its memory, freshly allocated on the compute stream, may
+have been used by that compute), so read-ahead issued at one unit's gather overlaps that unit's compute and all
+that follows. On the CPU the copy is done when issued and ordering it is a no-op: nothing changes there.
 """
 
 from __future__ import annotations
@@ -42,11 +55,14 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from lightning_zero.offload.host_copies import Copy
+
 
 class TierStore(Protocol):
     """Where entries live between uses: the disk tier's ``SwapFile``, or the host tier's ``HostStore`` (pinned host
     memory for device tensors, ``host_copies.py``). ``start_read``/``start_write`` begin a move on the calling thread
-    and return what finishes it, which the swapper runs on its reader or writer thread."""
+    and return what finishes it, which the swapper runs on its reader or writer thread; a read may instead return
+    the device ``Copy`` it issued, which the swapper orders by stream events (Note [stream-ordered reads])."""
 
     bytes_read: int
     bytes_written: int
@@ -54,7 +70,7 @@ class TierStore(Protocol):
     @property
     def nbytes(self) -> int: ...
 
-    def start_read(self, key: Hashable, tensor: Tensor) -> Callable[[], None]: ...
+    def start_read(self, key: Hashable, tensor: Tensor) -> Callable[[], None] | Copy: ...
 
     def start_write(self, key: Hashable, tensor: Tensor) -> Callable[[], None]: ...
 
@@ -86,6 +102,9 @@ class _Entry:
     on_disk: bool = False
     """Whether the file holds the entry's current value."""
     future: Future[None] | None = field(default=None)
+    copy: Copy | None = None
+    """The device copy of the entry's last read from a ``HostStore`` until the host has waited for it (Note
+    [stream-ordered reads])."""
 
 
 def _check_owns_storage(key: Hashable, tensor: Tensor) -> int:
@@ -136,7 +155,7 @@ class TensorSwapper:
         nbytes = _check_owns_storage(key, tensor)
         old = self._entries.get(key)
         if old is not None:
-            self._settle(old)
+            self._settle(old, host=True)
             assert old.users == 0, f"tier entry {key} replaced while in use"
             if old.tensor is not tensor:
                 self._free(old)
@@ -169,7 +188,12 @@ class TensorSwapper:
         if entry.state is Residency.ON_DISK:
             self._allocate(entry)
             if read and entry.on_disk:
-                self.file.start_read(key, entry.tensor)()
+                finish = self.file.start_read(key, entry.tensor)
+                if isinstance(finish, Copy):  # Note [stream-ordered reads]
+                    entry.copy = finish
+                    finish.order_compute()
+                else:
+                    finish()
             entry.state = Residency.RESIDENT
             entry.version = entry.tensor._version if read else -1
         if entry in self._prefetched:
@@ -207,7 +231,7 @@ class TensorSwapper:
     def flush(self) -> None:
         """Wait for every background read and write; raise the first IO error."""
         for entry in self._entries.values():
-            self._settle(entry)
+            self._settle(entry, host=True)
 
     # -- ranged access (checkpoints): Note [ranged tier access] ----------------------------------------------------
     def read_range(self, key: Hashable, start: int, out: Tensor) -> None:
@@ -226,7 +250,7 @@ class TensorSwapper:
         """Write ``values`` over the entry's bytes from byte ``start``, in its memory if it is resident (and in use),
         else straight into its region of the file."""
         entry = self._entries[key]
-        self._settle(entry)
+        self._settle(entry, host=True)  # a read's copy may still be reading the bytes written here
         if entry.state is Residency.RESIDENT and entry in self._prefetched:  # a clean copy of what is in the file
             self._prefetched.remove(entry)
             self._free(entry)
@@ -281,8 +305,19 @@ class TensorSwapper:
             self._resident += nbytes
             self.peak_resident_nbytes = max(self.peak_resident_nbytes, self._resident)
 
-    def _settle(self, entry: _Entry) -> None:
-        """Finish the entry's background IO, if any; an IO error is raised here, in the training thread."""
+    def _settle(self, entry: _Entry, host: bool = False) -> None:
+        """Finish the entry's background IO, if any; an IO error is raised here, in the training thread. A read by a
+        device copy is finished by ordering the compute stream after it, and waited for on the host only with
+        ``host`` (Note [stream-ordered reads])."""
+        copy = entry.copy
+        if copy is not None:
+            if entry.state is Residency.READING:
+                copy.order_compute()
+                entry.state = Residency.RESIDENT
+                entry.version = entry.tensor._version
+            if host:
+                copy.wait()
+                entry.copy = None
         future = entry.future
         if future is None:
             return
@@ -335,7 +370,11 @@ class TensorSwapper:
             budget -= entry.nbytes
             self._allocate(entry)
             entry.state = Residency.READING
-            entry.future = self._reader.submit(self.file.start_read(entry.key, entry.tensor))
+            finish = self.file.start_read(entry.key, entry.tensor)
+            if isinstance(finish, Copy):  # ordered where it is used: Note [stream-ordered reads]
+                entry.copy = finish
+            else:
+                entry.future = self._reader.submit(finish)
             self._prefetched.append(entry)
 
 
