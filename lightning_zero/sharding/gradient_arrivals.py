@@ -28,8 +28,10 @@ that make it final (``expected``), not per bucket:
   refuses every such model (it marks a parameter ready twice); non-reentrant checkpointing hands each parameter
   its whole gradient at once and needs none of this.
 
-Launch timing needs no agreement between ranks: buckets are issued in one order everywhere (Note [bucket order]),
-so a rank that holds a bucket longer only delays the collectives that follow it.
+Launch timing needs no agreement between ranks while reductions are the only collectives in flight: buckets are
+issued in one order everywhere (Note [bucket order]), so a rank that holds a bucket longer only delays the
+collectives that follow it. Stage 3 gathers during backward too, and there a bucket is launched only at points every
+rank shares (Note [one order of collectives] in ``comm/streams.py``).
 """
 
 from __future__ import annotations

@@ -112,6 +112,12 @@ class GradientReducer:
         self.completed_by_caller: set[int] = set()
         """Buckets whose completion the caller declares (``complete()``) instead of counting gradient arrivals:
         stage 3's data-dependent units, which some ranks use and others not (Note [data-dependent units])."""
+        self.launch_by_caller = False
+        """Stage 3: the hooks count gradients but launch nothing; a bucket is launched only once the caller has
+        declared it complete (``complete()``) or by the flush (Note [one order of collectives] in
+        ``comm/streams.py``)."""
+        self._declared: set[int] = set()
+        """Buckets declared complete in the current round (``complete()``)."""
         self._in_flight: deque[tuple[FlatBucket, PendingCollective]] = deque()
         self.pool = BufferPool()
         """Receive buffers (and stage 2's staging buffers), reused across buckets (Note [buffers between steps])."""
@@ -188,7 +194,8 @@ class GradientReducer:
             self._observe(bucket)
             if self.on_complete is not None and not self.arrivals.held(bucket.index):
                 self.on_complete(bucket)
-            self._launch_complete_in_order()
+            if not self.launch_by_caller:
+                self._launch_complete_in_order()
 
     def queue_flush(self) -> None:
         """Have the backward running now flush every bucket when it ends (Note [bucket flush]). The reducer's own
@@ -207,6 +214,7 @@ class GradientReducer:
         self.queue_flush()
         for bucket in buckets:
             self.arrivals.declare_final(bucket.index)
+            self._declared.add(bucket.index)
             self._observe(bucket)
         self._launch_complete_in_order()
 
@@ -249,6 +257,8 @@ class GradientReducer:
             bucket = self.launch_order[self._next_launch]
             if not self.arrivals.launchable(bucket.index):
                 return
+            if self.launch_by_caller and bucket.index not in self._declared:
+                return
             self._launch_one(bucket)
             self._next_launch += 1
 
@@ -272,6 +282,7 @@ class GradientReducer:
         """Every bucket has been launched: the next backward starts a new round."""
         self._next_launch = 0
         self._launched = [False] * len(self.buckets)
+        self._declared.clear()
         self.arrivals.reset()
 
     def _drop_round(self) -> None:

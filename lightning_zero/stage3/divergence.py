@@ -28,7 +28,8 @@ contributes zeros to the reduction, as under DDP with ``find_unused_parameters=T
 collectives paired in backward, where a rank's gradient reductions are issued as its gradients arrive, which now
 depends on its data: a merged unit's buckets are reduced when its enclosing unit's backward is over (not when its
 gradients have all arrived, which on a rank that skipped it is never), and from the first merge on, gathers run on a
-communicator of their own, so that a gather on one rank cannot pair with a reduction on another. Routing that parts
+communicator of their own, so that a gather on one rank cannot pair with a reduction on another. Every rank still
+issues the two in one interleaving (Note [one order of collectives] in ``comm/streams.py``). Routing that parts
 ways only after the first step cannot be foreseen here: the later check (Note [divergence check]) stops it with the
 module to declare a leaf.
 """

@@ -46,6 +46,7 @@ from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.compat import current_graph_task_id, queue_autograd_callback
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.flat_bucket import FlatBucket
+from lightning_zero.sharding.gradient_arrivals import in_nested_backward
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
 from lightning_zero.stage3.autograd_hooks import hook_inputs, tensors_in
 from lightning_zero.stage3.divergence import NOTHING, RankDivergenceError, UnitExchange
@@ -110,6 +111,13 @@ class ParameterGatherer:
         for i, bucket in enumerate(buckets):
             bucket.index = i
         self.reducer = reducer_factory(buckets, group, config, self.ledger, on_complete=self._on_bucket_complete)
+        self.reducer.launch_by_caller = True  # Note [one order of collectives]
+        self._hooked = {u.index: [0, 0, 0] for u in units}
+        """PostBackward hooks of this step per unit, by where they were registered (``_pre_forward_hook``)."""
+        self._fired = {u.index: [0, 0, 0] for u in units}
+        """Of those, how many have run in this backward."""
+        self._freed_by_arrivals: set[int] = set()
+        """Units freed in this backward when their gradients arrived: still counted as live by the prefetch limit."""
         self._handles: list[RemovableHandle] = []
         for unit in units:
             pre_hook = partial(self._pre_forward_hook, unit)
@@ -147,9 +155,13 @@ class ParameterGatherer:
         self.pre_forward(unit)
         if not torch.is_grad_enabled():
             return None
-        args, kwargs, hooked = hook_inputs(args, kwargs, partial(self._post_backward, unit))
-        if not _in_backward():  # a recomputation's inputs say nothing about the step's own forward
+        # Where the hook is registered: 0 in forward, 1 in a reentrant recomputation (whose backward runs it), 2 in
+        # another recomputation (a non-reentrant one's, never backpropagated through).
+        where = 0 if not _in_backward() else 1 if in_nested_backward() else 2
+        args, kwargs, hooked = hook_inputs(args, kwargs, partial(self._post_backward, unit, where))
+        if where == 0:  # a recomputation's inputs say nothing about the step's own forward
             self._inputs_hooked[unit.index] = hooked
+        self._hooked[unit.index][where] += hooked
         return args, kwargs
 
     @torch.compiler.disable  # Note [placeholders under compile]
@@ -228,13 +240,25 @@ class ParameterGatherer:
         self._prefetch(unit, self._finish_order, only=self._reached_in_backward)
 
     @torch.compiler.disable  # Note [placeholders under compile]
-    def _post_backward(self, unit: ShardedUnit) -> None:
+    def _post_backward(self, unit: ShardedUnit, where: int) -> None:
         if self._owner(unit) is not unit:
             return
         # The units merged into this one are done too, used or not: their gradients go out now.
-        self.reducer.complete([b for child in self._children[unit.index] for b in child.trainable_buckets])
+        done = [b for child in self._children[unit.index] for b in child.trainable_buckets]
+        fired = self._fired[unit.index]
+        fired[where] += 1
+        if where < 2 and fired[where] == self._hooked[unit.index][where] and (where == 0 or self._single_arrival(unit)):
+            done = unit.trainable_buckets + done  # Note [one order of collectives]: this unit's backward is over
+        self.reducer.complete(done)
         if self._depth[unit.index] == 0:  # Note [post-backward]
             self._release(unit, reuse=self._reused_soon(unit, self._finish_order))
+
+    def _single_arrival(self, unit: ShardedUnit) -> bool:
+        """Whether every rank knows that each parameter of ``unit`` gets its gradient in one reentrant segment's
+        backward (learned in the first backward, maxed over ranks: Note [final gradients])."""
+        arrivals = self.reducer.arrivals
+        positions = (arrivals.position(b.index, i) for b in unit.trainable_buckets for i in range(len(b.params)))
+        return not arrivals.learning and all(arrivals.expected[p] == 1 for p in positions)
 
     def _on_bucket_complete(self, bucket: FlatBucket) -> None:
         member = self._unit_of_bucket.get(id(bucket))
@@ -247,11 +271,15 @@ class ParameterGatherer:
         # A unit whose inputs need no gradient is done once its own gradients are (Note [post-backward]); any other
         # unit waits for its post-backward, since computing its input gradient still reads its parameters.
         if self._remaining[unit.index] == 0 and self._depth[unit.index] == 0 and not self._inputs_hooked[unit.index]:
+            self._freed_by_arrivals.add(unit.index)  # Note [one order of collectives]
             self._release(unit, reuse=self._reused_soon(unit, self._finish_order))
 
     def _on_backward_end(self) -> None:
         self._backward_callback_queued = False
         self._reached_in_backward.clear()
+        self._hooked = {i: [0, 0, 0] for i in self._hooked}
+        self._fired = {i: [0, 0, 0] for i in self._fired}
+        self._freed_by_arrivals.clear()
         self._end_of_pass()
         self._order_frozen = True
         self.release_all()
@@ -358,7 +386,10 @@ class ParameterGatherer:
         target = self.units[following[0]]
         if target.state is not UnitState.SHARDED:
             return
-        live = sum(u.numel for u in self.units if u.state is not UnitState.SHARDED)
+        # Rank-independent (Note [one order of collectives]): a unit freed when its gradients arrived still counts.
+        live = sum(
+            u.numel for u in self.units if u.state is not UnitState.SHARDED or u.index in self._freed_by_arrivals
+        )
         if limit is None or live + target.numel <= limit:
             self._gather(target, prefetch=True)
 
