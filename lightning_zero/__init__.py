@@ -25,6 +25,7 @@ from lightning_zero.cli.consolidate import consolidate_checkpoint
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig
 from lightning_zero.lightning.ema import ShardedEMA
+from lightning_zero.lightning.grad_norm import grad_norm
 from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes, model_state_bytes
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.report import MemoryReport
@@ -49,6 +50,7 @@ __all__ = [
     "ZeroStrategy",
     "consolidate_checkpoint",
     "expected_model_state_bytes",
+    "grad_norm",
     "load_full_state_dict",
     "model_state_bytes",
     "shard_module",

@@ -31,12 +31,14 @@ matmuls; here the parameters themselves are low precision, which must not change
 
 Note [reduced gradients live in the optimizer]
 After backward, a parameter's ``.grad`` does not hold the averaged gradient: stage 1 has already reduce-scattered
-its flat gradient buffers into the sharded optimizer (and zeroed them for the next accumulation), stages 2 and 3 keep
-only this rank's shard and leave ``.grad`` empty. The reduced gradients are the ``ZeroOptimizer``'s master
-gradients. So clipping must go through Lightning (``Trainer(gradient_clip_val=...)``, or ``self.clip_gradients(...)``
-inside ``configure_gradient_clipping`` or a manual ``training_step``), which lands in ``ZeroOptimizer.clip_grad_*``
-and clips by the global norm across shards; ``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` finds no
-gradients and clips nothing, and code that inspects ``p.grad`` (``lightning.pytorch.utilities.grad_norm``) sees none.
+its flat gradient buffers into the sharded optimizer (and sets ``.grad`` to None: Note [no partial gradients] in
+``grad_norm.py``), stages 2 and 3 keep only this rank's shard and leave ``.grad`` empty. The reduced gradients are
+the ``ZeroOptimizer``'s master gradients. So clipping must go through Lightning (``Trainer(gradient_clip_val=...)``,
+or ``self.clip_gradients(...)`` inside ``configure_gradient_clipping`` or a manual ``training_step``), which lands in
+``ZeroOptimizer.clip_grad_*`` and clips by the global norm across shards;
+``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` finds no gradients and clips nothing, and code that
+inspects ``p.grad`` (``lightning.pytorch.utilities.grad_norm``) sees none (``lightning_zero.grad_norm`` gives DDP's
+norms: Note [gradient norms from shards] in ``grad_norm.py``).
 We cannot see such a call, so a ``configure_gradient_clipping`` that never clipped through Lightning during a fit is
 named in a warning when the fit ends.
 """
@@ -102,6 +104,9 @@ class ZeroPrecision(Precision):
         # Lightning. See Note [reduced gradients live in the optimizer].
         self._clipping_hook: tuple[str, int, int] | None = None
         self._clipped = False
+        self.after_backward: Callable[[], None] | None = None
+        """Set by ``ZeroStrategy``: runs after each backward, before ``on_after_backward`` (Note [no partial
+        gradients] in ``grad_norm.py``)."""
 
     # -- model: Note [mixed precision runs any model] ---------------------------------------------------------------
     @property
@@ -162,6 +167,12 @@ class ZeroPrecision(Precision):
         if self.loss_scalers:
             tensor = tensor * scale_for_backward(self.loss_scalers)  # Note [one loss scale per optimizer]
         return super().pre_backward(tensor, module)
+
+    @override
+    def post_backward(self, tensor: Tensor, module: Any) -> Tensor:
+        if self.after_backward is not None:
+            self.after_backward()  # before `on_after_backward`, which super() calls
+        return super().post_backward(tensor, module)
 
     @override
     def clip_gradients(

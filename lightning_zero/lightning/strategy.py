@@ -44,6 +44,7 @@ from typing_extensions import override
 from lightning_zero.comm.topology import Link, ranks_per_node_from_environment
 from lightning_zero.compat import broadcast_coalesced, sync_module_states
 from lightning_zero.config import ZeroConfig
+from lightning_zero.lightning.grad_norm import hide_partial_gradients, refuse_released_placeholders
 from lightning_zero.lightning.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
 from lightning_zero.lightning.offload_setup import build_memory_tiers, check_optimizer_space
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
@@ -149,6 +150,7 @@ class ZeroStrategy(ShardedCheckpointing):
             sync_module_states(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self.precision_plugin.after_backward = self._hide_partial_gradients
             self._broadcast_next_forward = True  # a fresh DDP wrapper's state: Note [buffers follow rank 0]
         self.setup_precision_plugin()
 
@@ -156,6 +158,7 @@ class ZeroStrategy(ShardedCheckpointing):
         if self._gatherer is not None:  # fit, then validate/test/predict: already sharded
             return
         assert self.lightning_module is not None
+        refuse_released_placeholders(self.lightning_module)
         if not any(t.is_meta for t in (*self.lightning_module.parameters(), *self.lightning_module.buffers())):
             self.model_to_device()
         # ZeRO++ and the metering by link need the ranks per node; Lightning knows them when the environment does not.
@@ -303,9 +306,13 @@ class ZeroStrategy(ShardedCheckpointing):
         def closure_then_reduce() -> Any:
             result = closure()
             zero_optimizer.reduce_gradients()
+            hide_partial_gradients([zero_optimizer])  # before on_before_optimizer_step: Note [no partial gradients]
             return result
 
         return super().optimizer_step(zero_optimizer, closure_then_reduce, model, **kwargs)
+
+    def _hide_partial_gradients(self) -> None:
+        hide_partial_gradients(iter_zero_optimizers(self.optimizers))  # Note [no partial gradients]
 
     @contextmanager
     @override
