@@ -225,3 +225,39 @@ def test_fine_tuning_in_phases_gives_ddps_weights_and_a_resharded_stage_3_model_
         assert "placeholder" in message, message
         assert "HINT" in message
         assert steps == STEPS_PER_EPOCH, "the first fit ran; the second was refused before its first step"
+
+
+def _accumulating_runs(root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    strategies: list[tuple[str, Any]] = [("ddp", "ddp_find_unused_parameters_true")]
+    strategies += [
+        ("zero1", ZeroStrategy(stage=1, bucket_numel=100)),
+        ("zero1_no_overlap", ZeroStrategy(stage=1, bucket_numel=100, overlap_comm=False)),
+    ]
+    strategies += [("zero3", ZeroStrategy(stage=3, bucket_numel=100))]
+    for name, strategy in strategies:
+        module = Net()
+        trainer = _trainer(strategy, [], root, epochs=2)
+        trainer.accumulate_grad_batches = 2
+        trainer.fit(module)
+        out[name] = (module.norms, module.lightning_norms, {k: v.cpu() for k, v in weights(module).items()})
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_grad_norm_and_weights_match_ddp_with_gradient_accumulation():
+    """Stage 1's hidden ``.grad`` (Note [no partial gradients]) under accumulation, with and without overlap_comm:
+    the micro-batches still add up to DDP's gradients."""
+    with tempfile.TemporaryDirectory() as root:
+        results = run_distributed(_accumulating_runs, 2, root, init_process_group=False, timeout=110)
+    for rank in results:
+        ddp_norms, _, ddp_weights = rank["ddp"]
+        assert len(ddp_norms) == 4  # 2 epochs of 3 batches: steps after batches 2 and 3
+        for name in ("zero1", "zero1_no_overlap", "zero3"):
+            norms, lightning_norms, final = rank[name]
+            assert len(norms) == len(ddp_norms)
+            for step, expected in zip(norms, ddp_norms, strict=True):
+                assert step == pytest.approx(expected, rel=1e-5), name
+            assert all(n == {} for n in lightning_norms), name
+            for k, expected in ddp_weights.items():
+                torch.testing.assert_close(final[k], expected, rtol=1e-5, atol=1e-6, msg=f"{name} {k}")
