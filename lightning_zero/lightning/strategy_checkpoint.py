@@ -176,10 +176,16 @@ def refuse_parameter_changing_callbacks(trainer_callbacks: list[pl.Callback], st
             raise ValueError(
                 f"Lightning's {name} callback cannot run under ZeroStrategy: it unfreezes layers mid-fit with "
                 "`optimizer.add_param_group`, and ZeroOptimizer decides at setup which parameters it reduces, shards "
-                "and steps (it refuses add_param_group and parameters (un)frozen after setup). HINT: fine-tune in "
-                "phases, one `trainer.fit` per phase with `requires_grad` set before it starts (each fit builds "
-                "fresh sharded optimizers over the trainable parameters; the weights carry over in the module or a "
-                "checkpoint), or train with strategy='ddp'."
+                "and steps (it refuses add_param_group and parameters (un)frozen after setup). HINT: "
+                + (
+                    "fine-tune in phases, one `Trainer(...).fit(model)` per phase with `requires_grad` set before "
+                    "it starts (each fit builds fresh sharded optimizers over the trainable parameters), "
+                    if stage < 3
+                    else "at stage 3 set `requires_grad` once, before the fit, for the whole fit; to unfreeze in "
+                    "phases use stage 1 or 2 (one `Trainer(...).fit(model)` per phase, `requires_grad` set before "
+                    "each) "
+                )
+                + "or train with strategy='ddp'."
             )
 
 
