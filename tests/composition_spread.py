@@ -24,13 +24,6 @@ BASE: dict[str, Any] = {
 }
 """The factors the measurements do not vary (they run DDP, or ZeRO at stage 3 for the quantization's)."""
 
-SHAPES: tuple[dict[str, Any], ...] = (
-    {"manual": False, "accumulate": 1},
-    {"manual": True, "accumulate": 2},
-    {"manual": False, "accumulate": 2},
-)
-"""The optimization shapes measured for every model: one SGD (automatic), AdamW + SGD (manual), accumulation."""
-
 
 def _trained(*runs: dict[str, Any]) -> None:
     for run in runs:

@@ -8,11 +8,13 @@ Tolerances. In fp32 ZeRO must give DDP's numbers: every step's loss and every we
 difference of a step's loss, and the largest over weight tensors of ``||w - w_ddp|| / (||w_ddp - w_0|| + eps ||w||)``
 (how far the update is off, relative to the update, with one unit of the dtype's resolution), against
 ``SPREAD_MULTIPLE`` times DDP's own spread in that precision, measured (``tests/composition_spread.py``) on the three
-models, 3 steps, with one SGD, AdamW + SGD in manual optimization, and 2 accumulated micro-batches, as the largest of
+models, 3 steps, from the same initial weights rounded to the parameter dtype, as the largest of
 
-- 2-rank DDP against 1-rank DDP on the same global batch: the sums over the batch in another order;
+- 2-rank DDP against 1-rank DDP on the same global batch: the sums over the batch in another order (one SGD, and
+  AdamW + SGD in manual optimization);
 - (mixed) DDP with its gradients averaged in the parameter dtype (torch's compression hook) against plain DDP: the
-  rounding ZeRO takes by design, whose gradients are bf16/fp16 from backward through the reduce-scatter.
+  rounding ZeRO takes by design, whose gradients are bf16/fp16 from backward through the reduce-scatter (one SGD,
+  with and without 2 accumulated micro-batches, and AdamW + SGD in manual optimization over 2).
 
     precision    loss     weight    (measured, 2-core CPU, torch 2.13)
     bf16-mixed   3.1e-3   9.0e-2    (the compression hook; 1 against 2 ranks: 1.7e-3, 5.1e-2)
