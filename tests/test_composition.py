@@ -45,6 +45,7 @@ import pytest
 import torch
 
 from tests.composition import (
+    EXTRA,
     FACTORS,
     NA,
     REFUSED,
@@ -133,6 +134,7 @@ def test_the_matrix_covers_every_valid_pair_of_options_and_each_refusal_has_a_ca
     assert not any(p[0] == "stage" and p[1] != 3 and p[2] in STAGE3_ONLY and p[3] != NA for p in covered)
     assert all(valid(case) and not any(r.holds(case) for r in REFUSED) for case in array.cases)
     assert 15 <= len(array.cases) <= 30
+    assert all(valid(case) for case in EXTRA)
     for refusal in REFUSED:
         assert refusal.holds(refusal_case(refusal))
     assert {f: {c[f] for c in SAMPLE} for f in FACTORS} == {f: set(v) for f, v in FACTORS.items()}
@@ -151,7 +153,7 @@ def _params() -> list[Any]:
     for index, case in enumerate(matrix().cases):
         marks = [] if index < SAMPLE_SIZE else [pytest.mark.slow]
         out.append(pytest.param(case, id=f"{index:02d}-{case_id(case)}", marks=marks))
-    return out
+    return out + [pytest.param(case, id=f"extra-{case_id(case)}") for case in EXTRA]
 
 
 def _assert_matches_ddp(case: dict[str, Any], ddp: dict[str, Any], zero: dict[str, Any]) -> None:
