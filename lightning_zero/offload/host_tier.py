@@ -107,10 +107,11 @@ class HostTier:
     def nonfinite(self, reducer: GradientReducer) -> list[Tensor]:
         """Per host-tier bucket, whether its reduced gradient holds inf/NaN (0-d bools), checked on the device shard
         the host copy was taken from: no wait for the copy, no host synchronization (loss scaling)."""
-        return [
-            torch.isfinite(reducer.grad_shard(host.bucket)[host.lo : host.hi]).logical_not().any()
-            for host in self._buckets.values()
-        ]
+        flags = []
+        for host in self._buckets.values():  # its own segments only: another optimizer's may lie between them
+            shard = reducer.grad_shard(host.bucket)
+            flags.append(torch.stack([torch.isfinite(shard[a:b]).logical_not().any() for a, b in host.runs]).any())
+        return flags
 
     def offset(self, bucket: FlatBucket) -> int:
         """Where the bucket's host tensors start in shard coordinates."""

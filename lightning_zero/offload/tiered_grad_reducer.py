@@ -64,8 +64,9 @@ class TieredGradReducer(ShardedGradReducer):
         self.check_finite = False
         """Loss scaling: each tiered shard is checked for inf/NaN as its reduction completes (Note [gradients on
         disk])."""
-        self._nonfinite: dict[int, Tensor] = {}
-        """Per bucket index reduced since the gradients last restarted from zero: whether its shard holds inf/NaN."""
+        self._nonfinite: dict[tuple[int, int], Tensor] = {}
+        """Per (bucket index, optimizer claiming part of it) reduced since that optimizer's gradients last restarted
+        from zero: whether its elements of the shard hold inf/NaN (Note [gradients of several optimizers])."""
 
     def offloads(self, bucket: FlatBucket) -> bool:
         return self._tiered[bucket.index]
@@ -90,23 +91,44 @@ class TieredGradReducer(ShardedGradReducer):
         if self._tiered[bucket.index]:
             shard = self.shards[bucket.index]
             if self.check_finite and shard is not None:  # the accumulated shard: an earlier inf stays non-finite
-                bad = torch.isfinite(shard).logical_not().any()
-                earlier = self._nonfinite.get(bucket.index)
-                self._nonfinite[bucket.index] = bad if earlier is None else earlier.logical_or(bad)
+                for owner, spans in self.owners.spans(bucket).items():
+                    if not spans:
+                        continue  # none of its elements on this rank
+                    bad = torch.stack([torch.isfinite(shard[a:b]).logical_not().any() for a, b in spans]).any()
+                    earlier = self._nonfinite.get((bucket.index, owner))
+                    self._nonfinite[(bucket.index, owner)] = bad if earlier is None else earlier.logical_or(bad)
             self.swapper.release(grad_key(bucket), write=True)
 
-    def nonfinite(self, buckets: Sequence[FlatBucket]) -> list[Tensor]:
-        """For those of ``buckets`` reduced since the gradients restarted from zero: whether each one's tiered shard
-        holds inf/NaN (0-d bools). Each optimizer asks about its own buckets."""
-        return [self._nonfinite[b.index] for b in buckets if b.index in self._nonfinite]
+    def nonfinite(self, buckets: Sequence[FlatBucket], owner: int) -> list[Tensor]:
+        """For those of ``buckets`` reduced since ``owner``'s gradients restarted from zero: whether its elements of
+        each one's tiered shard hold inf/NaN (0-d bools). Each optimizer asks about its own elements."""
+        return [self._nonfinite[(b.index, owner)] for b in buckets if (b.index, owner) in self._nonfinite]
 
-    def consume(self) -> None:
-        self._nonfinite.clear()
-        super().consume()
+    def _consume(self, buckets: Sequence[FlatBucket]) -> None:
+        self._forget_nonfinite(buckets, None)
+        super()._consume(buckets)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        self._nonfinite.clear()
+    def _zero_grad(self, buckets: Sequence[FlatBucket], set_to_none: bool) -> None:
+        super()._zero_grad(buckets, set_to_none)
+        self._forget_nonfinite(buckets, None)
+
+    def _zero_spans(self, bucket: FlatBucket, owner: int) -> None:
+        self._forget_nonfinite([bucket], owner)
+        if not self._tiered[bucket.index] or self._shard_is_zero[bucket.index] or self._has_local_gradients(bucket):
+            super()._zero_spans(bucket, owner)
+            return
+        # On disk: zeros written over the spans, in the file (or in memory if resident), nothing read.
+        shard = self.shards[bucket.index]
+        assert shard is not None
+        for start, stop in self.owners.spans(bucket)[owner]:
+            zeros = torch.zeros(stop - start, dtype=shard.dtype, device=shard.device)
+            self.swapper.write_range(grad_key(bucket), start * shard.element_size(), zeros)
+
+    def _forget_nonfinite(self, buckets: Sequence[FlatBucket], owner: int | None) -> None:
+        """``owner``'s flags (None: every optimizer's) of ``buckets``: its gradients there restart from zero."""
+        indices = {b.index for b in buckets}
+        for key in [k for k in self._nonfinite if k[0] in indices and owner in (None, k[1])]:
+            del self._nonfinite[key]
 
     def load_grad(self, bucket: FlatBucket) -> Tensor:
         """The bucket's gradient shard, read back for the step or the norm pass; ``drop_grad`` when done."""

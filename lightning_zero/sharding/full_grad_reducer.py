@@ -148,31 +148,36 @@ class FullGradReducer(GradientReducer):
         assert reduced is not None, f"{bucket} was not reduced; call finish() first"
         return reduced
 
-    def consume(self) -> None:
-        for bucket, flat in zip(self.buckets, self.grads, strict=True):
-            if self._in_place[bucket.index] and flat is not None:
+    def _consume(self, buckets: Sequence[FlatBucket]) -> None:
+        for bucket in buckets:
+            i = bucket.index
+            flat = self.grads[i]
+            if self._in_place[i] and flat is not None:
                 bucket.shard_of(flat).zero_()
-        self._in_place = [False] * len(self.buckets)
-        self._reduced = [None] * len(self.buckets)
+            self._in_place[i] = False
+            self._reduced[i] = None
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.wait()
-        self._drop_round()
-        if set_to_none:  # Note [full gradients between steps]
-            self.grads = [None] * len(self.buckets)
-            self._in_place = [False] * len(self.buckets)
-            self._reduced = [None] * len(self.buckets)
-            for bucket in self.buckets:
+    def _zero_grad(self, buckets: Sequence[FlatBucket], set_to_none: bool) -> None:
+        for bucket in buckets:
+            i = bucket.index
+            if set_to_none:  # Note [full gradients between steps]
+                self.grads[i] = None
+                self._in_place[i] = False
+                self._reduced[i] = None
                 for param in bucket.params:
                     param.grad = None
-        else:
-            for bucket, flat in zip(self.buckets, self.grads, strict=True):
-                # A reduced bucket's buffer is already zero but for this rank's reduced shard, which consume() zeroes.
-                if flat is not None and self.state[bucket.index] is not BucketState.REDUCED:
-                    flat.zero_()
-            self.consume()
-            self._attach_grad_views()
-        self.state = [BucketState.FILLING] * len(self.buckets)
+                continue
+            flat = self.grads[i]
+            # A reduced bucket's buffer is already zero but for this rank's reduced shard, which _consume zeroes.
+            if flat is not None and self.state[i] is not BucketState.REDUCED:
+                flat.zero_()
+            self._consume([bucket])
+            if flat is not None:
+                for slot, param in bucket.slots_and_params():
+                    param.grad = FlatBucket.param_view(flat, slot)
+
+    def _has_local_gradients(self, bucket: FlatBucket) -> bool:
+        return self.state[bucket.index] is BucketState.FILLING and self.grads[bucket.index] is not None
 
     def state_bytes(self) -> int:
         return sum(g.numel() * g.element_size() for g in self.grads if g is not None)

@@ -61,6 +61,7 @@ from lightning_zero.compat import current_autograd_node, queue_autograd_callback
 from lightning_zero.config import ZeroConfig, dtype_from_name
 from lightning_zero.sharding.flat_bucket import FlatBucket, ParamSlot
 from lightning_zero.sharding.gradient_arrivals import GradientArrivals
+from lightning_zero.sharding.gradient_owners import GradientOwners, local_gradients_error
 
 
 class BucketState(enum.Enum):
@@ -98,6 +99,8 @@ class GradientReducer:
         """False inside ``no_sync()``: backward only accumulates locally (gradient accumulation)."""
         self.state = [BucketState.FILLING] * len(self.buckets)
         self.arrivals = GradientArrivals(self.buckets)
+        self.owners = GradientOwners(self.buckets)
+        """Which optimizer steps which elements of each shard (Note [gradients of several optimizers])."""
         """Which parameters' gradients are final in the backward running now (Note [final gradients])."""
         self._launched = [False] * len(self.buckets)
         """Buckets launched in the current round: a gradient arriving for one is an error (Note [final gradients])."""
@@ -158,13 +161,48 @@ class GradientReducer:
         """This rank's averaged gradient shard of ``bucket`` (valid once ``finish()`` returned)."""
         raise NotImplementedError
 
-    def consume(self) -> None:
-        """The optimizer step has used the reduced shards: the next reduction starts from zero."""
+    def _consume(self, buckets: Sequence[FlatBucket]) -> None:
+        """Every step that reads ``buckets`` has used their reduced shards: their next reduction starts from zero."""
         raise NotImplementedError
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Start the next accumulation from zero; ``set_to_none`` may free gradient storage until it is needed."""
+    def _zero_grad(self, buckets: Sequence[FlatBucket], set_to_none: bool) -> None:
+        """Start the next accumulation of ``buckets`` from zero; ``set_to_none`` may free their storage."""
         raise NotImplementedError
+
+    def _zero_spans(self, bucket: FlatBucket, owner: int) -> None:
+        """Zero ``owner``'s spans of the bucket's reduced shard, keeping the rest (Note [gradients of several
+        optimizers])."""
+        if self._has_local_gradients(bucket):
+            raise local_gradients_error(bucket)
+        shard = self.grad_shard(bucket)
+        for start, stop in self.owners.spans(bucket)[owner]:
+            shard[start:stop].zero_()
+
+    def _has_local_gradients(self, bucket: FlatBucket) -> bool:
+        """Whether the bucket holds gradients of a backward that did not reduce them (yet)."""
+        return False
+
+    def _release(self, owner: int | None) -> list[FlatBucket]:
+        """Zero ``owner``'s spans where another optimizer still owes its step; the buckets done with whole."""
+        whole, partial = self.owners.release(owner, self.buckets)  # Note [gradients of several optimizers]
+        for bucket in partial:
+            assert owner is not None
+            self._zero_spans(bucket, owner)
+        return whole
+
+    def consume(self, owner: int | None = None) -> None:
+        """``owner``'s step (None: every one) has used its gradients (Note [gradients of several optimizers])."""
+        self._consume(self._release(owner))
+
+    def zero_grad(self, set_to_none: bool = True, owner: int | None = None) -> None:
+        """Start the next accumulation of ``owner``'s gradients (None: all of them) from zero; ``set_to_none`` may
+        free gradient storage until it is needed."""
+        self.wait()
+        self._drop_round()
+        whole = self._release(owner)
+        self._zero_grad(whole, set_to_none)
+        for bucket in whole:
+            self.state[bucket.index] = BucketState.FILLING
 
     def state_bytes(self) -> int:
         """Bytes of gradient storage this rank holds between steps."""
@@ -268,6 +306,7 @@ class GradientReducer:
         while len(self._in_flight) >= self.config.max_inflight_buckets:
             self._wait_oldest()
         pending = self.ledger.record(self._launch(bucket))
+        self.owners.reduced(bucket)
         self.state[bucket.index] = BucketState.IN_FLIGHT
         self._launched[bucket.index] = True
         self._in_flight.append((bucket, pending))

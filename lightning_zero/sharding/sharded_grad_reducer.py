@@ -17,7 +17,7 @@ from lightning_zero.comm.collectives import (
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.flat_bucket import FlatBucket, ParamSlot
-from lightning_zero.sharding.gradient_reducer import BucketState, GradientReducer, accumulate_into
+from lightning_zero.sharding.gradient_reducer import GradientReducer, accumulate_into
 
 
 class ShardedGradReducer(GradientReducer):
@@ -215,27 +215,34 @@ class ShardedGradReducer(GradientReducer):
             self._shard_is_zero[bucket.index] = False
         return shard
 
-    def consume(self) -> None:
+    def _consume(self, buckets: Sequence[FlatBucket]) -> None:
         # No memset: the next reduction overwrites the shard instead of adding to it.
-        self._shard_is_zero = [True] * len(self.buckets)
+        for bucket in buckets:
+            self._shard_is_zero[bucket.index] = True
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.wait()
-        self._drop_round()
-        self.consume()
-        # Gradients of a round that was never reduced (a local no_sync backward) are dropped, wherever they were
-        # kept: held as autograd left them, or staged (Note [staging without memset]); a staging buffer goes back
-        # to the pool, and the next backward takes one whose slots are all stale.
-        self._held = [None] * len(self.buckets)
-        for staging in self._staging:
+    def _zero_spans(self, bucket: FlatBucket, owner: int) -> None:
+        zero = self.shards[bucket.index] is None or self._shard_is_zero[bucket.index]
+        if not zero or self._has_local_gradients(bucket):  # (the latter refuses)
+            super()._zero_spans(bucket, owner)
+
+    def _has_local_gradients(self, bucket: FlatBucket) -> bool:
+        return self._held[bucket.index] is not None or self._staging[bucket.index] is not None
+
+    def _zero_grad(self, buckets: Sequence[FlatBucket], set_to_none: bool) -> None:
+        self._consume(buckets)
+        for bucket in buckets:
+            i = bucket.index
+            # Gradients of a round that was never reduced (a local no_sync backward) are dropped, wherever they
+            # were kept: held as autograd left them, or staged (Note [staging without memset]); a staging buffer
+            # goes back to the pool, and the next backward takes one whose slots are all stale.
+            self._held[i] = None
+            staging = self._staging[i]
             if staging is not None:
                 self.pool.give(staging)
-        self._staging = [None] * len(self.buckets)
-        self._stale = [set() for _ in self.buckets]
-        if set_to_none:  # Note [gradient shards between steps]
-            self.shards = [None if free else shard for shard, free in zip(self.shards, self._frees_shard, strict=True)]
-        self.state = [BucketState.FILLING] * len(self.buckets)
-        for bucket in self.buckets:
+            self._staging[i] = None
+            self._stale[i] = set()
+            if set_to_none and self._frees_shard[i]:  # Note [gradient shards between steps]
+                self.shards[i] = None
             for param in bucket.params:
                 param.grad = None
 

@@ -166,6 +166,11 @@ class ZeroOptimizer(Optimizer):
             self.buckets = mine
             self.resident_buckets = [b for b in mine if b.resident]
         self.segments = [seg for b in self.buckets for seg in segments_of(b, group_of)]
+        self.gradient_owner = self.reducer.owners.claim(
+            self.buckets, [(s.bucket, s.start, s.stop) for s in self.segments]
+        )
+        """Its claim on the reducer's gradients, which stage 3 shares between optimizers (Note [gradients of
+        several optimizers] in ``gradient_owners.py``)."""
         self.masters: list[Tensor]
         """This rank's fp32 master weights, one per segment (a view of the parameter shard when fp32)."""
         if tiers is None:
@@ -292,10 +297,11 @@ class ZeroOptimizer(Optimizer):
         """Reduce gradients, step this rank's shard, all-gather the updated parameters.
 
         The step consumes the gradients (as DeepSpeed's engine does): the next step starts from zero whether or not
-        ``zero_grad()`` is called. A parameter that received no gradient on any rank is left alone, as by DDP (Note
-        [unused parameters]); a step without any gradient changes nothing. Parameters edited since the last step
-        are stepped from their edited values (Note [edits reach the masters]). With loss scaling, a step whose
-        gradients overflowed on any rank is skipped on every rank and the scale backs off.
+        ``zero_grad()`` is called. Only this optimizer's: another one of the model keeps its own (Note [gradients
+        of several optimizers] in ``gradient_owners.py``). A parameter that received no gradient on any rank is
+        left alone, as by DDP (Note [unused parameters]); a step without any gradient changes nothing. Parameters
+        edited since the last step are stepped from their edited values (Note [edits reach the masters]). With loss
+        scaling, a step whose gradients overflowed on any rank is skipped on every rank and the scale backs off.
         """
         loss = None
         if closure is not None:
@@ -323,7 +329,7 @@ class ZeroOptimizer(Optimizer):
         return loss
 
     def _end_of_step(self) -> None:
-        self.reducer.consume()
+        self.reducer.consume(self.gradient_owner)  # Note [gradients of several optimizers]
         self._forget_gradients()
         if self.tiers is not None:
             self.tiers.end_step()
@@ -381,11 +387,11 @@ class ZeroOptimizer(Optimizer):
             p.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients of the whole flattened model. Stage 1 keeps its flat gradient buffers allocated (they
-        are autograd's accumulation target); stages 2 and 3 free their gradient shards when ``set_to_none`` (Note
-        [gradient shards between steps]). A parameter without gradient until the next step is then skipped, as
-        after torch's ``zero_grad()``."""
-        self.reducer.zero_grad(set_to_none)
+        """Zero this optimizer's gradients (Note [gradients of several optimizers]). Stage 1 keeps its flat
+        gradient buffers allocated (they are autograd's accumulation target); stages 2 and 3 free their gradient
+        shards when ``set_to_none`` (Note [gradient shards between steps]). A parameter without gradient until the
+        next step is then skipped, as after torch's ``zero_grad()``."""
+        self.reducer.zero_grad(set_to_none, self.gradient_owner)  # Note [gradients of several optimizers]
         self._forget_gradients()
 
     def _forget_gradients(self) -> None:
