@@ -16,11 +16,14 @@ happens to the parameters.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+import enum
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_zero.sharding.gradient_arrivals import in_nested_backward
 
 
 def tensors_in(value: Any) -> Iterator[Tensor]:
@@ -88,3 +91,44 @@ def hook_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], callback: Callabl
     routed = dict(zip((id(t) for t in unique), PostBackward.apply(callback, *unique), strict=True))
     new_args, new_kwargs = _replace_tensors((args, kwargs), lambda t: routed[id(t)])
     return new_args, new_kwargs, True
+
+
+class Registration(enum.IntEnum):
+    """Where a unit's ``PostBackward`` was registered, which decides which backward runs it."""
+
+    FORWARD = 0
+    """The step's forward: the step's backward runs it."""
+    REENTRANT = 1
+    """A reentrant checkpoint's recomputation, inside backward: that recomputation's own backward runs it."""
+    OTHER = 2
+    """Another recomputation in backward (a non-reentrant checkpoint's), never backpropagated through."""
+
+    @staticmethod
+    def now(in_backward: bool) -> Registration:
+        if not in_backward:
+            return Registration.FORWARD
+        return Registration.REENTRANT if in_nested_backward() else Registration.OTHER
+
+
+class PostBackwardCounts:
+    """Per unit, the ``PostBackward`` hooks of the current step by ``Registration`` and how many have run: the one
+    that ends a unit's backward is found from counts every rank shares (Note [one order of collectives] in
+    ``comm/streams.py``). Reset at the end of every backward."""
+
+    def __init__(self, units: Iterable[int]) -> None:
+        units = list(units)
+        self._registered = {u: [0] * len(Registration) for u in units}
+        self._ran = {u: [0] * len(Registration) for u in units}
+
+    def registered(self, unit: int, where: Registration) -> None:
+        self._registered[unit][where] += 1
+
+    def ran(self, unit: int, where: Registration) -> bool:
+        """Count a hook of ``unit`` that has run; True when it is the last one registered ``where`` (never for
+        ``OTHER``): the unit's backward is over for those uses."""
+        self._ran[unit][where] += 1
+        return where is not Registration.OTHER and self._ran[unit][where] == self._registered[unit][where]
+
+    def reset(self) -> None:
+        for counts in (*self._registered.values(), *self._ran.values()):
+            counts[:] = [0] * len(Registration)

@@ -46,9 +46,8 @@ from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.compat import current_graph_task_id, queue_autograd_callback
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.flat_bucket import FlatBucket
-from lightning_zero.sharding.gradient_arrivals import in_nested_backward
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
-from lightning_zero.stage3.autograd_hooks import hook_inputs, tensors_in
+from lightning_zero.stage3.autograd_hooks import PostBackwardCounts, Registration, hook_inputs, tensors_in
 from lightning_zero.stage3.divergence import NOTHING, RankDivergenceError, UnitExchange
 from lightning_zero.stage3.gathered_buffers import GatheredBuffers
 from lightning_zero.stage3.sharded_unit import ShardedUnit, UnitState
@@ -112,10 +111,7 @@ class ParameterGatherer:
             bucket.index = i
         self.reducer = reducer_factory(buckets, group, config, self.ledger, on_complete=self._on_bucket_complete)
         self.reducer.launch_by_caller = True  # Note [one order of collectives]
-        self._hooked = {u.index: [0, 0, 0] for u in units}
-        """PostBackward hooks of this step per unit, by where they were registered (``_pre_forward_hook``)."""
-        self._fired = {u.index: [0, 0, 0] for u in units}
-        """Of those, how many have run in this backward."""
+        self._post_backwards = PostBackwardCounts(u.index for u in units)
         self._freed_by_arrivals: set[int] = set()
         """Units freed in this backward when their gradients arrived: still counted as live by the prefetch limit."""
         self._handles: list[RemovableHandle] = []
@@ -155,13 +151,12 @@ class ParameterGatherer:
         self.pre_forward(unit)
         if not torch.is_grad_enabled():
             return None
-        # Where the hook is registered: 0 in forward, 1 in a reentrant recomputation (whose backward runs it), 2 in
-        # another recomputation (a non-reentrant one's, never backpropagated through).
-        where = 0 if not _in_backward() else 1 if in_nested_backward() else 2
+        where = Registration.now(_in_backward())
         args, kwargs, hooked = hook_inputs(args, kwargs, partial(self._post_backward, unit, where))
-        if where == 0:  # a recomputation's inputs say nothing about the step's own forward
+        if where is Registration.FORWARD:  # a recomputation's inputs say nothing about the step's own forward
             self._inputs_hooked[unit.index] = hooked
-        self._hooked[unit.index][where] += hooked
+        if hooked:
+            self._post_backwards.registered(unit.index, where)
         return args, kwargs
 
     @torch.compiler.disable  # Note [placeholders under compile]
@@ -240,14 +235,13 @@ class ParameterGatherer:
         self._prefetch(unit, self._finish_order, only=self._reached_in_backward)
 
     @torch.compiler.disable  # Note [placeholders under compile]
-    def _post_backward(self, unit: ShardedUnit, where: int) -> None:
+    def _post_backward(self, unit: ShardedUnit, where: Registration) -> None:
         if self._owner(unit) is not unit:
             return
         # The units merged into this one are done too, used or not: their gradients go out now.
         done = [b for child in self._children[unit.index] for b in child.trainable_buckets]
-        fired = self._fired[unit.index]
-        fired[where] += 1
-        if where < 2 and fired[where] == self._hooked[unit.index][where] and (where == 0 or self._single_arrival(unit)):
+        last = self._post_backwards.ran(unit.index, where)
+        if last and (where is Registration.FORWARD or self._single_arrival(unit)):
             done = unit.trainable_buckets + done  # Note [one order of collectives]: this unit's backward is over
         self.reducer.complete(done)
         if self._depth[unit.index] == 0:  # Note [post-backward]
@@ -277,8 +271,7 @@ class ParameterGatherer:
     def _on_backward_end(self) -> None:
         self._backward_callback_queued = False
         self._reached_in_backward.clear()
-        self._hooked = {i: [0, 0, 0] for i in self._hooked}
-        self._fired = {i: [0, 0, 0] for i in self._fired}
+        self._post_backwards.reset()
         self._freed_by_arrivals.clear()
         self._end_of_pass()
         self._order_frozen = True
