@@ -70,7 +70,18 @@ def choose_step_kernels(optimizer: torch.optim.Optimizer, multi_tensor: bool) ->
             continue  # no choice to make, or the user's
         params: list[Tensor] = group["params"]
         host_floats = all(p.device.type == "cpu" and p.is_floating_point() for p in params)
-        if fusable and host_floats and group.get("fused", False) is None and not group.get("differentiable"):
+        # torch's fused SGD takes a momentum step only when every parameter of the call has a momentum buffer or
+        # none has: a parameter stepped for the first time beside ones stepped before (a LoRA adapter or an expert
+        # whose first gradient comes late, Note [unused parameters]) fails inside the kernel. So SGD with momentum
+        # keeps the multi-tensor kernels.
+        sgd_momentum = isinstance(optimizer, torch.optim.SGD) and group.get("momentum", 0) != 0
+        if (
+            fusable
+            and host_floats
+            and not sgd_momentum
+            and group.get("fused", False) is None
+            and not group.get("differentiable")
+        ):
             group["fused"] = True
         elif multi_tensor:
             group["foreach"] = True
