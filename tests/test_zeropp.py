@@ -276,3 +276,17 @@ def test_estimate_prints_zeropp_with_hpz_memory_and_refuses_a_topology_that_does
     assert "hpZ's secondary shards: 0.500 GB per rank" in out  # 2 bytes x 1e9 / 4
     assert estimate_main(["--params", "1e9", "--gpus", "16", "--ranks-per-node", "3"]) == 2
     assert "--ranks-per-node: 3 for N = 16" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_gathered_parameters_under_qwz_are_the_exact_shards_and_writeback_keeps_them():
+    # qwZ rounds the forward gathers to int8 blocks; weights handed to the user (export, sampling, EMA) and written
+    # back from there must be the shards' own values, or an unchanged writeback would round every weight.
+    config = ZeroConfig(stage=3, quantize_weights=True, quantization_block=64)
+    for result in run_distributed(zeropp_runs.gathered_under_qwz, 2, config):
+        assert result["seen"]
+        assert len(result["seen"]) == len(result["exact"])
+        for seen, exact in zip(result["seen"], result["exact"], strict=True):
+            assert torch.equal(seen, exact)
+        for before, after in zip(result["before"], result["after"], strict=True):
+            assert torch.equal(before, after)

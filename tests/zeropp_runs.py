@@ -241,3 +241,34 @@ def checkpoint_into_plain(zero: dict[str, Any], root: str) -> tuple[list[torch.T
     resumed.callbacks.append(recorder)  # type: ignore[attr-defined]
     resumed.fit(LitGPT(config, lr=3e-3), data, ckpt_path=f"{root}/zeropp.ckpt")
     return saved, loaded, recorder.losses[-1]
+
+
+def gathered_under_qwz(config: ZeroConfig) -> dict[str, Any]:
+    """One qwZ step, then ``gathered()`` read-only and with writeback of unchanged weights: what it hands out and
+    what the shards hold afterwards, next to the shards' own (exact) values."""
+    rank = dist.get_rank()
+    model = build_model("gpt")
+    optimizer = build_optimizer("adamw", model)
+    gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu"))
+    zero = ZeroOptimizer(model, optimizer, dist.group.WORLD, config, gatherer=gatherer)
+    loss_fn("gpt", model, batch("gpt", rank, 0, 0)).backward()
+    zero.step()
+    buckets = gatherer.all_buckets()
+    shards = [b.param_shard.clone() for b in buckets]
+    exact = [torch.cat(all_gathered(s)) for s in shards]
+    with gatherer.gathered():
+        seen = [b.data.clone() for b in buckets if b.data is not None]
+    with gatherer.gathered(writeback=True):
+        pass
+    return {
+        "seen": seen,
+        "exact": [e[: b.padded_numel] for e, b in zip(exact, buckets, strict=True)],
+        "before": shards,
+        "after": [b.param_shard.clone() for b in buckets],
+    }
+
+
+def all_gathered(shard: torch.Tensor) -> list[torch.Tensor]:
+    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, shard)
+    return parts

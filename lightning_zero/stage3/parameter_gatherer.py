@@ -279,8 +279,8 @@ class ParameterGatherer:
         self.buffers.clear()  # Note [gathered buffers reused]
 
     # -- gathering --------------------------------------------------------------------------------------------------
-    def _gather(self, unit: ShardedUnit, prefetch: bool = False) -> None:
-        """Issue the all-gather of ``unit`` and of the units merged into it."""
+    def _gather(self, unit: ShardedUnit, prefetch: bool = False, exact: bool = False) -> None:
+        """Issue the all-gather of ``unit`` and of the units merged into it (``exact``: see ``ShardedUnit.gather``)."""
         if unit.state is not UnitState.SHARDED:
             return
         if self._rounds and not self._order_frozen:
@@ -292,7 +292,7 @@ class ParameterGatherer:
             if not prefetch:
                 self.exchange.verify(unit)  # Note [divergence check]
         for member in (unit, *self._children[unit.index]):
-            member.gather(self.gather_group, self.ledger, self.buffers)
+            member.gather(self.gather_group, self.ledger, self.buffers, exact=exact)
 
     def _round(self, wanted: int) -> list[int]:
         """One round (Note [data-dependent units]): every unit any rank asks for is gathered by every rank."""
@@ -392,15 +392,25 @@ class ParameterGatherer:
         """Gather the full parameters of ``module`` (default: the whole model) on every rank, collectively.
 
         With ``writeback=True`` changes made to the parameters inside the context are kept (each rank keeps its own
-        shard of the result); otherwise they are discarded. The sharded state is restored in every case.
+        shard of the result); otherwise they are discarded. The sharded state is restored in every case. The values
+        are the shards' own, gathered exactly also under qwZ (its int8 gather would hand out rounded weights, and
+        write them back); a unit already gathered by a quantized forward gather cannot be written back.
         """
         wanted = {id(p) for p in (module or self.root).parameters()}
         members = [u for u in self.units if any(id(p) in wanted for b in u.buckets for p in b.params)]
         units = list({self._owner(u).index: self._owner(u) for u in members}.values())
         newly = [u for u in units if u.state is UnitState.SHARDED]
+        rounded = [u.name for u in units if u not in newly and u.gather_comm.lossy]
+        if writeback and rounded:
+            raise RuntimeError(
+                f"gathered_parameters(writeback=True) on units that hold qwZ's quantized weights from their forward "
+                f"gather ({', '.join(rounded)}): writing them back would round the shards to int8 blocks. HINT: call "
+                "it outside forward and backward (e.g. after the optimizer step), or with "
+                "reshard_root_after_forward=True so that no unit stays gathered past its forward."
+            )
         try:
             for unit in newly:
-                self._gather(unit)
+                self._gather(unit, exact=True)
             for unit in units:
                 self._wait(unit)
             yield

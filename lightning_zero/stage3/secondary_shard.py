@@ -18,8 +18,9 @@ state driven only by events every rank sees at the same point of the same progra
 
 - made: by a full gather of the bucket issued with gradients enabled while it has none (a forward's, or a
   recomputation's in backward); the gather is collective, so every rank makes one;
-- used: by every gather of the bucket while it is valid (backward, a second micro-batch's forward, a recomputation,
-  ``gathered()``); using it does not drop it, so however many of those gathers run, they all agree;
+- used: by every gather of the bucket while it is valid (backward, a second micro-batch's forward, a recomputation);
+  using it does not drop it, so however many of those gathers run, they all agree. ``gathered()`` never uses one:
+  it gathers the primary shards exactly over the whole group, on every rank alike (``ShardedUnit.gather(exact=)``);
 - dropped, all at once: by ``invalidate()``, which ``ParameterGatherer.invalidate_secondaries`` calls wherever
   primary shards may have been written, on every rank together: the optimizer step (each ``refresh_gathered``:
   every step of every optimizer, a checkpoint load, an EMA swap) and ``gathered(writeback=True)``. A full gather
@@ -48,6 +49,9 @@ from lightning_zero.sharding.flat_bucket import FlatBucket
 class PlainGather:
     """The all-gather of stage 3: every rank's exact shard, over the gather group."""
 
+    lossy = False
+    """Whether the gathered values may differ from the shards (qwZ's int8): ``gathered()`` then gathers exactly."""
+
     def gather(
         self, bucket: FlatBucket, flat: Tensor, group: ProcessGroup, stream: CollectiveStream | None = None
     ) -> PendingCollective:
@@ -72,6 +76,7 @@ class ZeroppGather(PlainGather):
     def __init__(self, hpz_group: ProcessGroup | None, block: int | None) -> None:
         self.hpz_group = hpz_group
         self.block = block
+        self.lossy = block is not None
         self._secondary: dict[int, Tensor] = {}
         """By ``id(bucket)``: this rank's (padded_numel / k,) partition of the gathered bucket."""
         self._generation = 0

@@ -14,6 +14,8 @@ from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.stage3.gathered_buffers import GatheredBuffers
 from lightning_zero.stage3.secondary_shard import PlainGather
 
+_EXACT = PlainGather()
+
 
 class UnitState(enum.Enum):
     """A unit's parameters over a step. Memory is for the unit's parameters on this rank."""
@@ -66,17 +68,22 @@ class ShardedUnit:
     def trainable_buckets(self) -> list[FlatBucket]:
         return [b for b in self.buckets if b.trainable]
 
-    def gather(self, group: ProcessGroup, ledger: CommLedger, buffers: GatheredBuffers | None = None) -> None:
+    def gather(
+        self, group: ProcessGroup, ledger: CommLedger, buffers: GatheredBuffers | None = None, exact: bool = False
+    ) -> None:
         """Issue the all-gather of every bucket (asynchronously); ``wait()`` makes the parameters usable. The full
-        buffers take memory kept in ``buffers`` where it has their size (Note [gathered buffers reused])."""
+        buffers take memory kept in ``buffers`` where it has their size (Note [gathered buffers reused]). ``exact``:
+        the shards' own values over ``group``, never ZeRO++'s quantized or secondary gathers (``gathered()``, which
+        hands the weights to the user and may write them back)."""
         if self.state is not UnitState.SHARDED:
             return
+        comm = _EXACT if exact else self.gather_comm
         for bucket in self.buckets:
             # Allocated on the compute stream, which frees it again in release(): Note [collective streams].
             flat = bucket.allocate_full(buffers.take(bucket.full_nbytes) if buffers is not None else None)
             if self.shard_source is not None:  # makes bucket.param_shard resident until release()
                 self.shard_source.acquire(bucket)
-            pending = self.gather_comm.gather(bucket, flat, group, self.stream)
+            pending = comm.gather(bucket, flat, group, self.stream)
             self._pending.append((bucket, flat, ledger.record(pending)))
         self.state = UnitState.GATHERING
 
