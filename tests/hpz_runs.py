@@ -79,7 +79,8 @@ class HpzNet(nn.Module):
 
 def _optimizers(model: HpzNet, two: bool) -> list[torch.optim.Optimizer]:
     """One AdamW, or two sharing the root unit (``gain`` in the first, ``head`` in the second), each stepped after a
-    forward and backward of its own, as Lightning's manual optimization of a GAN does."""
+    forward and backward of its own, as Lightning's manual optimization of a GAN does. Every backward reaches both
+    optimizers' parameters: each one's gradients accumulate until its own step and ``zero_grad``, as torch's do."""
     if not two:
         return [torch.optim.AdamW(model.parameters(), lr=0.02)]
     first = [model.gain, *model.blocks[0].parameters(), model.scale.weight]
@@ -108,7 +109,10 @@ def reference(scenario: str, steps: int, two_optimizers: bool = False) -> dict[s
                     dist.all_reduce(p.grad)
                     p.grad.div_(WORLD)
             optimizer.step()
-            model.zero_grad(set_to_none=True)  # as ZeroOptimizer.step consumes every gradient
+            # This optimizer's only, as ZeroOptimizer's zero_grad (Note [gradients of several optimizers]): the
+            # other one's gradients of this backward count in its next step, averaged again with the next backward's
+            # (exact: the carried part is the same on every rank).
+            optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
     return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
