@@ -93,12 +93,14 @@ def _train(
     wrap: Callable[[nn.Module, torch.optim.Optimizer], tuple[nn.Module, Any]],
     steps: int,
     accumulate: int,
+    build: Callable[[Kind, Checkpointing], nn.Module] = SharedDepthLM,
 ) -> Run:
     """``steps`` optimizer steps of ``accumulate`` micro-batches; ``extra["reductions"]``: per step, how many
     reduce-scatters the gradient reducer issued, and ``extra["buckets"]`` how many buckets it has."""
     torch.manual_seed(1234)
-    model = SharedDepthLM(kind, checkpointing)
-    forward, optimizer = wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    model = build(kind, checkpointing)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    forward, optimizer = wrap(model, torch.optim.AdamW(trainable, lr=3e-3))
     ledger = getattr(optimizer, "ledger", None)
     run = Run()
     run.extra["reductions"] = []
@@ -165,6 +167,35 @@ def test_a_parameter_shared_across_checkpoint_segments_gets_ddps_gradient_reduce
                 (n for n in expected if n.startswith("shared.")), uses
             )
             assert all(c == 1 for n, c in expected.items() if not n.startswith("shared."))
+
+
+def _frozen_base(kind: Kind, checkpointing: Checkpointing) -> nn.Module:
+    """LoRA's shape: everything frozen but the shared block's last bias; the frozen embedding's output made to
+    require grad (as Hugging Face's ``enable_input_require_grads``) so that gradients reach the segments."""
+    model = SharedDepthLM(kind, checkpointing)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name == "shared.down.bias")
+    model.embed.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+    return model
+
+
+def _frozen_base_runs(config: ZeroConfig) -> list[Run]:
+    steps = 3
+    reference = _train("albert", "none", ddp, steps, 1, build=_frozen_base)
+    return [reference, _train("albert", "reentrant", zero3(config), steps, 1, build=_frozen_base)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("units", [("Block",), None], ids=["block-unit", "root-only"])
+def test_a_frozen_shared_block_stays_gathered_until_its_last_segments_backward_is_over(units):
+    # Each segment's recomputation backward reads the block's frozen weights for its input's gradient after the
+    # trainable bias's last gradient has arrived: the unit must not be freed on that arrival (Note [post-backward]).
+    config = ZeroConfig(stage=3, wrap_module_classes=units)
+    torch.manual_seed(1234)
+    initial = SharedDepthLM("albert", "none").shared.down.bias.detach().clone()
+    for reference, run in run_distributed(_frozen_base_runs, 2, config):
+        assert_runs_match(reference, run)
+        assert not torch.equal(run.weights["shared.down.bias"], initial), "the adapter got no gradient"
 
 
 def _train_zero(kind: Kind, checkpointing: Checkpointing, config: ZeroConfig) -> Run:

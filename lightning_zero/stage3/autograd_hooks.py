@@ -9,6 +9,12 @@ that require grad are therefore passed through ``PostBackward``, an identity who
 produced the gradients of those inputs, i.e. once the unit's whole backward is over; that is where the unit is freed
 (as FSDP2 does). A unit none of whose inputs requires grad computes no input gradient: it is done when its trainable
 gradients have arrived, or, if it has none, it is never needed in backward at all (autograd does not reach it).
+Except inside a reentrant checkpoint's recomputation: its backward (a nested one) computes the gradients of the
+segment's inputs as well, which require grad whatever the unit's own inputs did (a LoRA model's frozen embedding
+output made to require grad; a segment inside the unit, or the unit called only in segments, whose forward ran
+without grad and hooked nothing). There the last trainable gradient arrives while the segment's backward still reads
+the unit's frozen weights, so a unit is not freed on arrivals in a nested backward: its ``REENTRANT`` post-backward
+or the end of the backward frees it.
 Reducing a unit's gradients is separate from freeing it: buckets are reduced as their gradients arrive, whatever
 happens to the parameters.
 """

@@ -46,6 +46,7 @@ from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.compat import current_graph_task_id, queue_autograd_callback
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.flat_bucket import FlatBucket
+from lightning_zero.sharding.gradient_arrivals import in_nested_backward
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
 from lightning_zero.stage3.autograd_hooks import PostBackwardCounts, Registration, hook_inputs, tensors_in
 from lightning_zero.stage3.divergence import NOTHING, RankDivergenceError, UnitExchange
@@ -263,8 +264,14 @@ class ParameterGatherer:
         if any(self._remaining[m.index] for m in self._children[unit.index]):
             return
         # A unit whose inputs need no gradient is done once its own gradients are (Note [post-backward]); any other
-        # unit waits for its post-backward, since computing its input gradient still reads its parameters.
-        if self._remaining[unit.index] == 0 and self._depth[unit.index] == 0 and not self._inputs_hooked[unit.index]:
+        # unit waits for its post-backward, since computing its input gradient still reads its parameters. Not in a
+        # reentrant segment's backward: that one goes on to its segment's input gradient, reading them too.
+        if (
+            self._remaining[unit.index] == 0
+            and self._depth[unit.index] == 0
+            and not self._inputs_hooked[unit.index]
+            and not in_nested_backward()
+        ):
             self._freed_by_arrivals.add(unit.index)  # Note [one order of collectives]
             self._release(unit, reuse=self._reused_soon(unit, self._finish_order))
 
