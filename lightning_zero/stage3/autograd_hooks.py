@@ -14,7 +14,10 @@ segment's inputs as well, which require grad whatever the unit's own inputs did 
 output made to require grad; a segment inside the unit, or the unit called only in segments, whose forward ran
 without grad and hooked nothing). There the last trainable gradient arrives while the segment's backward still reads
 the unit's frozen weights, so a unit is not freed on arrivals in a nested backward: its ``REENTRANT`` post-backward
-or the end of the backward frees it.
+or the end of the backward frees it. Likewise in any backward when the unit's forward made a tensor require grad
+that is no parameter (``enable_input_require_grads`` on a frozen embedding inside the unit): its gradient is computed
+through the unit's weights after the trainable ones may have arrived. Such a unit is found after its forward, from
+the leaves its outputs' graph reaches (``only_parameters_reached``), and waits for the end of the backward.
 Reducing a unit's gradients is separate from freeing it: buckets are reduced as their gradients arrive, whatever
 happens to the parameters.
 """
@@ -67,6 +70,31 @@ def _replace_tensors(value: Any, replace: Callable[[Tensor], Tensor]) -> Any:
         fields = [f.name for f in dataclasses.fields(value) if f.init]
         return dataclasses.replace(value, **{name: _replace_tensors(getattr(value, name), replace) for name in fields})
     return value
+
+
+def only_parameters_reached(outputs: Iterable[Tensor]) -> bool:
+    """Whether every leaf that requires grad reached by backpropagating from ``outputs`` is an ``nn.Parameter``
+    (Note [post-backward])."""
+    seen: set[Any] = set()
+    stack: list[Any] = []
+    for t in outputs:
+        if t.grad_fn is None:  # a leaf itself
+            if not isinstance(t, torch.nn.Parameter):
+                return False
+        else:
+            stack.append(t.grad_fn)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it accumulates into
+        if variable is not None:
+            if not isinstance(variable, torch.nn.Parameter):
+                return False
+            continue
+        stack.extend(f for f, _ in node.next_functions if f is not None)
+    return True
 
 
 class PostBackward(torch.autograd.Function):

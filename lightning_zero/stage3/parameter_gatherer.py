@@ -48,7 +48,13 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.gradient_arrivals import in_nested_backward
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
-from lightning_zero.stage3.autograd_hooks import PostBackwardCounts, Registration, hook_inputs, tensors_in
+from lightning_zero.stage3.autograd_hooks import (
+    PostBackwardCounts,
+    Registration,
+    hook_inputs,
+    only_parameters_reached,
+    tensors_in,
+)
 from lightning_zero.stage3.divergence import NOTHING, RankDivergenceError, UnitExchange
 from lightning_zero.stage3.gathered_buffers import GatheredBuffers
 from lightning_zero.stage3.sharded_unit import ShardedUnit, UnitState
@@ -90,7 +96,8 @@ class ParameterGatherer:
         self._reached_in_backward: set[int] = set()
         """Units whose outputs of this step's forward have a pre-backward hook: the ones backward will gather."""
         self._inputs_hooked = {u.index: False for u in units}
-        """Whether the unit's last forward hooked an input that requires grad (Note [post-backward])."""
+        """Whether the unit's last forward hooked an input that requires grad, or made a tensor require grad that is
+        no parameter: either way it is not freed when its gradients arrive (Note [post-backward])."""
         self._depth = {u.index: 0 for u in units}  # nested forward calls of the same unit
         self._forward_order: list[int] = []  # Note [forward order]
         self._finish_order: list[int] = []
@@ -206,6 +213,10 @@ class ParameterGatherer:
         if torch.is_grad_enabled():
             tensors = [t for t in tensors_in(output) if t.requires_grad]
             if tensors:
+                members = (unit, *self._children[unit.index])
+                frees_on_arrivals = any(m.trainable_buckets for m in members) and not self._inputs_hooked[unit.index]
+                if frees_on_arrivals and not only_parameters_reached(tensors):
+                    self._inputs_hooked[unit.index] = True  # freed at the end of backward (Note [post-backward])
                 torch.autograd.graph.register_multi_grad_hook(tensors, partial(self._pre_backward, unit), mode="any")
                 self._reached_in_backward.add(unit.index)
                 differentiated = True
