@@ -6,7 +6,9 @@
 - ``param_groups``: the user's param groups over this rank's shard (segments, masters, views, the checks).
 - ``sharded_optimizer``: ``ZeroOptimizer``, the user's optimizer stepping only this rank's shard; with
   ``gradient_clipping`` (by norm and value, over shards), ``gradient_presence`` (which parameters got a gradient on
-  some rank: DDP's unused-parameter semantics) and ``optimizer_hooks`` (torch's optimizer hooks on the wrapper).
+  some rank: DDP's unused-parameter semantics), ``optimizer_hooks`` (torch's optimizer hooks on the wrapper) and
+  ``step_chunks`` (the step bucket by bucket, each bucket's all-gather overlapping the next).
+- ``sharded_parameters``: ``ShardedParameters``, the protocol through which the optimizer sees a stage-3 model.
 - ``loss_scaler``: the cross-rank dynamic loss scaler of fp16 training.
 - ``state_tiers``: ``StateTiers``, the hooks through which memory tiers (``lightning_zero.offload``) hold masters,
   optimizer state and gradient shards between steps.

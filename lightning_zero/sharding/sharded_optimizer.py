@@ -13,18 +13,9 @@ Construction takes a model and an optimizer built over its parameters, exactly a
 
 A step is: finish the gradient reduce-scatters -> master grads -> the user's ``optimizer.step()`` on the shards ->
 copy masters into the parameter shards -> all-gather the resident buckets in place (stage 3 gathers the others
-when they are next used). Gradient clipping: ``gradient_clipping.py``; torch's optimizer hooks: Note [step hooks] in
-``optimizer_hooks.py``; parameters without gradient: Note [unused parameters] in ``gradient_presence.py``.
-
-Note [step in chunks]
-After the step every rank waits for the all-gather of the updated parameters, with nothing to compute meanwhile:
-~50 ms of a 1.8 s step on the benchmark GPT (2 gloo ranks), a third of the step's own time. With ``overlap_comm``,
-stages 1 and 2 therefore call the user's ``optimizer.step()`` once per bucket, each time with the param groups
-narrowed to that bucket's masters, and issue the bucket's all-gather before stepping the next one; the step
-returns once every gather is done, so nothing outside the step ever sees stale parameters. Element-wise optimizers
-(everything sharding supports, see ``param_groups.check_elementwise``) compute the same update whether their
-parameters come in one call or several: each parameter still takes exactly one step with its own state. Step hooks
-still run once per step: Note [step hooks] in ``optimizer_hooks.py``.
+when they are next used); with ``overlap_comm`` bucket by bucket (Note [step in chunks] in ``step_chunks.py``).
+Gradient clipping: ``gradient_clipping.py``; torch's optimizer hooks: Note [step hooks] in ``optimizer_hooks.py``;
+parameters without gradient: Note [unused parameters] in ``gradient_presence.py``.
 
 Note [tiered step]
 With memory tiers (``ZeroConfig.offload_optimizer``, ``lightning_zero.offload``) the masters and optimizer state of
@@ -50,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,7 +53,7 @@ from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.compat import non_finite_check_and_unscale_
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding import gradient_clipping
-from lightning_zero.sharding.flat_bucket import FlatBucket, build_buckets
+from lightning_zero.sharding.flat_bucket import build_buckets
 from lightning_zero.sharding.full_grad_reducer import FullGradReducer
 from lightning_zero.sharding.gradient_presence import GradientPresence
 from lightning_zero.sharding.gradient_reducer import GradientReducer
@@ -84,30 +75,13 @@ from lightning_zero.sharding.param_groups import (
     trainable_named_groups,
 )
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
+from lightning_zero.sharding.sharded_parameters import ShardedParameters as ShardedParameters  # re-exported
 from lightning_zero.sharding.state_tiers import StateTiers
+from lightning_zero.sharding.step_chunks import StepChunk, build_step_chunks, step_in_chunks
 
 # Stages compose by choosing where gradients live; everything else is shared. (Stage 3 adds parameter gathering on
 # top of stage 2's reducer, built with the sharded model.)
 _REDUCERS: dict[int, type[GradientReducer]] = {1: FullGradReducer, 2: ShardedGradReducer}
-
-
-class ShardedParameters(Protocol):
-    """A model whose parameters are sharded as well (stage 3's ``ParameterGatherer``), as the optimizer sees it:
-    it owns the gradient reducer and the ledger of the step, and is told when the shards have changed."""
-
-    @property
-    def ledger(self) -> CommLedger: ...
-
-    @property
-    def reducer(self) -> GradientReducer: ...
-
-    def all_buckets(self) -> list[FlatBucket]:
-        """Every bucket of the sharded model, frozen and resident ones included."""
-        ...
-
-    def refresh_gathered(self) -> None:
-        """Re-gather whatever is gathered right now, so that it reflects the shards."""
-        ...
 
 
 class ZeroOptimizer(Optimizer):
@@ -184,16 +158,13 @@ class ZeroOptimizer(Optimizer):
         """Whether each segment got a gradient on some rank this step (Note [unused parameters])."""
         self.tiers = tiers
         """Where the masters and optimizer state of some buckets live between steps (Note [tiered step])."""
-        self._step_chunks: list[tuple[FlatBucket, list[int], list[Tensor], list[MasterRun]]] = []
+        self._step_chunks: list[StepChunk] = []
         """Stages 1 and 2 with ``overlap_comm``: each bucket's segments' groups, masters and master runs, stepped
         one bucket at a time (Note [step in chunks]); empty when the step runs in one piece."""
         if tiers is not None or (
             gatherer is None and config.overlap_comm and self.world_size > 1 and len(self.buckets) > 1
         ):
-            for bucket in self.buckets:
-                chunk = [(seg, m) for seg, m in zip(self.segments, self.masters, strict=True) if seg.bucket is bucket]
-                runs = [run for run in self._runs if run.bucket is bucket]
-                self._step_chunks.append((bucket, [seg.group for seg, _ in chunk], [m for _, m in chunk], runs))
+            self._step_chunks = build_step_chunks(self.buckets, self.segments, self.masters, self._runs)
         init_hook_registries(self)  # Note [step hooks]
         self.presence = GradientPresence(self.buckets, group_of)
         """Which parameters got a gradient since the last step (Note [unused parameters])."""
@@ -315,7 +286,9 @@ class ZeroOptimizer(Optimizer):
         if not skip:
             with inner_step_hooks(self.optimizer):  # Note [step hooks]
                 if self._step_chunks:
-                    self._step_in_chunks()
+                    step_in_chunks(
+                        self.optimizer, self._raw_step, self._step_chunks, self.tiers, self.ledger, self.group
+                    )
                 else:
                     self._raw_step(self.optimizer)
                     copy_masters_to_shards(self._runs)
@@ -350,32 +323,6 @@ class ZeroOptimizer(Optimizer):
             "`configure_model`); to train parts of a model in turn, give each part its own optimizer and use "
             "`toggle_optimizer`."
         )
-
-    def _step_in_chunks(self) -> None:
-        """Step the shard bucket by bucket, all-gathering each bucket while the next is stepped (Note [step in
-        chunks])."""
-        groups = self.optimizer.param_groups
-        everything = [group["params"] for group in groups]
-        pending = []
-        try:
-            for bucket, group_of, masters, runs in self._step_chunks:
-                for g, group in enumerate(groups):
-                    group["params"] = [m for k, m in zip(group_of, masters, strict=True) if k == g]
-                if self.tiers is not None:
-                    self.tiers.load(bucket)
-                    adopt_edits(runs)
-                self._raw_step(self.optimizer)
-                copy_masters_to_shards(runs)
-                if self.tiers is not None:
-                    self.tiers.unload(bucket)
-                if bucket.resident:
-                    assert bucket.data is not None
-                    pending.append(self.ledger.record(all_gather(bucket.data, bucket.param_shard, self.group)))
-        finally:
-            for group, params in zip(groups, everything, strict=True):
-                group["params"] = params
-            for p in pending:
-                p.wait()
 
     def gather_parameters(self) -> None:
         """All-gather every resident bucket from its shard into the full flat parameters (after a step or a load)."""

@@ -1,0 +1,75 @@
+"""The step in chunks: the user's optimizer stepped one bucket at a time, each bucket's all-gather overlapping the next.
+
+Note [step in chunks]
+After the step every rank waits for the all-gather of the updated parameters, with nothing to compute meanwhile:
+~50 ms of a 1.8 s step on the benchmark GPT (2 gloo ranks), a third of the step's own time. With ``overlap_comm``,
+stages 1 and 2 therefore call the user's ``optimizer.step()`` once per bucket, each time with the param groups
+narrowed to that bucket's masters, and issue the bucket's all-gather before stepping the next one; the step
+returns once every gather is done, so nothing outside the step ever sees stale parameters. Element-wise optimizers
+(everything sharding supports, see ``param_groups.check_elementwise``) compute the same update whether their
+parameters come in one call or several: each parameter still takes exactly one step with its own state. Step hooks
+still run once per step: Note [step hooks] in ``optimizer_hooks.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_zero.comm.collectives import ProcessGroup, all_gather
+from lightning_zero.comm.ledger import CommLedger
+from lightning_zero.sharding.flat_bucket import FlatBucket
+from lightning_zero.sharding.param_groups import MasterRun, Segment, adopt_edits, copy_masters_to_shards
+from lightning_zero.sharding.state_tiers import StateTiers
+
+StepChunk = tuple[FlatBucket, list[int], list[Tensor], list[MasterRun]]
+"""One bucket's segments' groups, masters and master runs."""
+
+
+def build_step_chunks(
+    buckets: list[FlatBucket], segments: list[Segment], masters: list[Tensor], runs: list[MasterRun]
+) -> list[StepChunk]:
+    """Each bucket's segments' groups, masters and master runs, in bucket order."""
+    chunks: list[StepChunk] = []
+    for bucket in buckets:
+        chunk = [(seg, m) for seg, m in zip(segments, masters, strict=True) if seg.bucket is bucket]
+        bucket_runs = [run for run in runs if run.bucket is bucket]
+        chunks.append((bucket, [seg.group for seg, _ in chunk], [m for _, m in chunk], bucket_runs))
+    return chunks
+
+
+def step_in_chunks(
+    optimizer: Optimizer,
+    raw_step: Callable[[Optimizer], Any],
+    chunks: list[StepChunk],
+    tiers: StateTiers | None,
+    ledger: CommLedger,
+    group: ProcessGroup,
+) -> None:
+    """Step the shard bucket by bucket, all-gathering each bucket while the next is stepped (Note [step in
+    chunks])."""
+    groups = optimizer.param_groups
+    everything = [g["params"] for g in groups]
+    pending = []
+    try:
+        for bucket, group_of, masters, runs in chunks:
+            for g, param_group in enumerate(groups):
+                param_group["params"] = [m for k, m in zip(group_of, masters, strict=True) if k == g]
+            if tiers is not None:
+                tiers.load(bucket)
+                adopt_edits(runs)
+            raw_step(optimizer)
+            copy_masters_to_shards(runs)
+            if tiers is not None:
+                tiers.unload(bucket)
+            if bucket.resident:
+                assert bucket.data is not None
+                pending.append(ledger.record(all_gather(bucket.data, bucket.param_shard, group)))
+    finally:
+        for param_group, params in zip(groups, everything, strict=True):
+            param_group["params"] = params
+        for p in pending:
+            p.wait()
