@@ -43,7 +43,7 @@ from types import FrameType
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from lightning_zero.sharding.flat_bucket import FlatBucket
+from lightning_zero.sharding.flat_bucket import FlatBucket, ParamSlot
 
 _FUNCTION_BACKWARD = BackwardCFunction.apply.__code__
 """The frame through which autograd runs every Python ``Function``'s backward, checkpointing's included."""
@@ -130,3 +130,15 @@ class GradientArrivals:
         """A new backward: nothing has arrived."""
         self._calls = [0] * len(self._calls)
         self._unfinished = list(self._sizes)
+
+
+def late_gradient_error(slot: ParamSlot) -> RuntimeError:
+    """Note [final gradients]: the case no rank can repair alone."""
+    return RuntimeError(
+        f"Parameter {slot.fqn!r} received a gradient after its bucket was reduced in this backward: it was used in "
+        "more reentrant activation-checkpoint segments, or outside them and then in one, than the first backward "
+        "showed, and a late contribution cannot be reduced without every rank reducing the bucket again. HINT: "
+        "checkpoint with `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` "
+        "(Hugging Face: `gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})`), "
+        "which hands every parameter its whole gradient at once."
+    )

@@ -60,7 +60,7 @@ from lightning_zero.comm.streams import CollectiveStream
 from lightning_zero.compat import current_autograd_node, queue_autograd_callback
 from lightning_zero.config import ZeroConfig, dtype_from_name
 from lightning_zero.sharding.flat_bucket import FlatBucket, ParamSlot
-from lightning_zero.sharding.gradient_arrivals import GradientArrivals
+from lightning_zero.sharding.gradient_arrivals import GradientArrivals, late_gradient_error
 from lightning_zero.sharding.gradient_owners import GradientOwners, local_gradients_error
 
 
@@ -99,9 +99,9 @@ class GradientReducer:
         """False inside ``no_sync()``: backward only accumulates locally (gradient accumulation)."""
         self.state = [BucketState.FILLING] * len(self.buckets)
         self.arrivals = GradientArrivals(self.buckets)
+        """Which parameters' gradients are final in the backward running now (Note [final gradients])."""
         self.owners = GradientOwners(self.buckets)
         """Which optimizer steps which elements of each shard (Note [gradients of several optimizers])."""
-        """Which parameters' gradients are final in the backward running now (Note [final gradients])."""
         self._launched = [False] * len(self.buckets)
         """Buckets launched in the current round: a gradient arriving for one is an error (Note [final gradients])."""
         self._next_launch = 0
@@ -219,7 +219,7 @@ class GradientReducer:
 
     def _on_grad_accumulated(self, bucket: FlatBucket, slot: ParamSlot, position: int, param: nn.Parameter) -> None:
         if self._launched[bucket.index]:
-            raise _late_gradient_error(slot)
+            raise late_gradient_error(slot)
         if self.state[bucket.index] is not BucketState.FILLING:
             self._begin_filling(bucket)
         self._store(bucket, slot, param)
@@ -390,18 +390,6 @@ class GradientReducer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-
-def _late_gradient_error(slot: ParamSlot) -> RuntimeError:
-    """Note [final gradients], in ``gradient_arrivals.py``: the case no rank can repair alone."""
-    return RuntimeError(
-        f"Parameter {slot.fqn!r} received a gradient after its bucket was reduced in this backward: it was used in "
-        "more reentrant activation-checkpoint segments, or outside them and then in one, than the first backward "
-        "showed, and a late contribution cannot be reduced without every rank reducing the bucket again. HINT: "
-        "checkpoint with `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` "
-        "(Hugging Face: `gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})`), "
-        "which hands every parameter its whole gradient at once."
-    )
 
 
 def accumulate_into(total: Tensor, out: Tensor, pending: PendingCollective) -> PendingCollective:
