@@ -126,26 +126,6 @@ def matrix() -> Array:
     return all_pairs(FACTORS, valid, REFUSED)
 
 
-EXTRA: tuple[dict[str, Any], ...] = (
-    # Stage 3, LoRA's frozen base in a decoder layer shared by two reentrant segments, automatic optimization: the
-    # array pairs each of these (its LoRA + checkpointing case at stage 3 is in manual optimization), not all four.
-    {
-        "stage": 3,
-        "precision": "32-true",
-        "optimizer_tier": "none",
-        "param_tier": "none",
-        "zeropp": "off",
-        "accumulate": 1,
-        "clip": "none",
-        "checkpointing": "reentrant_shared",
-        "model": "hf_lora",
-        "reshard_root": True,
-        "manual": False,
-    },
-)
-"""Combinations beyond the pairs that failed while the array was built, kept as cases of their own."""
-
-
 REFUSAL_BASE: dict[str, Any] = {
     "stage": 3,
     "precision": "32-true",
@@ -159,6 +139,14 @@ REFUSAL_BASE: dict[str, Any] = {
     "reshard_root": True,
     "manual": False,
 }
+
+
+EXTRA: tuple[dict[str, Any], ...] = (
+    # Stage 3, LoRA's frozen base in a decoder layer shared by two reentrant segments, automatic optimization: the
+    # array pairs each of these (its LoRA + checkpointing case at stage 3 is in manual optimization), not all four.
+    {**REFUSAL_BASE, "checkpointing": "reentrant_shared", "model": "hf_lora"},
+)
+"""Combinations beyond the pairs that failed while the array was built, kept as cases of their own."""
 
 
 def refusal_case(refusal: Refusal) -> dict[str, Any]:
