@@ -138,17 +138,23 @@ def _peak_memory(stage: int) -> dict[str, int]:
     optimizer = ZeroOptimizer(model, torch.optim.AdamW(model.parameters()), dist.group.WORLD, zero, gatherer)
     buckets = max(b.padded_numel for b in optimizer.reducer.buckets) * 4
     buffers += (zero.max_inflight_buckets + 1) * buckets  # staging buffers in flight and filling
+    peaks = {}
     for _ in range(2):  # the second step has optimizer state from the start
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
         model.loss(x, y).backward()
+        torch.cuda.synchronize()
+        peaks = {"start": start, "backward": torch.cuda.max_memory_allocated()}  # where the peak is, if it fails
         optimizer.step()
         optimizer.zero_grad()
         torch.cuda.synchronize()
+        peaks["step"] = torch.cuda.max_memory_allocated()
+        peaks["end"] = torch.cuda.memory_allocated()
     psi = sum(b.numel for b in optimizer.reducer.buckets)
     state = expected_model_state_bytes(psi, dist.get_world_size(), stage, param_bytes=4, master_bytes=0).total
     return {"peak": torch.cuda.max_memory_allocated(), "state": state, "activations": activations,
-            "buffers": buffers, "inputs": tokens.numel() * tokens.element_size()}  # fmt: skip
+            "buffers": buffers, "inputs": tokens.numel() * tokens.element_size(), "peaks": peaks}  # fmt: skip
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)
@@ -157,7 +163,7 @@ def _peak_memory(stage: int) -> dict[str, int]:
 def test_peak_gpu_memory_is_the_formula_plus_activations(world, stage):
     for m in run_distributed(_peak_memory, world, stage, init_process_group=False, timeout=RANKS_TIMEOUT):
         allowed = m["state"] + m["activations"] + m["buffers"] + m["inputs"]
-        assert m["peak"] <= 1.05 * allowed, m  # 5%: allocator rounding to 512-byte blocks, kernel workspaces
+        assert m["peak"] <= 1.05 * allowed, str(m)  # 5%: allocator rounding to 512-byte blocks, kernel workspaces
 
 
 def _all_gather_overlap() -> dict[str, float]:
@@ -208,14 +214,17 @@ def _teardown_on_gpu() -> dict[str, Any]:
     trainer.fit(module, loader)
     state = _sharded_state(module, trainer.strategy)
     devices = {p.device.type for p in module.parameters()} | {b.device.type for b in module.buffers()}
-    return {"state": state, "devices": devices, "moves": module.moves_after_run, "steps": len(module.losses)}
+    named = [*module.named_parameters(), *module.named_buffers()]
+    off_device = [n for n, t in named if t.device.type != "cuda"]
+    return {"state": state, "devices": devices, "off_device": off_device, "moves": module.moves_after_run,
+            "steps": len(module.losses)}  # fmt: skip
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.parametrize("world", WORLDS)
 def test_zero3_fit_validate_fit_stays_sharded_on_the_gpu(world):
     for m in run_distributed(_teardown_on_gpu, world, init_process_group=False, timeout=RANKS_TIMEOUT):
-        assert m["devices"] == {"cuda"}, m  # nothing was moved to the host
+        assert m["devices"] == {"cuda"}, str(m)  # nothing was moved to the host
         assert m["state"]["full"] == [], m
         assert m["state"]["detached"] == [], m
         assert m["moves"] == 0, m
@@ -335,9 +344,27 @@ def _count_pageable_copies() -> dict[str, int]:
     return counts
 
 
+class _SleepInBackward(torch.autograd.Function):
+    """Identity whose backward keeps the compute stream busy (``SLEEP_CYCLES / 4``, about 0.25 ms)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        torch.cuda._sleep(SLEEP_CYCLES // 4)
+        return grad
+
+
 def _host_tier_step(offload_params: str) -> dict[str, Any]:
     """Where a stage-3 step with the host tier keeps things, what it copies, and how much of the gradients' copy to
-    the host overlaps backward's kernels."""
+    the host overlaps backward's kernels.
+
+    Each block's backward starts with a sleep on the compute stream. Without it this small model is bound by kernel
+    launches: the GPU idles between backward's short kernels, and copies issued during backward land in those gaps,
+    overlapping no kernel even when issued as early as they can be (seen on an H100). With it, a copy issued while
+    backward still has blocks to go runs beside a sleep; one issued only once backward is over overlaps nothing."""
     from lightning_zero.offload.memory_tiers import MemoryTiers
 
     pageable = _count_pageable_copies()
@@ -348,6 +375,8 @@ def _host_tier_step(offload_params: str) -> dict[str, Any]:
     with torch.device("meta"):
         model = GPT(config)
     gatherer = shard_module(model, zero, dist.group.WORLD, device, tiers=tiers)
+    for block in model.blocks:
+        block.register_forward_hook(lambda module, args, out: _SleepInBackward.apply(out))
     adamw = torch.optim.AdamW(model.parameters())
     optimizer = ZeroOptimizer(model, adamw, dist.group.WORLD, zero, gatherer, tiers=tiers.for_optimizer())
     tokens = torch.randint(0, config.vocab_size, (16, config.block_size + 1), device=device)
@@ -409,4 +438,4 @@ def test_host_tier_keeps_masters_and_state_pinned_on_the_host_and_copies_gradien
         assert up >= m["shard_bytes"], m
         # The gradients' copies run on their own stream while backward computes (Note [host tier data path]).
         assert m["to_host_us"] > 0, m
-        assert m["overlapped_us"] >= 0.25 * m["to_host_us"], m
+        assert m["overlapped_us"] >= 0.25 * m["to_host_us"], str(m)

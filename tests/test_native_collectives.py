@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero import ZeroConfig, ZeroOptimizer, ZeroStrategy
-from lightning_zero.comm.collectives import NATIVE_COLLECTIVES_ENV, native_collectives
+from lightning_zero.comm.collectives import NATIVE_COLLECTIVES_ENV, native_collectives, takes_pieces
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.stage3.sharded_init import shard_module
 from tests.harness import run_distributed
@@ -41,6 +41,19 @@ def test_the_switch_accepts_on_and_off_and_names_itself_otherwise(monkeypatch):
     monkeypatch.setenv(NATIVE_COLLECTIVES_ENV, "yes")
     with pytest.raises(ValueError, match=f"{NATIVE_COLLECTIVES_ENV}='yes'.*Expected 1"):
         native_collectives()
+
+
+def _which_forms() -> dict[str, bool]:
+    group = dist.group.WORLD
+    return {device: takes_pieces(torch.device(device), group) for device in ("cpu", "cuda", "meta")}
+
+
+@pytest.mark.timeout(60)
+def test_gloo_takes_its_pairwise_forms_for_host_tensors_only():
+    # Gloo's isend/irecv hands a CUDA tensor's pointer to the socket and aborts the rank (Note [native
+    # collectives]): ranks sharing a GPU over gloo must take the native forms, even without the switch.
+    for forms in run_distributed(_which_forms, 2, timeout=30):
+        assert forms == {"cpu": True, "cuda": False, "meta": False}, forms
 
 
 def _train_stages(stages: tuple[int, ...], old_torch: bool = False) -> dict[int, dict[str, Any]]:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zero import ZeroConfig, shard_module
+from lightning_zero.stage3.sharded_init import move_materialized
 from tests.harness import DistributedTestError, run_distributed
 
 CPU = torch.device("cpu")
@@ -268,3 +269,18 @@ def test_lstm_built_on_meta_is_materialized_in_place_and_its_own_init_lost_is_wa
         message = next(w for w in warned if "SimpleLSTM defines init_weights()" in w)
         assert "that initialization is lost" in message
         assert "HINT: pass `param_init_fn`" in message
+
+
+def test_sharding_moves_what_is_materialized_to_the_device_and_keeps_the_parameter_objects():
+    # Note [partly meta models]: a LightningModule's own tensors from __init__ (CPU) beside a network built on meta.
+    # The CPU machine has one real device, so the target here is meta: what is not there yet must move, in place.
+    root = nn.Module()
+    root.scale = nn.Parameter(torch.ones(3))
+    root.register_buffer("seen", torch.zeros(()))
+    with torch.device("meta"):
+        root.net = nn.Linear(2, 2)
+    net_weight = root.net.weight
+    move_materialized(root, torch.device("meta"))
+    assert root.scale.is_meta  # (CPU to CUDA keeps the Parameter object, as Module.to does)
+    assert root.seen.is_meta
+    assert root.net.weight is net_weight  # already on the target: untouched

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -157,4 +158,58 @@ def test_the_step_runs_bucket_by_bucket_and_matches_ddp():
         assert buckets > 1
         assert calls == 3  # one inner step per bucket, but its step hooks once per step (Note [step hooks])
         assert restored
+        assert same
+
+
+def _stage3_step_sizes(world_bucket: int) -> tuple[int, int, int, bool]:
+    """Elements the user's optimizer steps per call at stage 3 (its multi-tensor temporaries scale with them)."""
+    from lightning_zero import shard_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(32, 32) for _ in range(4)))
+    reference = nn.Sequential(*(nn.Linear(32, 32) for _ in range(4)))
+    reference.load_state_dict(model.state_dict())
+    config = ZeroConfig(stage=3, bucket_numel=world_bucket, wrap_min_numel=1)
+    gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu"))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    sizes: list[int] = []  # elements of each multi-tensor sqrt of the second moments: Adam's largest temporary
+    foreach_sqrt = torch._foreach_sqrt
+
+    def counted(tensors: Any) -> Any:
+        if recording:
+            sizes.append(sum(t.numel() for t in tensors))
+        return foreach_sqrt(tensors)
+
+    recording = False
+
+    torch._foreach_sqrt = counted  # this rank's process only
+    calls: list[int] = []
+    inner.register_step_post_hook(lambda opt, *_: calls.append(1))
+    optimizer = ZeroOptimizer(model, inner, dist.group.WORLD, config, gatherer)
+    ddp = DistributedDataParallel(reference)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=True)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for _ in range(2):
+        model(x).square().mean().backward()
+        recording = True
+        optimizer.step()
+        recording = False
+        optimizer.zero_grad()
+        ddp(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    torch._foreach_sqrt = foreach_sqrt
+    shard = sum(m.numel() for m in optimizer.masters)
+    with gatherer.gathered():
+        same = all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    return max(sizes), shard, len(calls), same
+
+
+@pytest.mark.timeout(60)
+def test_stage3_steps_one_bucket_at_a_time_so_optimizer_temporaries_stay_bucket_sized():
+    # Note [step in chunks]: a multi-tensor Adam allocates temporaries as large as one call's parameters.
+    for largest_call, shard, calls, same in run_distributed(_stage3_step_sizes, 2, 1_056):
+        assert largest_call <= 1_056 // 2, (largest_call, shard)  # a bucket's shard on 2 ranks, not the whole shard
+        assert shard > largest_call
+        assert calls == 2  # step hooks: once per step (Note [step hooks])
         assert same

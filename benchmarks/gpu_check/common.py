@@ -30,6 +30,10 @@ class Config:
     """Tiny sizes (the CPU test); the code paths are the GPU run's."""
     inject_failure: str = ""
     inject_hang: str = ""
+    offload_modes: tuple[str, ...] = ()
+    """``offload_largest_model``: the modes to run (empty: every one), e.g. after an earlier run settled the others."""
+    offload_layers: int = 0
+    """``offload_largest_model``: the depth each mode starts at (0: the depth its byte count predicts)."""
     section: str = ""
     deadline: float = 0.0
     """``time.time()`` by which the section must be done (the same clock in every process)."""

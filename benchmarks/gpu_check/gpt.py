@@ -90,6 +90,31 @@ class CheckGPT(pl.LightningModule):
         return torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=self.fused or None)
 
 
+class Progress(pl.Callback):
+    """Notes when a run reaches each phase (seconds since the rank started it): a run killed at its budget still
+    says whether building, the strategy's setup (sharding, pinning the host tiers) or the steps took the time."""
+
+    def __init__(self, config: Config, variant: str, start: float) -> None:
+        self.config, self.variant, self.start = config, variant, start
+        self.phases: dict[str, float] = {}
+
+    def _note(self, phase: str) -> None:
+        self.phases[phase] = round(time.perf_counter() - self.start, 1)
+        note(self.config, variant=self.variant, phase=phase, at_s=self.phases[phase])
+
+    def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
+        self._note("building the model")
+
+    def on_fit_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self._note("sharded, optimizers and tiers set up")
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self._note("training starts")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        self._note(f"step {trainer.global_step}")
+
+
 class Timer(pl.Callback):
     """Each step's wall time (the GPU's work included) and loss; peak device memory of the steady-state steps."""
 
@@ -148,6 +173,7 @@ def train(config: Config, variant: str, gpt: dict[str, int], batch: int, warmup:
     fsdp2 = variant == "fsdp2"
     strategy: Any = ModelParallelStrategy(1, 1) if fsdp2 else ZeroStrategy(stage=3, **tiers[variant])  # type: ignore[arg-type]
     timer = Timer(warmup)
+    begin = time.perf_counter()
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="gpu" if config.device == "cuda" else "cpu",
@@ -158,7 +184,7 @@ def train(config: Config, variant: str, gpt: dict[str, int], batch: int, warmup:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[timer],
+        callbacks=[timer, progress := Progress(config, variant, begin)],
     )
     module = CheckGPT(gpt, batch, warmup + steps, fsdp2, fused=variant.startswith("zero3_offload"))
     start = time.perf_counter()
@@ -176,6 +202,7 @@ def train(config: Config, variant: str, gpt: dict[str, int], batch: int, warmup:
         "losses": timer.losses,
         "fit_s": time.perf_counter() - start,
         "host_peak_rss_bytes": _status("VmHWM"),
+        "phases_s": progress.phases,
     }
     if config.device == "cuda":
         result["max_memory_allocated"] = torch.cuda.max_memory_allocated()
@@ -236,13 +263,17 @@ def predict_layers(config: Config, mode: str, memory: dict[str, int]) -> int:
 
 
 def offload_largest(config: Config) -> dict[str, Any]:
+    unknown = sorted(set(config.offload_modes) - set(MODES))
+    if unknown:
+        raise ValueError(f"--offload-modes: unknown {unknown}; known: {list(MODES)}")
+    modes = [m for m in MODES if not config.offload_modes or m in config.offload_modes]
     (memory,) = ranks(config, _memory, 1, timeout=30)
     runs: dict[str, list[dict[str, Any]]] = {}
-    for index, mode in enumerate(MODES):
-        layers = predict_layers(config, mode, memory)
+    for index, mode in enumerate(modes):
+        layers = config.offload_layers or predict_layers(config, mode, memory)
         runs[mode] = []
         while layers >= 1:
-            weights = [1.0 if config.dry else weight for _, _, weight in list(MODES.values())[index:]]
+            weights = [1.0 if config.dry else MODES[m][2] for m in modes[index:]]
             share = config.left() * weights[0] / sum(weights)  # what is left, shared with the modes still to run
             if share < (2 if config.dry else 20):
                 runs[mode].append({"layers": layers, "skipped": f"no time left ({config.left():.0f} s)"})
@@ -263,7 +294,7 @@ def offload_largest(config: Config) -> dict[str, Any]:
     largest = {
         mode: max((r["parameters"] for r in tries if r.get("trained")), default=None) for mode, tries in runs.items()
     }
-    predicted = {mode: num_parameters(shape(config, predict_layers(config, mode, memory))) for mode in MODES}
+    predicted = {mode: num_parameters(shape(config, predict_layers(config, mode, memory))) for mode in modes}
     checks = [f"{mode}: no size trained ({tries[-1].get('error') or tries[-1].get('skipped')})"
               for mode, tries in runs.items() if tries and largest[mode] is None]  # fmt: skip
     result = {"memory": memory, "predicted_parameters": predicted, "largest_trained_parameters": largest, "runs": runs}

@@ -52,6 +52,8 @@ def parse(argv: list[str]) -> tuple[Config, float, float, list[str]]:
     parser.add_argument("--only", default="", help="comma-separated sections to run (default: all)")
     parser.add_argument("--total-budget", type=float, default=None, help="seconds for everything")
     parser.add_argument("--budget-scale", type=float, default=1.0, help="multiplies every budget (a loaded machine)")
+    parser.add_argument("--offload-modes", default="", help="offload_largest_model: comma-separated modes to run")
+    parser.add_argument("--offload-layers", type=int, default=0, help="offload_largest_model: the depth to start at")
     parser.add_argument("--inject-failure", default="", help="tests only: this section raises at its start")
     parser.add_argument("--inject-hang", default="", help="tests only: this section's ranks hang at their start")
     ns = parser.parse_args(argv)
@@ -66,6 +68,8 @@ def parse(argv: list[str]) -> tuple[Config, float, float, list[str]]:
         dry=ns.dry,
         inject_failure=ns.inject_failure,
         inject_hang=ns.inject_hang,
+        offload_modes=tuple(m for m in ns.offload_modes.split(",") if m),
+        offload_layers=ns.offload_layers,
     )
     total = ns.total_budget if ns.total_budget is not None else TOTAL_BUDGET["dry" if ns.dry else "gpu"]
     return config, total * ns.budget_scale, ns.budget_scale, only or names

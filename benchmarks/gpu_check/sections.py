@@ -196,6 +196,9 @@ def _count_syncs(config: Config, stage: int, precision: str, tier: str) -> dict[
             torch.cuda.synchronize()  # one of ours, subtracted below: the last step's copies are in the trace
         for event in profile.events():
             key = event.name if event.name in SYNC_EVENTS or event.name.startswith("Memcpy DtoH") else None
+            parent = getattr(event, "cpu_parent", None)
+            if key is not None and parent is not None and parent.name == event.name:
+                continue  # one call seen twice (torch 2.11 nests the runtime call in an op of its name): count it once
             if key is not None:
                 counts[key] = counts.get(key, 0) + 1
                 if key in SYNC_EVENTS and len(where) < 18:

@@ -16,6 +16,10 @@ take the native branch on gloo too, so that CPU tests run the exact code path GP
 ops in fp32, fp16, bf16 and int64). It is an environment switch, not a ``ZeroConfig`` field, because it must reach
 every collective, including those issued by code that never sees the config (the divergence check, the optimizer's
 parameter gathers), and because the test harness hands the environment to every rank. It is read at each call.
+Gloo's own forms are for host tensors only: gloo runs its collectives on CUDA tensors (through host copies), but
+its point-to-point ``isend``/``irecv`` hands the CUDA pointer to the socket, and the rank aborts (``writev ... Bad
+address``, SIGABRT; torch 2.11 on an H100, ``scripts/gpu_check.sh``). So a gloo group with CUDA tensors (ranks
+sharing one GPU) takes the native branch whatever the environment says.
 
 Note [reduce-scatter on gloo]
 Measured on the 2-core CPU machine, 2 ranks, one thread each (``benchmarks/collectives.py``): averaging a 4M-element
@@ -148,7 +152,11 @@ def native_collectives() -> bool:
     )
 
 
-def _runs_on_gloo(device: torch.device, group: ProcessGroup) -> bool:
+def _host_tensors_on_gloo(device: torch.device, group: ProcessGroup) -> bool:
+    """Whether ``device``'s tensors go through gloo over ``group`` *and* may take gloo's pairwise forms: host
+    tensors only (Note [native collectives])."""
+    if device.type != "cpu":
+        return False
     backend = str(dist.get_backend(group))
     if ":" not in backend:  # a single backend for every device, e.g. "gloo" or "nccl"
         return backend == "gloo"
@@ -159,13 +167,13 @@ def _runs_on_gloo(device: torch.device, group: ProcessGroup) -> bool:
 
 def _gloo_form(tensor: Tensor, group: ProcessGroup) -> bool:
     """Whether this collective takes gloo's own form (Notes [reduce-scatter on gloo], [all-gather on gloo])."""
-    return _runs_on_gloo(tensor.device, group) and not native_collectives()
+    return _host_tensors_on_gloo(tensor.device, group) and not native_collectives()
 
 
 def takes_pieces(device: torch.device, group: ProcessGroup) -> bool:
     """Whether a reduce-scatter on ``device`` over ``group`` takes gloo's pairwise form, which ``reduce_scatter_pieces``
     needs (Note [reduce-scatter on gloo])."""
-    return group.size() > 1 and _runs_on_gloo(device, group) and not native_collectives()
+    return group.size() > 1 and _host_tensors_on_gloo(device, group) and not native_collectives()
 
 
 def _received_apart(world: int, in_place: bool) -> int:

@@ -13,7 +13,8 @@ Construction takes a model and an optimizer built over its parameters, exactly a
 
 A step is: finish the gradient reduce-scatters -> master grads -> the user's ``optimizer.step()`` on the shards ->
 copy masters into the parameter shards -> all-gather the resident buckets in place (stage 3 gathers the others
-when they are next used); with ``overlap_comm`` bucket by bucket (Note [step in chunks] in ``step_chunks.py``).
+when they are next used); at stage 3, and at stages 1 and 2 with ``overlap_comm``, bucket by bucket
+(Note [step in chunks] in ``step_chunks.py``).
 Gradient clipping: ``gradient_clipping.py``; torch's optimizer hooks: Note [step hooks] in ``optimizer_hooks.py``;
 parameters without gradient: Note [unused parameters] in ``gradient_presence.py``.
 
@@ -159,11 +160,10 @@ class ZeroOptimizer(Optimizer):
         self.tiers = tiers
         """Where the masters and optimizer state of some buckets live between steps (Note [tiered step])."""
         self._step_chunks: list[StepChunk] = []
-        """Stages 1 and 2 with ``overlap_comm``: each bucket's segments' groups, masters and master runs, stepped
-        one bucket at a time (Note [step in chunks]); empty when the step runs in one piece."""
-        if tiers is not None or (
-            gatherer is None and config.overlap_comm and self.world_size > 1 and len(self.buckets) > 1
-        ):
+        """Stage 3, tiers, and stages 1 and 2 with ``overlap_comm``: each bucket's segments' groups, masters and
+        master runs, stepped one bucket at a time (Note [step in chunks]); empty when the step runs in one piece."""
+        overlap = config.overlap_comm and self.world_size > 1
+        if tiers is not None or (len(self.buckets) > 1 and (gatherer is not None or overlap)):
             self._step_chunks = build_step_chunks(self.buckets, self.segments, self.masters, self._runs)
         init_hook_registries(self)  # Note [step hooks]
         self.presence = GradientPresence(self.buckets, group_of)

@@ -9,6 +9,12 @@ returns once every gather is done, so nothing outside the step ever sees stale p
 (everything sharding supports, see ``param_groups.check_elementwise``) compute the same update whether their
 parameters come in one call or several: each parameter still takes exactly one step with its own state. Step hooks
 still run once per step: Note [step hooks] in ``optimizer_hooks.py``.
+
+Stage 3 steps in chunks too, for memory rather than overlap: torch's multi-tensor optimizers (the default on GPUs)
+allocate temporaries as large as everything one call steps (Adam's ``_foreach_sqrt`` of the second moments: 4 bytes
+per parameter of the shard, a quarter more than stage 3's 16 bytes per parameter). A 4.1B-parameter GPT at stage 3
+on one H100 ran out of memory there (``scripts/gpu_check.sh``, 2026-11-26). One bucket at a time bounds them to a
+bucket, as DeepSpeed's ``sub_group_size`` does.
 """
 
 from __future__ import annotations

@@ -22,6 +22,14 @@ A module that owns only buffers is initialized the same way. Parameters are allo
 the initializer left with any NaN stops sharding too: an initializer that forgets a parameter would otherwise train
 from whatever the allocator returned.
 
+Note [partly meta models]
+A ``LightningModule`` that builds its network on meta in ``configure_model`` often registers small tensors of its own
+in ``__init__`` (a step counter buffer, a temperature parameter) on the CPU. The strategy moves a model to its device
+only when nothing of it is on meta (moving meta tensors fails), so those would stay on the CPU while the rest is
+materialized on the GPU: a buffer updated on the wrong device, or a device mismatch at the first forward. DDP moves
+the whole module; FSDP2's ``fully_shard`` moves what is materialized. Sharding therefore first moves every tensor
+that is neither on meta nor on the target device there, keeping the parameter objects.
+
 Modules whose library initializes them beyond their ``reset_parameters()`` (Hugging Face models, peft adapters,
 torch's ``nn.MultiheadAttention`` and ``nn.Transformer``) are initialized as their library would: see
 ``stage3/library_init.py``.
@@ -124,6 +132,12 @@ class _Fresh:
             if buffer.is_meta:
                 self.buffers[key] = torch.zeros_like(buffer, device=device)
                 setattr(module, key, self.buffers[key])
+
+
+def move_materialized(root: nn.Module, device: torch.device) -> None:
+    """Move every parameter and buffer of ``root`` that is neither on meta nor on ``device`` to ``device``, as
+    ``Module.to`` would (parameter objects are kept between devices of one kind): Note [partly meta models]."""
+    root._apply(lambda t: t if t.is_meta or t.device == device else t.to(device))  # what Module.to does, but meta
 
 
 def _allocate(module: nn.Module, device: torch.device, was_meta: set[int], done: set[int]) -> _Fresh | None:
@@ -229,6 +243,7 @@ def shard_module(
     ``tiers``: each unit's shards go to their memory tier as soon as the unit is sharded (``lightning_zero.offload``).
     """
     init = param_init_fn or _default_init
+    move_materialized(root, device)  # Note [partly meta models]
     unit_roots = find_unit_roots(root, config)
     owned = assign_parameters(root, unit_roots)
     subtree_ids = [{id(m) for m in module.modules()} for _, module in unit_roots]
