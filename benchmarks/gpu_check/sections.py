@@ -193,17 +193,25 @@ def _count_syncs(config: Config, stage: int, precision: str, tier: str) -> dict[
         with torch.profiler.profile(activities=activities, with_stack=True) as profile:
             for _ in range(steps):
                 step()
-            torch.cuda.synchronize()  # one of ours, subtracted below: the last step's copies are in the trace
+            torch.cuda.synchronize()  # the last step's copies are in the trace; not counted (below)
+        waited: set[int] = set()  # the ops that blocked the host, each counted once
         for event in profile.events():
             key = event.name if event.name in SYNC_EVENTS or event.name.startswith("Memcpy DtoH") else None
-            parent = getattr(event, "cpu_parent", None)
-            if key is not None and parent is not None and parent.name == event.name:
-                continue  # one call seen twice (torch 2.11 nests the runtime call in an op of its name): count it once
+            if key in SYNC_EVENTS:
+                op = getattr(event, "cpu_parent", None)
+                if op is None and key == "cudaDeviceSynchronize":
+                    continue  # inside no op, so not the steps': ours above, and one more the trace holds (torch 2.11)
+                # One blocking op can issue several syncs (torch 2.11: a copy to pageable memory calls
+                # cudaStreamSynchronize twice): count the op once. Syncs issued by ZeroOptimizer.step's own Python
+                # code (its record_function is their parent) are each a wait of their own.
+                if op is not None and not op.name.startswith("Optimizer.step#"):
+                    if id(op) in waited:
+                        continue
+                    waited.add(id(op))
             if key is not None:
                 counts[key] = counts.get(key, 0) + 1
                 if key in SYNC_EVENTS and len(where) < 18:
                     where.append([key, *_frames(event)])
-        counts["cudaDeviceSynchronize"] = counts.get("cudaDeviceSynchronize", 0) - 1
         syncs = sum(counts.get(s, 0) for s in SYNC_EVENTS)
     if memory is not None:
         memory.close()
