@@ -345,7 +345,8 @@ def _count_pageable_copies() -> dict[str, int]:
 
 
 class _SleepInBackward(torch.autograd.Function):
-    """Identity whose backward keeps the compute stream busy (``SLEEP_CYCLES / 4``, about 0.25 ms)."""
+    """Identity whose backward runs ``torch.cuda._sleep`` (a ``spin_kernel``): marks each block's backward on the
+    GPU's timeline."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:
@@ -358,13 +359,15 @@ class _SleepInBackward(torch.autograd.Function):
 
 
 def _host_tier_step(offload_params: str) -> dict[str, Any]:
-    """Where a stage-3 step with the host tier keeps things, what it copies, and how much of the gradients' copy to
-    the host overlaps backward's kernels.
+    """Where a stage-3 step with the host tier keeps things, what it copies, and how many gradient copies to the
+    host start while backward still runs.
 
-    Each block's backward starts with a sleep on the compute stream. Without it this small model is bound by kernel
-    launches: the GPU idles between backward's short kernels, and copies issued during backward land in those gaps,
-    overlapping no kernel even when issued as early as they can be (seen on an H100). With it, a copy issued while
-    backward still has blocks to go runs beside a sleep; one issued only once backward is over overlaps nothing."""
+    Not "overlap with kernels": this small model is bound by the host at stage 3 (about 4 ms of Python per block's
+    backward against 0.3 ms of kernels on an H100, 2026-11-26), so the GPU idles most of backward and a copy issued
+    as early as it can be lands in an idle gap, overlapping no kernel. What the tier controls is *when* a copy is
+    issued: as each bucket's reduction completes, not all at the end. Each block's backward therefore starts with a
+    sleep kernel that marks it on the timeline, and a copy that starts before the last block's sleep ends was issued
+    while backward had blocks to go."""
     from lightning_zero.offload.memory_tiers import MemoryTiers
 
     pageable = _count_pageable_copies()
@@ -396,10 +399,8 @@ def _host_tier_step(offload_params: str) -> dict[str, Any]:
     moved = tuple(after - before for after, before in zip(tiers.host_copy_bytes(), (down, up), strict=True))
     kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     to_host = [(e.time_range.start, e.time_range.end) for e in kernels if "DtoH" in e.name]
-    compute = [(e.time_range.start, e.time_range.end) for e in kernels if "emcpy" not in e.name and "nccl" not in
-               e.name.lower()]  # fmt: skip
-    overlapped = sum(max(0, min(end, c_end) - max(start, c_start)) for start, end in to_host
-                     for c_start, c_end in compute)  # fmt: skip
+    last_block = max(e.time_range.end for e in kernels if "spin_kernel" in e.name)
+    during_backward = sum(1 for e in kernels if "Device -> Pinned" in e.name and e.time_range.start < last_block)
     states = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
     sharded = [b for u in gatherer.units for b in u.buckets]
     result = {
@@ -410,7 +411,8 @@ def _host_tier_step(offload_params: str) -> dict[str, Any]:
         "moved": moved,
         "shard_bytes": sum(m.numel() * 4 for m in optimizer.masters),
         "to_host_us": sum(end - start for start, end in to_host),
-        "overlapped_us": overlapped,
+        "blocks": len(model.blocks),
+        "copies_during_backward": during_backward,
         **pageable,
     }
     tiers.close()
@@ -436,6 +438,8 @@ def test_host_tier_keeps_masters_and_state_pinned_on_the_host_and_copies_gradien
         # without offload_params the parameters are also read back for edits (Note [host tier data path]).
         assert down >= (1 if offload_params == "cpu" else 2) * m["shard_bytes"], m
         assert up >= m["shard_bytes"], m
-        # The gradients' copies run on their own stream while backward computes (Note [host tier data path]).
+        # The gradients' copies are issued as each bucket's reduction completes, while backward still runs (Note
+        # [host tier data path]); one issued only at the end of backward starts after the last block's sleep. Seen
+        # on an H100: 5 of 9 start before it (8 blocks; the last buckets complete at backward's end).
         assert m["to_host_us"] > 0, m
-        assert m["overlapped_us"] >= 0.25 * m["to_host_us"], str(m)
+        assert m["copies_during_backward"] >= m["blocks"] // 4, str(m)
