@@ -146,6 +146,9 @@ def _peak_memory(stage: int) -> dict[str, int]:
         model.loss(x, y).backward()
         torch.cuda.synchronize()
         peaks = {"start": start, "backward": torch.cuda.max_memory_allocated()}  # where the peak is, if it fails
+        held = [(block["size"], segment["stream"]) for segment in torch.cuda.memory_snapshot()
+                for block in segment["blocks"] if block["state"] == "active_allocated"]  # fmt: skip
+        peaks["largest_held_before_step"] = sorted(held, reverse=True)[:12]  # (bytes, stream): what start is made of
         optimizer.step()
         optimizer.zero_grad()
         torch.cuda.synchronize()
