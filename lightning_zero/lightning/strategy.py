@@ -11,9 +11,9 @@ The lifecycle, in Lightning's hook order:
   ``lightning/precision.py``); then the sharded step and the parameter all-gather run.
 - ``block_backward_sync``: Lightning enters it for the non-final micro-batches of gradient accumulation.
 
-Stage 3 adds: ``model_sharded_context`` builds ``configure_model`` on the meta device; ``setup`` shards the model
-unit by unit (``stage3/sharded_init.py``); each ``*_step`` runs with the root unit gathered, as a forward of the root
-module.
+Stage 3 adds: ``model_sharded_context`` (``configure_model``) and ``tensor_init_context``
+(``trainer.init_module(empty_init=True)``) build on the meta device; ``setup`` shards the model unit by unit
+(``stage3/sharded_init.py``); each ``*_step`` runs with the root unit gathered, as a forward of the root module.
 
 Note [buffers follow rank 0]
 DDP (``broadcast_buffers=True``) broadcasts rank 0's buffers at the start of a forward of its wrapper when the
@@ -210,6 +210,21 @@ class ZeroStrategy(ShardedCheckpointing):
             yield
             return
         with torch.device("meta"):
+            yield
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` at stage 3 builds on the meta device, as FSDP's strategy does, and
+        ``setup`` materializes the model unit by unit with ``configure_model``'s initialization rules (``stage3/
+        sharded_init.py``): no rank ever holds the whole model. Stages 1 and 2, and stage 3 without ``empty_init``,
+        behave as DDP: every rank builds the whole model on its device (uninitialized memory with ``empty_init=True``,
+        which the broadcast from rank 0 in ``setup`` makes equal on every rank)."""
+        if self.config.stage == 3 and empty_init:
+            with torch.device("meta"), self.precision_plugin.tensor_init_context():
+                yield
+            return
+        with super().tensor_init_context(empty_init=empty_init):
             yield
 
     # -- stage 3: every step is a forward of the root unit ---------------------------------------------------------
