@@ -51,6 +51,7 @@ from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.lightning.strategy_checkpoint import ShardedCheckpointing, as_zero_optimizer, iter_zero_optimizers
 from lightning_zero.lightning.strategy_processes import StartMethod
 from lightning_zero.offload.memory_tiers import MemoryTiers, TierBytes
+from lightning_zero.sharding.activation_checkpointing import apply_activation_checkpointing_policy
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.library_init import ParamInitFn
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
@@ -134,9 +135,11 @@ class ZeroStrategy(ShardedCheckpointing):
         self.accelerator.setup(trainer)
         # A sharded model keeps its layers: Note [teardown keeps the model sharded].
         self.sync_layers(trainer, sharded=self._gatherer is not None)
+        assert self.lightning_module is not None
+        # Before stage 3 forms its units, so that a checkpointed layer is still a unit (as FSDP's strategy does).
+        apply_activation_checkpointing_policy(self.lightning_module, self.config.activation_checkpointing_policy)
         self.model = self.precision_plugin.convert_module(self.model)
         if self._tiers is None:
-            assert self.lightning_module is not None
             self._tiers = build_memory_tiers(
                 self.config, self.lightning_module, trainer, self.root_device, self.world_size, self.num_processes
             )
