@@ -31,7 +31,7 @@ import dataclasses
 from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -48,6 +48,7 @@ from lightning_zero.lightning.grad_norm import hide_partial_gradients, refuse_re
 from lightning_zero.lightning.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
 from lightning_zero.lightning.offload_setup import build_memory_tiers, check_optimizer_space
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.lightning.presets import register_presets, with_cpu_offload
 from lightning_zero.lightning.strategy_checkpoint import ShardedCheckpointing, as_zero_optimizer, iter_zero_optimizers
 from lightning_zero.lightning.strategy_processes import StartMethod
 from lightning_zero.offload.memory_tiers import MemoryTiers, TierBytes
@@ -70,7 +71,11 @@ class ZeroStrategy(ShardedCheckpointing):
             ``"forkserver"`` start ranks with ``multiprocessing`` (notebooks, tests).
         param_init_fn: stage 3, a model built on the meta device in ``configure_model``: how to initialize a
             module's own parameters once allocated. Default: its ``reset_parameters()``.
+        cpu_offload: as ``FSDPStrategy(cpu_offload=True)``: the optimizer state and its step in host memory
+            (``offload_optimizer="cpu"``) and, at stage 3, the parameter shards too (``offload_params="cpu"``).
     """
+
+    _registered_strategies: ClassVar[list[str]] = []
 
     strategy_name = "zero"
 
@@ -87,6 +92,7 @@ class ZeroStrategy(ShardedCheckpointing):
         timeout: timedelta | None = None,
         start_method: StartMethod = "popen",
         param_init_fn: ParamInitFn | None = None,
+        cpu_offload: bool | None = None,
         **config_kwargs: Any,
     ) -> None:
         if config is not None and config_kwargs:
@@ -95,6 +101,8 @@ class ZeroStrategy(ShardedCheckpointing):
                 f"{sorted(config_kwargs)} as well). HINT: use `dataclasses.replace(config, ...)` to change a config."
             )
         self.config = config if config is not None else ZeroConfig.from_kwargs(**config_kwargs)
+        if cpu_offload:
+            self.config = with_cpu_offload(self.config, config_kwargs if config is None else dataclasses.asdict(config))
         super().__init__(
             timeout=timeout or timedelta(seconds=self.config.collective_timeout_s),
             accelerator=accelerator,
@@ -420,37 +428,11 @@ class ZeroStrategy(ShardedCheckpointing):
         self.checkpoint_io.teardown()
 
     @classmethod
+    def get_registered_strategies(cls) -> list[str]:
+        """The names this class registered with Lightning (``"zero1"``, ..., the offload presets), as FSDP's."""
+        return cls._registered_strategies
+
+    @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        # `override=True`: importing the package again (autoreload, spawned children) must not fail.
-        for stage in (1, 2, 3):
-            strategy_registry.register(
-                f"zero{stage}",
-                cls,
-                description=f"ZeRO stage {stage}, one process per device launched like torchrun",
-                override=True,
-                stage=stage,
-            )
-            strategy_registry.register(
-                f"zero{stage}_spawn",
-                cls,
-                description=f"ZeRO stage {stage}, processes started with multiprocessing spawn",
-                override=True,
-                stage=stage,
-                start_method="spawn",
-            )
-        # As Lightning's "deepspeed_stage_2_offload" / "deepspeed_stage_3_offload(_nvme)" presets.
-        offload_presets: dict[str, dict[str, Any]] = {
-            "zero2_offload": {"stage": 2, "offload_optimizer": "cpu"},
-            "zero3_offload": {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
-            "zero3_offload_disk": {
-                "stage": 3,
-                "offload_optimizer": "disk",
-                "offload_params": "disk",
-                "offload_dir": "offload",  # relative: under the Trainer's default_root_dir
-            },
-        }
-        for name, fields in offload_presets.items():
-            strategy_registry.register(
-                name, cls, description=f"ZeRO with memory tiers: {fields}", override=True, **fields
-            )
+        cls._registered_strategies = register_presets(cls, strategy_registry)
