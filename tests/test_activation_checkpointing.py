@@ -69,10 +69,15 @@ def _whole(ranks: list[dict[tuple[str, str, int], Tensor]]) -> dict[tuple[str, s
 
 def _ddp_then_checkpointed_stages(checkpoint: str) -> dict[str, Any]:
     reference = fit("ddp", "gpt", "adamw")
-    runs = {}
+    runs: dict[int | str, dict[str, Any]] = {}
     for stage in (1, 2, 3):
-        strategy = ZeroStrategy(stage=stage, bucket_numel=4_000, activation_checkpointing_policy={Block})
+        policy = {Block} if stage != 2 else lambda module: isinstance(module, Block)  # classes, or a callable
+        strategy = ZeroStrategy(stage=stage, bucket_numel=4_000, activation_checkpointing_policy=policy)
         runs[stage] = _fit(strategy, save_to=checkpoint if stage == 3 else None)
+    # The units inside the wrappers: each wrapper's checkpointed forward gathers its block, and so does the
+    # recomputation in backward.
+    inside = ZeroStrategy(stage=3, wrap_module_classes=("Block",), activation_checkpointing_policy={Block})
+    runs["3, units inside"] = _fit(inside)
     # The stage-3 checkpoint, saved with the policy, into the same model without it (fit restores it, optimizer
     # state included, and stops at once: max_steps is reached).
     resumed = _fit(ZeroStrategy(stage=3, bucket_numel=4_000), resume_from=checkpoint)
@@ -94,11 +99,10 @@ def test_checkpointing_policy_matches_ddp_at_every_stage_and_keeps_checkpoint_na
         for stage, run in result["runs"].items():
             assert run["wrapped"] == 2, stage  # both blocks of the parity GPT
             assert_fits_match(reference, run)
-        assert result["runs"][3]["units"] == [
-            "<root>",
-            "model.blocks.0",
-            "model.blocks.1",
-        ]  # the wrapper stands where the block was: still a unit
+        # The wrapper stands where the block was: still a unit; or the block inside it is.
+        assert result["runs"][3]["units"] == ["<root>", "model.blocks.0", "model.blocks.1"]
+        inside = ["<root>", "model.blocks.0._checkpoint_wrapped_module", "model.blocks.1._checkpoint_wrapped_module"]
+        assert result["runs"]["3, units inside"]["units"] == inside
         resumed = result["resumed"]
         assert resumed["wrapped"] == 0
         assert resumed["losses"] == []  # restored at max_steps: nothing trained after the load
