@@ -44,6 +44,12 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from torch import Tensor
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_PREFIX,
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _write_item
 from torch.distributed.checkpoint.planner import LoadPlanner, WriteItem
@@ -52,8 +58,10 @@ from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.distributed.distributed_c10d import _get_default_store
 
 __all__ = [
+    "CHECKPOINT_WRAPPER_PREFIX",
     "DCP_WRITER_HAS_WRITE_DATA",
     "SWAPS_STORAGE_MEMORY",
+    "CheckpointWrapper",
     "DtypeContextManager",
     "FsspecReader",
     "FsspecWriter",
@@ -63,8 +71,10 @@ __all__ = [
     "Store",
     "SubprocessScriptLauncher",
     "TCPStore",
+    "apply_activation_checkpointing",
     "batches_that_stepped",
     "broadcast_coalesced",
+    "checkpoint_wrapper",
     "convert_fp_tensor",
     "current_autograd_node",
     "current_graph_task_id",
@@ -135,6 +145,12 @@ get_default_store: Callable[[], Store] = _get_default_store
 def broadcast_coalesced(group: dist.ProcessGroup, tensors: Sequence[Tensor], bucket_bytes: int, src: int) -> None:
     """DDP's own coalesced broadcast of ``tensors`` from ``src``, in buckets of ``bucket_bytes``."""
     dist._broadcast_coalesced(group, list(tensors), bucket_bytes, src)  # type: ignore[attr-defined]
+
+
+# apply_activation_checkpointing, checkpoint_wrapper, CheckpointWrapper: torch's activation checkpoint wrapper, which
+# FSDP's strategies apply (torch keeps it in a private module).
+CHECKPOINT_WRAPPER_PREFIX: str = _CHECKPOINT_PREFIX
+"""The name segment (``"_checkpoint_wrapped_module."``) a checkpoint wrapper adds to the names of what it wraps."""
 
 
 # -- autograd and storages -------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ The Hydra configs under ``conf/strategy/`` mirror these fields one to one.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -19,6 +20,10 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+
+CheckpointingPolicy = tuple[type[torch.nn.Module] | str, ...] | Callable[[torch.nn.Module], bool]
+"""``ZeroConfig.activation_checkpointing_policy``: module classes (or their names), or a predicate on modules."""
 
 
 def dtype_from_name(name: DTypeName) -> torch.dtype:
@@ -127,6 +132,15 @@ class ZeroConfig:
     else is refused. A listed optimizer is still stepped on a small probe, whole and cut into flat pieces, and refused
     if the two differ."""
 
+    activation_checkpointing_policy: CheckpointingPolicy | None = None
+    """Which modules recompute their activations in backward instead of keeping them (activation checkpointing), as
+    FSDP's strategy takes it: module classes (a set of classes; from YAML a list of class names or qualified names,
+    as ``wrap_module_classes`` takes them), or a callable ``(module) -> bool``. Each module selected is wrapped in
+    torch's non-reentrant checkpoint wrapper when the strategy sets up, at every stage, and at stage 3 before the
+    units are formed, so a wrapped layer is still a unit. Parameter and checkpoint names stay those of the unwrapped
+    model (Note [checkpoint wrappers keep the names] in ``sharding/activation_checkpointing.py``). None: nothing is
+    wrapped."""
+
     collective_timeout_s: float = 1800.0
     """Seconds any collective may wait for the other ranks before failing. A rank that dies or hangs then fails
     the others after at most this long instead of leaving them blocked forever; lower it for fast failure."""
@@ -217,6 +231,7 @@ class ZeroConfig:
             )
         _check_class_names("wrap_module_classes", self, "('Block',) or ('torch.nn.TransformerEncoderLayer',)")
         _check_class_names("leaf_module_classes", self, "('MoEBlock',) or ('mymodels.moe.SparseMoE',)")
+        _check_checkpointing_policy(self)
         optimizers: object = self.elementwise_optimizers
         names = list(optimizers) if isinstance(optimizers, (tuple, list)) else None
         if names is None or not all(isinstance(n, str) and n for n in names):
@@ -337,6 +352,23 @@ def _check_class_names(name: str, config: ZeroConfig, example: str) -> None:
     object.__setattr__(config, name, tuple(names))
 
 
+def _check_checkpointing_policy(config: ZeroConfig) -> None:
+    """Module classes (a class, a set, a list from YAML) are frozen as a tuple; a callable stays as it is."""
+    policy: object = config.activation_checkpointing_policy  # typed loosely: YAML and callers may pass anything
+    if policy is None or (callable(policy) and not isinstance(policy, type)):
+        return
+    items = [policy] if isinstance(policy, (type, str)) else list(policy) if isinstance(policy, Iterable) else None
+    if not items or not all(
+        (isinstance(c, str) and c) or (isinstance(c, type) and issubclass(c, torch.nn.Module)) for c in items
+    ):
+        raise TypeError(
+            f"Invalid ZeroConfig.activation_checkpointing_policy: {policy!r}. Expected None, module classes (e.g. "
+            "{Block}, or from YAML a list of class names such as [Block] or [transformers.models.llama.modeling_"
+            "llama.LlamaDecoderLayer]), or a callable taking a module and returning whether to checkpoint it."
+        )
+    object.__setattr__(config, "activation_checkpointing_policy", tuple(items))
+
+
 def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"Invalid ZeroConfig.{name}: {value!r}. Expected a positive integer.")
@@ -349,3 +381,22 @@ def _check_non_negative_int(name: str, value: object) -> None:
 
 _ZEROPP_OFF: dict[str, object] = {"quantize_weights": False, "hpz_partition_size": 1, "quantize_gradients": False}
 _ZEROPP_SWITCHES = tuple(_ZEROPP_OFF)
+
+
+def class_matches(module: torch.nn.Module, names: tuple[str, ...]) -> bool:
+    """Whether ``module``'s class is one of ``names``, by class name or qualified name (the class-name fields)."""
+    cls = type(module)
+    return cls.__name__ in names or f"{cls.__module__}.{cls.__qualname__}" in names
+
+
+def check_classes_exist(root: torch.nn.Module, names: tuple[str, ...], field: str, otherwise: str) -> None:
+    # A misspelled wrap class would silently leave the whole model in the root unit (every rank would gather all of
+    # it); a misspelled leaf class would leave the units it was meant to merge to diverge after the first step; a
+    # misspelled checkpointing class would keep every activation.
+    missing = [n for n in names if not any(class_matches(m, (n,)) for m in root.modules())]
+    if missing:
+        present = sorted({type(m).__name__ for m in root.modules()})
+        raise ValueError(
+            f"Invalid ZeroConfig.{field}: {missing} name no module class of {type(root).__name__} "
+            f"(its classes: {present}). HINT: use a class name from that list, {otherwise}."
+        )

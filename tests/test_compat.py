@@ -28,6 +28,12 @@ PRIVATE = {
     "torch._C._distributed_c10d.Store": "Store",
     "torch._C._distributed_c10d.TCPStore": "TCPStore",
     "torch.distributed._broadcast_coalesced": "broadcast_coalesced",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper._CHECKPOINT_PREFIX": "CHECKPOINT_WRAPPER_PREFIX",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper": "CheckpointWrapper",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.apply_activation_checkpointing": (
+        "apply_activation_checkpointing"
+    ),
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper": "checkpoint_wrapper",
     "torch._C._current_autograd_node": "current_autograd_node",
     "torch._C._current_graph_task_id": "current_graph_task_id",
     "torch.autograd.Variable._execution_engine.queue_callback": "queue_autograd_callback",

@@ -130,6 +130,12 @@ def test_zero3pp_config_turns_every_zeropp_switch_on_over_zero3(conf_dir):
     assert strategy.config == expected
 
 
+def test_activation_checkpointing_policy_from_yaml_is_a_tuple_of_class_names(conf_dir):
+    cfg = _compose("strategy=zero2", "strategy.activation_checkpointing_policy=[Block,lightning_zero.models.gpt.Block]")
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    assert strategy.config.activation_checkpointing_policy == ("Block", "lightning_zero.models.gpt.Block")
+
+
 @pytest.mark.parametrize("name", ["zero2_offload", "zero3_offload", "zero3_offload_disk"])
 def test_offload_strategy_configs_instantiate_the_registered_presets(conf_dir, name):
     strategy = instantiate(_compose(f"strategy={name}").strategy, _convert_="all")

@@ -728,11 +728,14 @@ def fit_probe(
     precision: str = "32-true",
     steps: int = 6,
     optimizer: Optimizer = "adamw",
-    build_in: Literal["init", "configure_model"] = "init",
+    build_in: Literal["init", "configure_model", "init_module"] = "init",
 ) -> dict[str, Any]:
-    """Fit one fixture; returns this rank's ``losses``, final ``weights`` and ``buffers`` and its ``rank``."""
-    module = ProbeModule(builder_name, optimizer=optimizer, build_in=build_in, steps=steps)
+    """Fit one fixture; returns this rank's ``losses``, final ``weights`` and ``buffers`` and its ``rank``.
+    ``build_in="init_module"`` builds it in ``__init__`` under ``trainer.init_module(empty_init=True)``."""
     trainer = probe_trainer(strategy, precision, steps)
+    with trainer.init_module(empty_init=True) if build_in == "init_module" else nullcontext():
+        in_init = "init" if build_in == "init_module" else build_in
+        module = ProbeModule(builder_name, optimizer=optimizer, build_in=in_init, steps=steps)
     trainer.fit(module)
     assert module.model is not None
     weights, buffers = full_state(trainer, module.model)

@@ -1,6 +1,7 @@
 """The Lightning glue: ZeRO as a ``Strategy``, its precision plugin, and what it reports.
 
-- ``strategy``: ``ZeroStrategy`` (optimizer wrapping, accumulation, the stage-3 root unit, presets).
+- ``strategy``: ``ZeroStrategy`` (optimizer wrapping, accumulation, the stage-3 root unit).
+- ``presets``: the names the strategy registers (``"zero1"`` ... and the memory-tier presets); FSDP's ``cpu_offload``.
 - ``strategy_processes``: one process per device, its process group, launcher and Lightning's collectives (as DDP).
 - ``strategy_checkpoint``: the strategy's checkpoint hooks, routed to ``lightning_zero.checkpoint``.
 - ``offload_setup``: building a rank's memory tiers (``lightning_zero.offload``), with the directory and space checks.

@@ -11,9 +11,9 @@ The lifecycle, in Lightning's hook order:
   ``lightning/precision.py``); then the sharded step and the parameter all-gather run.
 - ``block_backward_sync``: Lightning enters it for the non-final micro-batches of gradient accumulation.
 
-Stage 3 adds: ``model_sharded_context`` builds ``configure_model`` on the meta device; ``setup`` shards the model
-unit by unit (``stage3/sharded_init.py``); each ``*_step`` runs with the root unit gathered, as a forward of the root
-module.
+Stage 3 adds: ``model_sharded_context`` (``configure_model``) and ``tensor_init_context``
+(``trainer.init_module(empty_init=True)``) build on the meta device; ``setup`` shards the model unit by unit
+(``stage3/sharded_init.py``); each ``*_step`` runs with the root unit gathered, as a forward of the root module.
 
 Note [buffers follow rank 0]
 DDP (``broadcast_buffers=True``) broadcasts rank 0's buffers at the start of a forward of its wrapper when the
@@ -31,7 +31,7 @@ import dataclasses
 from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -48,9 +48,11 @@ from lightning_zero.lightning.grad_norm import hide_partial_gradients, refuse_re
 from lightning_zero.lightning.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
 from lightning_zero.lightning.offload_setup import build_memory_tiers, check_optimizer_space
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.lightning.presets import register_presets, with_cpu_offload
 from lightning_zero.lightning.strategy_checkpoint import ShardedCheckpointing, as_zero_optimizer, iter_zero_optimizers
 from lightning_zero.lightning.strategy_processes import StartMethod
 from lightning_zero.offload.memory_tiers import MemoryTiers, TierBytes
+from lightning_zero.sharding.activation_checkpointing import apply_activation_checkpointing_policy
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.library_init import ParamInitFn
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
@@ -69,7 +71,11 @@ class ZeroStrategy(ShardedCheckpointing):
             ``"forkserver"`` start ranks with ``multiprocessing`` (notebooks, tests).
         param_init_fn: stage 3, a model built on the meta device in ``configure_model``: how to initialize a
             module's own parameters once allocated. Default: its ``reset_parameters()``.
+        cpu_offload: as ``FSDPStrategy(cpu_offload=True)``: the optimizer state and its step in host memory
+            (``offload_optimizer="cpu"``) and, at stage 3, the parameter shards too (``offload_params="cpu"``).
     """
+
+    _registered_strategies: ClassVar[list[str]] = []
 
     strategy_name = "zero"
 
@@ -86,6 +92,7 @@ class ZeroStrategy(ShardedCheckpointing):
         timeout: timedelta | None = None,
         start_method: StartMethod = "popen",
         param_init_fn: ParamInitFn | None = None,
+        cpu_offload: bool | None = None,
         **config_kwargs: Any,
     ) -> None:
         if config is not None and config_kwargs:
@@ -94,6 +101,8 @@ class ZeroStrategy(ShardedCheckpointing):
                 f"{sorted(config_kwargs)} as well). HINT: use `dataclasses.replace(config, ...)` to change a config."
             )
         self.config = config if config is not None else ZeroConfig.from_kwargs(**config_kwargs)
+        if cpu_offload:
+            self.config = with_cpu_offload(self.config, config_kwargs if config is None else dataclasses.asdict(config))
         super().__init__(
             timeout=timeout or timedelta(seconds=self.config.collective_timeout_s),
             accelerator=accelerator,
@@ -134,9 +143,11 @@ class ZeroStrategy(ShardedCheckpointing):
         self.accelerator.setup(trainer)
         # A sharded model keeps its layers: Note [teardown keeps the model sharded].
         self.sync_layers(trainer, sharded=self._gatherer is not None)
+        assert self.lightning_module is not None
+        # Before stage 3 forms its units, so that a checkpointed layer is still a unit (as FSDP's strategy does).
+        apply_activation_checkpointing_policy(self.lightning_module, self.config.activation_checkpointing_policy)
         self.model = self.precision_plugin.convert_module(self.model)
         if self._tiers is None:
-            assert self.lightning_module is not None
             self._tiers = build_memory_tiers(
                 self.config, self.lightning_module, trainer, self.root_device, self.world_size, self.num_processes
             )
@@ -210,6 +221,21 @@ class ZeroStrategy(ShardedCheckpointing):
             yield
             return
         with torch.device("meta"):
+            yield
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` at stage 3 builds on the meta device, as FSDP's strategy does, and
+        ``setup`` materializes the model unit by unit with ``configure_model``'s initialization rules (``stage3/
+        sharded_init.py``): no rank ever holds the whole model. Stages 1 and 2, and stage 3 without ``empty_init``,
+        behave as DDP: every rank builds the whole model on its device (uninitialized memory with ``empty_init=True``,
+        which the broadcast from rank 0 in ``setup`` makes equal on every rank)."""
+        if self.config.stage == 3 and empty_init:
+            with torch.device("meta"), self.precision_plugin.tensor_init_context():
+                yield
+            return
+        with super().tensor_init_context(empty_init=empty_init):
             yield
 
     # -- stage 3: every step is a forward of the root unit ---------------------------------------------------------
@@ -402,37 +428,11 @@ class ZeroStrategy(ShardedCheckpointing):
         self.checkpoint_io.teardown()
 
     @classmethod
+    def get_registered_strategies(cls) -> list[str]:
+        """The names this class registered with Lightning (``"zero1"``, ..., the offload presets), as FSDP's."""
+        return cls._registered_strategies
+
+    @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        # `override=True`: importing the package again (autoreload, spawned children) must not fail.
-        for stage in (1, 2, 3):
-            strategy_registry.register(
-                f"zero{stage}",
-                cls,
-                description=f"ZeRO stage {stage}, one process per device launched like torchrun",
-                override=True,
-                stage=stage,
-            )
-            strategy_registry.register(
-                f"zero{stage}_spawn",
-                cls,
-                description=f"ZeRO stage {stage}, processes started with multiprocessing spawn",
-                override=True,
-                stage=stage,
-                start_method="spawn",
-            )
-        # As Lightning's "deepspeed_stage_2_offload" / "deepspeed_stage_3_offload(_nvme)" presets.
-        offload_presets: dict[str, dict[str, Any]] = {
-            "zero2_offload": {"stage": 2, "offload_optimizer": "cpu"},
-            "zero3_offload": {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
-            "zero3_offload_disk": {
-                "stage": 3,
-                "offload_optimizer": "disk",
-                "offload_params": "disk",
-                "offload_dir": "offload",  # relative: under the Trainer's default_root_dir
-            },
-        }
-        for name, fields in offload_presets.items():
-            strategy_registry.register(
-                name, cls, description=f"ZeRO with memory tiers: {fields}", override=True, **fields
-            )
+        cls._registered_strategies = register_presets(cls, strategy_registry)

@@ -137,18 +137,23 @@ class ProcessPerDevice(ParallelStrategy):
         else:
             self._launcher = MultiProcessingLauncher(self, start_method=self._start_method)
 
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
+    def set_world_ranks(self) -> None:
+        """This process's global rank and the world size, from the cluster environment (as DDP's and FSDP's)."""
         assert self.cluster_environment is not None
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or default_process_group_backend_for_device(
             self.root_device
         )
         kwargs: dict[str, Any] = {"timeout": self._timeout}
+        assert self.cluster_environment is not None
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)

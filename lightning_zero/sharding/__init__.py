@@ -9,6 +9,8 @@
   some rank: DDP's unused-parameter semantics), ``optimizer_hooks`` (torch's optimizer hooks on the wrapper) and
   ``step_chunks`` (the step bucket by bucket, each bucket's all-gather overlapping the next).
 - ``sharded_parameters``: ``ShardedParameters``, the protocol through which the optimizer sees a stage-3 model.
+- ``activation_checkpointing``: activation checkpointing by policy (torch's checkpoint wrapper on the layers
+  selected, before stage 3 forms units), and parameter names as ``state_dict()`` gives them under the wrappers.
 - ``loss_scaler``: the cross-rank dynamic loss scaler of fp16 training.
 - ``state_tiers``: ``StateTiers``, the hooks through which memory tiers (``lightning_zero.offload``) hold masters,
   optimizer state and gradient shards between steps.

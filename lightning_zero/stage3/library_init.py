@@ -53,7 +53,8 @@ from torch import nn
 ParamInitFn = Callable[[nn.Module], None]
 
 _PEFT_HINT = (
-    "HINT: build the model and apply the adapters in `__init__` (outside `configure_model`), or pass `param_init_fn` "
+    "HINT: build the model and apply the adapters in `__init__` (outside `configure_model` and "
+    "`trainer.init_module(empty_init=True)`), or pass `param_init_fn` "
     "to ZeroStrategy to initialize every module yourself."
 )
 # How peft re-initializes a LoRA adapter in ``reset_lora_parameters``; the rest need the base layer's weights.
@@ -176,8 +177,8 @@ def _warn_if_initializer_unused(module: nn.Module, warned: set[type]) -> None:
         f"{kind.__name__} defines {method}() but no reset_parameters(); built on the meta device, stage 3 initializes "
         f"its layers with their own reset_parameters() and never calls {method}(), so if {kind.__name__}.__init__ "
         f"runs it, that initialization is lost. HINT: pass `param_init_fn` to ZeroStrategy (called with every "
-        "module that owns parameters) to re-create it, or build the model in `__init__` instead of "
-        "`configure_model`.",
+        "module that owns parameters) to re-create it, or build the model in `__init__` (outside `configure_model` "
+        "and `trainer.init_module(empty_init=True)`).",
         UserWarning,
         stacklevel=4,
     )

@@ -1,10 +1,11 @@
 """Stage-3 sharding of a model, unit by unit, so that no rank ever holds the whole model.
 
-``shard_module`` accepts a model built normally or on the ``meta`` device (``LightningModule.configure_model`` under
-``ZeroStrategy(stage=3)`` builds on meta). It walks the modules in registration pre-order; a parameter still on meta
-is allocated on the target device and initialized by its module's ``reset_parameters()``; as soon as the walk leaves
-a unit's subtree, the unit is broadcast from rank 0 (so ranks seeded differently agree, as DDP guarantees), sharded,
-and its full parameters are freed. Peak memory is therefore one unit plus the root unit, not the model.
+``shard_module`` accepts a model built normally or on the ``meta`` device (``LightningModule.configure_model`` and
+``trainer.init_module(empty_init=True)`` under ``ZeroStrategy(stage=3)`` build on meta). It walks the modules in
+registration pre-order; a parameter still on meta is allocated on the target device and initialized by its module's
+``reset_parameters()``; as soon as the walk leaves a unit's subtree, the unit is broadcast from rank 0 (so ranks
+seeded differently agree, as DDP guarantees), sharded, and its full parameters are freed. Peak memory is therefore
+one unit plus the root unit, not the model.
 
 Note [initialization order]
 Calling ``reset_parameters()`` in registration pre-order is what constructing the layers in that order does, so a
@@ -83,7 +84,7 @@ def _default_init(module: nn.Module) -> None:
             f"Cannot initialize the parameters and buffers of {type(module).__name__} built on the meta device: it "
             "has no reset_parameters(). HINT: give the module a reset_parameters() that initializes its own "
             "parameters and buffers, or pass `param_init_fn` to ZeroStrategy, or build the model outside "
-            "`configure_model`."
+            "`configure_model` and `trainer.init_module(empty_init=True)`."
         )
     reset()
 
@@ -124,7 +125,7 @@ class _Fresh:
                         f"A parameter of {type(module).__name__} built on the meta device is weakly referenced by "
                         "something outside the module, so it cannot be materialized in place (torch.utils."
                         "swap_tensors), and replacing it would leave that reference on meta. HINT: build this "
-                        "module in `__init__` instead of `configure_model`."
+                        "module in `__init__`, outside `configure_model` and `trainer.init_module(empty_init=True)`."
                     )
                 torch.utils.swap_tensors(p, nn.Parameter(value, p.requires_grad))
         self.buffers: dict[str, torch.Tensor] = {}
@@ -178,7 +179,7 @@ class _Member:
             f"(reset_parameters(), param_init_fn, or its library's own initialization) did not set them: {lost}. "
             f"HINT: {verb} them in {type(module).__name__}.reset_parameters() (e.g. "
             f"`self.{(unset or untouched)[0]}.copy_(...)`), or in `param_init_fn`, or build the model in `__init__` "
-            "instead of `configure_model`."
+            "outside `configure_model` and `trainer.init_module(empty_init=True)`."
         )
 
 

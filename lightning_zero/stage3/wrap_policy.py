@@ -44,27 +44,11 @@ from collections import Counter
 
 from torch import nn
 
-from lightning_zero.config import ZeroConfig
+from lightning_zero.config import ZeroConfig, check_classes_exist, class_matches
+from lightning_zero.sharding.activation_checkpointing import state_dict_name
 
 # Modules whose own forward reads their children's parameters directly: never split them into several units.
 _LEAF_UNITS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
-
-
-def _class_matches(module: nn.Module, names: tuple[str, ...]) -> bool:
-    cls = type(module)
-    return cls.__name__ in names or f"{cls.__module__}.{cls.__qualname__}" in names
-
-
-def _check_classes_exist(root: nn.Module, names: tuple[str, ...], field: str, otherwise: str) -> None:
-    # A misspelled wrap class would silently leave the whole model in the root unit (every rank would gather all of
-    # it); a misspelled leaf class would leave the units it was meant to merge to diverge after the first step.
-    missing = [n for n in names if not any(_class_matches(m, (n,)) for m in root.modules())]
-    if missing:
-        present = sorted({type(m).__name__ for m in root.modules()})
-        raise ValueError(
-            f"Invalid ZeroConfig.{field}: {missing} name no module class of {type(root).__name__} "
-            f"(its classes: {present}). HINT: use a class name from that list, {otherwise}."
-        )
 
 
 def is_experts_container(name: str, module: nn.Module) -> bool:
@@ -79,7 +63,7 @@ def is_leaf(name: str, module: nn.Module, config: ZeroConfig) -> bool:
         return True
     if config.leaf_module_classes is None:
         return is_experts_container(name, module)
-    return _class_matches(module, config.leaf_module_classes)
+    return class_matches(module, config.leaf_module_classes)
 
 
 def leaf_modules(root: nn.Module, config: ZeroConfig) -> list[tuple[str, nn.Module]]:
@@ -117,9 +101,9 @@ def find_unit_roots(root: nn.Module, config: ZeroConfig) -> list[tuple[str, nn.M
     """The modules (with qualified names, in forward-registration pre-order) that become units, the root excluded."""
     by_class = _repeated_layers(root) if config.wrap_module_classes is None else set()
     names = config.wrap_module_classes or ()
-    _check_classes_exist(root, names, "wrap_module_classes", "e.g. ('Block',), or None to wrap the repeated layers")
+    check_classes_exist(root, names, "wrap_module_classes", "e.g. ('Block',), or None to wrap the repeated layers")
     leaves = config.leaf_module_classes or ()
-    _check_classes_exist(root, leaves, "leaf_module_classes", "e.g. ('MoEBlock',), or None for containers of experts")
+    check_classes_exist(root, leaves, "leaf_module_classes", "e.g. ('MoEBlock',), or None for containers of experts")
     chosen: set[int] = set()
 
     def visit(name: str, module: nn.Module, inside_leaf_unit: bool) -> int:
@@ -131,7 +115,7 @@ def find_unit_roots(root: nn.Module, config: ZeroConfig) -> list[tuple[str, nn.M
         if module is root or inside_leaf_unit or not _has_forward(module):
             return remaining
         by_size = config.wrap_min_numel > 0 and remaining >= config.wrap_min_numel
-        if remaining > 0 and (id(module) in by_class or _class_matches(module, names) or by_size):
+        if remaining > 0 and (id(module) in by_class or class_matches(module, names) or by_size):
             chosen.add(id(module))
             return 0
         return remaining
@@ -164,7 +148,8 @@ def assign_parameters(root: nn.Module, unit_roots: list[tuple[str, nn.Module]]) 
     first_name: dict[int, tuple[str, nn.Parameter]] = {}
     for module_name, module in root.named_modules(remove_duplicate=False):
         for param_name, p in module.named_parameters(recurse=False):
-            fqn = f"{module_name}.{param_name}" if module_name else param_name
+            # The name state_dict() gives: Note [checkpoint wrappers keep the names]
+            fqn = state_dict_name(f"{module_name}.{param_name}" if module_name else param_name)
             first_name.setdefault(id(p), (fqn, p))
             owners.setdefault(id(p), []).append(unit_of_module[id(module)])
 

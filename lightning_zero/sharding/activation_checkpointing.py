@@ -1,0 +1,80 @@
+"""Activation checkpointing by policy (``ZeroConfig.activation_checkpointing_policy``), applied as FSDP's strategies
+apply theirs: the modules the policy selects are wrapped in torch's non-reentrant checkpoint wrapper, in place,
+before stage 3 forms its units. Plain functions of a module, so that any front end (the Trainer's ``ZeroStrategy``,
+a Fabric strategy) applies the same policy the same way.
+
+Note [checkpoint wrappers keep the names]
+torch's checkpoint wrapper holds the module it wraps as ``_checkpoint_wrapped_module``, so ``named_parameters()``
+gains that segment in the name of every parameter under it, while its state-dict hooks remove it from
+``state_dict()`` keys and put it back on ``load_state_dict``. ZeRO names the parameters of its buckets, its optimizer
+state and its checkpoints by ``named_parameters()`` and matches those names against ``state_dict()`` keys and
+against the keys of full checkpoints, so every such name goes through ``state_dict_name``: the names, and therefore
+the checkpoints, are those of the unwrapped model. A checkpoint saved with a policy loads without one and the
+reverse, and a DDP checkpoint loads into either.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+from torch import nn
+
+from lightning_zero.compat import (
+    CHECKPOINT_WRAPPER_PREFIX,
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from lightning_zero.config import CheckpointingPolicy, check_classes_exist, class_matches
+
+
+def state_dict_name(name: str) -> str:
+    """``name`` (from ``named_parameters()``) as ``state_dict()`` keys it: without the segments checkpoint wrappers
+    add (Note [checkpoint wrappers keep the names])."""
+    return name.replace(CHECKPOINT_WRAPPER_PREFIX, "")
+
+
+def checkpointing_predicate(policy: CheckpointingPolicy, root: nn.Module) -> Callable[[nn.Module], bool]:
+    """``policy`` as a predicate on modules; a class (or class name) that is no module of ``root`` is refused: it
+    would checkpoint nothing, silently."""
+    if not isinstance(policy, tuple):
+        return policy
+    classes = tuple(c for c in policy if isinstance(c, type))
+    names = tuple(c for c in policy if isinstance(c, str))
+    check_classes_exist(root, names, "activation_checkpointing_policy", "or module classes, or a callable")
+    absent = [c.__name__ for c in classes if not any(isinstance(m, c) for m in root.modules())]
+    if absent:
+        raise ValueError(
+            f"Invalid ZeroConfig.activation_checkpointing_policy: {absent} is no module class of {type(root).__name__}"
+            ", so nothing would be checkpointed. HINT: name the classes of the layers to checkpoint (a transformer's "
+            "blocks), or pass a callable `(module) -> bool`."
+        )
+    return lambda module: isinstance(module, classes) or class_matches(module, names)
+
+
+def apply_activation_checkpointing_policy(root: nn.Module, policy: CheckpointingPolicy | None) -> int:
+    """Wrap every module of ``root`` (not ``root`` itself) that ``policy`` selects in torch's non-reentrant checkpoint
+    wrapper, in place; returns how many were wrapped.
+
+    Call it before stage 3 forms its units (``shard_module``): a wrapped layer then becomes a unit as the layer would
+    have. Idempotent: a model whose wrappers the same policy made is left as it is (a second ``setup`` of the same
+    model). A model that already holds checkpoint wrappers of its own is left as it is too, with a warning, as FSDP's
+    strategy does.
+    """
+    if policy is None:
+        return 0
+    selects = checkpointing_predicate(policy, root)
+    wrappers = [m for m in root.modules() if isinstance(m, CheckpointWrapper)]
+    if wrappers:
+        if not all(selects(w._checkpoint_wrapped_module) for w in wrappers):
+            warnings.warn(
+                f"ZeroConfig.activation_checkpointing_policy is set, but {type(root).__name__} already holds "
+                f"checkpointed layers ({type(wrappers[0]._checkpoint_wrapped_module).__name__}): the policy is not "
+                "applied. HINT: use either the policy or your own checkpoint wrappers.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return 0
+    apply_activation_checkpointing(root, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=selects)
+    return sum(isinstance(m, CheckpointWrapper) for m in root.modules())
