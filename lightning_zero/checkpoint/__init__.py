@@ -6,6 +6,7 @@
 - ``files``: safe reading (no code runs on load), integrity checks and the atomic commit.
 - ``storage``: local paths and fsspec URLs (``s3://``, ``gs://``, ``memory://``); the commit on an object store.
 - ``full``: DDP / full checkpoints and plain state dicts as input.
+- ``pretrained``: pretrained weights as input: safetensors files, Hugging Face directories, keys matched to the model.
 - ``tiered``: checkpoint IO through the memory tiers (``TierStorage``): slices moved one at a time.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3

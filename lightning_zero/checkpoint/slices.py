@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_zero.checkpoint.files import CheckpointError, SafeReader
 from lightning_zero.checkpoint.format import FlatChunk, SafeLoadPlanner, Toc, info_dtype
+from lightning_zero.checkpoint.full import FlatSource
 from lightning_zero.checkpoint.storage import Location
 from lightning_zero.checkpoint.tiered import Span, TierStorage, chunk_of
 from lightning_zero.compat import dcp_load
@@ -250,8 +251,9 @@ class LoadPlan:
     def read_dcp(self, directory: Location, metadata: Metadata, process_group: dist.ProcessGroup | None) -> None:
         _dcp_read(dict(self.reads), directory, metadata, self.toc, process_group)
 
-    def read_from(self, sources: Mapping[str, Tensor]) -> None:
-        """Fill every destination from full in-memory (or memory-mapped) ``sources``, one parameter at a time."""
+    def read_from(self, sources: Mapping[str, Tensor | FlatSource]) -> None:
+        """Fill every destination from full in-memory, memory-mapped or lazily read ``sources`` (flattened), one
+        parameter at a time."""
         with torch.no_grad():
             for key, destination in self.reads.items():
                 source = sources[key]
@@ -260,6 +262,7 @@ class LoadPlan:
                     piece.copy_(source[destination.offset : destination.offset + destination.numel])
                     destination.commit(0, piece)
                 else:
+                    assert isinstance(source, Tensor), "whole destinations are 0-d optimizer state, from memory"
                     destination.copy_(source)
 
     def finish(self, zero_optimizers: Sequence[ZeroOptimizer]) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import lightning
 import lightning.pytorch as pl
 from lightning.pytorch import callbacks
 from lightning.pytorch.trainer.states import TrainerFn
@@ -98,7 +99,8 @@ class ShardedCheckpointing(ProcessPerDevice):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded directory (any world size or stage) or a full ``.ckpt`` file into this rank's shards.
+        """Load a sharded directory (any world size or stage) or a full ``.ckpt`` file into this rank's shards; or
+        pretrained weights only (a ``.safetensors`` file, a Hugging Face directory), from which training starts.
 
         Always as ``weights_only=True`` would (see Note [safe loading] in ``checkpoint/files.py``).
         """
@@ -114,6 +116,8 @@ class ShardedCheckpointing(ProcessPerDevice):
             gatherer=self._gatherer,
             tiers=self._tiers,
         )
+        if not state:  # pretrained weights (a safetensors file or directory): training starts from them
+            return weights_only_checkpoint(module.trainer)
         if "state_dict" in state:  # a WeightAveraging average: Note [Lightning's WeightAveraging]
             # The live weights are in place already; loading them into the module again changes nothing.
             state[_WEIGHT_AVERAGING_LIVE] = module.state_dict()
@@ -135,6 +139,16 @@ class ShardedCheckpointing(ProcessPerDevice):
 
 _WEIGHT_AVERAGING_LIVE = "current_model_state"
 """Where ``WeightAveraging.on_save_checkpoint`` moves the live state dict (Note [Lightning's WeightAveraging])."""
+
+
+def weights_only_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
+    """What Lightning restores after ``load_checkpoint`` put pretrained weights (``fit(ckpt_path=hf_dir)``) in place:
+    nothing. Loops start at zero; the optimizers (already loaded: nothing) and LR schedulers keep their own state."""
+    return {
+        "pytorch-lightning_version": lightning.__version__,
+        "optimizer_states": [],
+        "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+    }
 
 
 def refuse_weight_averaging_at_stage_3(trainer_callbacks: list[pl.Callback], stage: int) -> None:
