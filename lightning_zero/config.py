@@ -183,6 +183,13 @@ class ZeroConfig:
     """The fraction (0 < r <= 1) of the optimizer state (masters and moments) that ``offload_optimizer`` moves, by
     elements, bucket by bucket in step order (ZeRO-Offload++); the rest stays on the device."""
 
+    state_dict_type: Literal["sharded", "full"] = "sharded"
+    """What ``trainer.save_checkpoint`` and ``ModelCheckpoint`` write, as ``FSDPStrategy(state_dict_type=...)``.
+    ``"sharded"``: a directory in which each rank writes what it owns (``checkpoint/``). ``"full"``: one Lightning
+    ``.ckpt`` file as a DDP run writes it (full weights; the optimizers' state in torch's format unless
+    ``save_weights_only``), which plain ``torch.load`` and a DDP run read, gathered bucket by bucket onto rank 0,
+    which writes it (Note [full checkpoint streamed] in ``checkpoint/full_save.py``); local paths only."""
+
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
             raise ValueError(f"Invalid ZeroConfig.stage: {self.stage!r}. Expected 1, 2 or 3.")
@@ -228,6 +235,10 @@ class ZeroConfig:
         if self.reduce_dtype is not None and self.reduce_dtype not in _DTYPES:
             raise ValueError(
                 f"Invalid ZeroConfig.reduce_dtype: {self.reduce_dtype!r}. Expected None or one of {sorted(_DTYPES)}."
+            )
+        if self.state_dict_type not in ("sharded", "full"):
+            raise ValueError(
+                f"Invalid ZeroConfig.state_dict_type: {self.state_dict_type!r}. Expected 'sharded' or 'full'."
             )
         self._check_zeropp()
         self._check_offload()

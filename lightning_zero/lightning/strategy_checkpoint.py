@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.checkpoint.files import remove
+from lightning_zero.checkpoint.full_save import save_full_checkpoint
 from lightning_zero.checkpoint.sharded_checkpoint import (
     load_checkpoint,
     save_sharded_checkpoint,
@@ -95,6 +96,21 @@ class ShardedCheckpointing(ProcessPerDevice):
         if _WEIGHT_AVERAGING_LIVE in checkpoint:  # Note [Lightning's WeightAveraging]
             averaged = checkpoint.pop("state_dict")
             checkpoint["state_dict"] = checkpoint.pop(_WEIGHT_AVERAGING_LIVE)
+        if self.config.state_dict_type == "full":  # one file as DDP writes it: Note [full checkpoint streamed]
+            if averaged is not None:  # back where Lightning's callback put them
+                checkpoint[_WEIGHT_AVERAGING_LIVE] = checkpoint.pop("state_dict")
+                checkpoint["state_dict"] = averaged
+            assert self.lightning_module is not None
+            save_full_checkpoint(
+                checkpoint,
+                self.broadcast(filepath),
+                self.lightning_module,
+                list(iter_zero_optimizers(self.optimizers)),
+                self.process_group,
+                self._gatherer,
+                self._tiers,
+            )
+            return
         save_sharded_checkpoint(checkpoint, self.broadcast(filepath), self.process_group, saved_with, averaged)
 
     @override
