@@ -190,6 +190,13 @@ class ZeroConfig:
     ``save_weights_only``), which plain ``torch.load`` and a DDP run read, gathered bucket by bucket onto rank 0,
     which writes it (Note [full checkpoint streamed] in ``checkpoint/full_save.py``); local paths only."""
 
+    exclude_frozen_parameters: bool = False
+    """Leave parameters with ``requires_grad=False`` out of checkpoints (DeepSpeed's option of that name): a LoRA
+    checkpoint holds the adapters and their optimizer state, not the frozen base. A resume restores the base from the
+    pretrained weights the run loaded (``fit(ckpt_path=<pretrained>)``, ``load_full_state_dict(trainer.strategy,
+    ...)``) or, when none was loaded, as the model is built (``from_pretrained`` in ``__init__``); it refuses when
+    that source is gone (Note [frozen base restored from its source] in ``checkpoint/frozen.py``)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
             raise ValueError(f"Invalid ZeroConfig.stage: {self.stage!r}. Expected 1, 2 or 3.")
@@ -214,7 +221,7 @@ class ZeroConfig:
             raise TypeError(
                 f"Invalid ZeroConfig.keep_reduce_buffers: {self.keep_reduce_buffers!r}. Expected True, False or None."
             )
-        for name in ("overlap_comm", "broadcast_buffers", "reshard_root_after_forward"):
+        for name in ("overlap_comm", "broadcast_buffers", "reshard_root_after_forward", "exclude_frozen_parameters"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Invalid ZeroConfig.{name}: {getattr(self, name)!r}. Expected True or False.")
         if self.check_rank_divergence is not None and not isinstance(self.check_rank_divergence, bool):

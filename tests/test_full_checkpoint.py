@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -63,3 +64,19 @@ def test_full_checkpoint_written_under_zero_resumes_ddp_and_loads_with_plain_tor
 def test_full_checkpoint_refuses_a_remote_path():
     with pytest.raises(CheckpointError, match=r"state_dict_type='full' writes local files.*HINT"):
         save_full_checkpoint({"state_dict": {}}, "memory://bucket/x.ckpt", torch.nn.Linear(1, 1), [], None)
+
+
+def test_full_checkpoints_to_a_remote_directory_are_refused_when_fit_starts(tmp_path):
+    checkpoints = ModelCheckpoint(dirpath="memory://bucket/run")
+    trainer = pl.Trainer(
+        strategy=ZeroStrategy(stage=2, state_dict_type="full"),
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        callbacks=[checkpoints],
+        logger=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(ValueError, match=r"state_dict_type='full' writes local files.*memory://bucket/run.*HINT"):
+        trainer.fit(TinyGPT())

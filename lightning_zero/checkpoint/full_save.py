@@ -103,6 +103,8 @@ class _Records:
         if what not in self.known:
             data = tensor.detach().cpu()
             data = data.to(_out_dtype(data.dtype)).contiguous()
+            if data.storage_offset() or data.untyped_storage().nbytes() != data.nbytes:
+                data = data.clone()  # a record holds this tensor's bytes alone, as torch.save's would
             self.known[what] = _Record(str(len(self.known)), data.dtype, data.numel())
             self.memory[self.known[what].key] = data
             self._alive.append(tensor)

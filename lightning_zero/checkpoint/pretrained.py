@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -186,14 +186,16 @@ def pretrained_sources(
     origin: Location,
     *,
     strict: bool,
+    adapters: Sequence[str] = (),
 ) -> tuple[dict[str, Tensor | FlatSource], Toc]:
     """Sources by storage key and a table of contents naming the module's entries, for ``LoadPlan``.
 
     With ``strict``, every entry of the module under the resolved prefix (tied aliases of a loaded entry excepted)
-    must be in the file, and every tensor of the file must name one; the error lists both."""
+    must be in the file, and every tensor of the file must name one; the error lists both. Entries under the
+    ``adapters`` prefixes (peft's adapter layers, which a base model's file does not hold) may be missing."""
     prefix, names = match_keys(module_state, tensors, prefix, origin)
     if strict:
-        _check_matched(module_state, tensors, names, prefix, origin)
+        _check_matched(module_state, tensors, names, prefix, origin, tuple(adapters))
     sources: dict[str, Tensor | FlatSource] = {}
     toc = empty_toc()
     for key, name in names.items():
@@ -216,11 +218,14 @@ def _check_matched(
     names: Mapping[str, str],
     prefix: str,
     origin: Location,
+    adapters: tuple[str, ...],
 ) -> None:
     unexpected = sorted(set(tensors) - set(names))
     loaded = {id(module_state[name]) for name in names.values()}
     missing = sorted(
-        k for k, v in module_state.items() if k.startswith(prefix) and k not in names.values() and id(v) not in loaded
+        k
+        for k, v in module_state.items()
+        if k.startswith(prefix) and k not in names.values() and id(v) not in loaded and not k.startswith(adapters)
     )
     if missing or unexpected:
         raise CheckpointError(

@@ -10,7 +10,7 @@ the tiers] in ``tiered.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -122,7 +122,8 @@ def owned_parameter_slices(
 class LoadPlan:
     """Every destination this rank fills, keyed by the storage key it is read from, and what to do afterwards:
     a ``FlatChunk`` for a range of a flattened tensor (``SpanChunk`` through the memory ``tiers``), a tensor for a
-    whole unflattened one."""
+    whole unflattened one. ``excluded``: entries the checkpoint left out on purpose (Note [frozen base restored from
+    its source] in ``frozen.py``)."""
 
     def __init__(
         self,
@@ -134,6 +135,7 @@ class LoadPlan:
         origin: Location,
         prefix: str = "",
         tiers: TierStorage | None = None,
+        excluded: Collection[str] = (),
     ) -> None:
         self.slices = slices
         self.toc = toc
@@ -143,7 +145,8 @@ class LoadPlan:
         self.after: list[Callable[[], object]] = []
         by_param = {id(s.param): s for s in slices}
         module_state = {k: v for k, v in module.state_dict(keep_vars=True).items() if k.startswith(prefix)}
-        _check_keys(type(module).__name__, set(module_state), set(toc["state_dict"]), strict, origin)
+        present = set(toc["state_dict"]) | set(excluded)  # excluded: frozen, restored from their source
+        _check_keys(type(module).__name__, set(module_state), present, strict, origin)
         placed: set[int] = set()
         for key, value in module_state.items():
             storage = toc["state_dict"].get(key)
