@@ -14,7 +14,11 @@ A Hugging Face Llama (``--hidden``, ``--layers``, ``--vocab``; fp32, tied head) 
   run starts, and reads every parameter once (transformers may leave them mapped from the files, paged in only when
   first used); the same peak above the RSS before the call.
 
-The ``zero3`` peak is about one shard: the pages of the files holding this rank's rows, mapped while they are read,
+Then ``zero3`` writes the model back as one full ``torch.save`` file (``save_full_checkpoint``, as
+``state_dict_type="full"`` does): the peak above the RSS before it, next to the largest parameter (what rank 0 puts
+together at once; here the tied embedding).
+
+The ``zero3`` load peak is about one shard: the pages of the files holding this rank's rows, mapped while they are read,
 plus one parameter's rows in flight; the shard itself existed before the load (``shard_module`` allocated it).
 """
 
@@ -56,6 +60,8 @@ def _load_rank(rank: int, world_size: int, directory: str, mode: str, config: di
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     from lightning_zero import ZeroConfig, ZeroOptimizer, load_full_state_dict, shard_module
+    from lightning_zero.checkpoint.full_save import save_full_checkpoint
+    from lightning_zero.checkpoint.sharded_checkpoint import sharded_model_state
 
     if mode == "from_pretrained":
         before = bench.memory_status()["VmRSS"]
@@ -78,7 +84,18 @@ def _load_rank(rank: int, world_size: int, directory: str, mode: str, config: di
     _reset_peak()
     load_full_state_dict(model, directory, optimizers=[optimizer])
     peak = bench.memory_status()["VmHWM"]
-    return {"peak_above_before": peak - before, "shard_bytes": shard, "mmap": bench.mmap_threshold_active()}
+    result = {"peak_above_before": peak - before, "shard_bytes": shard, "mmap": bench.mmap_threshold_active()}
+    # The other way: one full torch.save file written from the shards (state_dict_type="full").
+    checkpoint = {"state_dict": sharded_model_state(model, [optimizer], gatherer)}
+    dist.barrier()
+    before = bench.memory_status()["VmRSS"]
+    _reset_peak()
+    save_full_checkpoint(checkpoint, f"{directory}.full.ckpt", model, [optimizer], dist.group.WORLD, gatherer)
+    result["save_peak_above_before"] = bench.memory_status()["VmHWM"] - before
+    result["largest_parameter_bytes"] = max(
+        s.numel() * 4 for s in (slot.shape for b in gatherer.all_buckets() for slot, _ in b.slots_and_params())
+    )
+    return result
 
 
 def main() -> None:
@@ -109,6 +126,10 @@ def main() -> None:
             peaks = ", ".join(f"{r['peak_above_before'] / MiB:.1f}" for r in run.results)
             shards = ", ".join(f"{r['shard_bytes'] / MiB:.1f}" for r in run.results)
             print(f"{mode:>16}: peak RSS above before, per rank (MiB): {peaks}; parameters held (MiB): {shards}")
+            if mode == "zero3":
+                saves = ", ".join(f"{r['save_peak_above_before'] / MiB:.1f}" for r in run.results)
+                largest = run.results[0]["largest_parameter_bytes"] / MiB
+                print(f"{'full save':>16}: peak above before (MiB): {saves}; largest parameter {largest:.1f}")
     if args.out is not None:
         args.out.write_text(json.dumps(record, indent=2))
 

@@ -187,8 +187,8 @@ class ZeroConfig:
     """What ``trainer.save_checkpoint`` and ``ModelCheckpoint`` write, as ``FSDPStrategy(state_dict_type=...)``.
     ``"sharded"``: a directory in which each rank writes what it owns (``checkpoint/``). ``"full"``: one Lightning
     ``.ckpt`` file as a DDP run writes it (full weights; the optimizers' state in torch's format unless
-    ``save_weights_only``), which plain ``torch.load`` and a DDP run read, gathered bucket by bucket onto rank 0,
-    which writes it (Note [full checkpoint streamed] in ``checkpoint/full_save.py``); local paths only."""
+    ``save_weights_only``), which plain ``torch.load`` and a DDP run read, put together parameter by parameter on
+    rank 0, which writes it (Note [full checkpoint streamed] in ``checkpoint/full_save.py``); local paths only."""
 
     exclude_frozen_parameters: bool = False
     """Leave parameters with ``requires_grad=False`` out of checkpoints (DeepSpeed's option of that name): a LoRA

@@ -5,11 +5,12 @@ FSDP's ``state_dict_type="full"``).
 Note [full checkpoint streamed]
 A ``torch.save`` file is a zip archive: the pickled object, in which each tensor names a storage record, and then one
 record per storage; loading needs nothing else. So rank 0 pickles Lightning's checkpoint dictionary first, with a
-reference (``_Record``) for each full parameter and element-wise optimizer state that no rank holds whole; then,
-bucket by bucket, in the same order on every rank, each rank contributes its shard of the bucket (its parameter
-values or, where the run keeps them, its fp32 masters; then each optimizer state) to a gather onto rank 0, which cuts
-the full bucket into its parameters, appends each as its record and lets it go. A rank holds its shard and one
-bucket's staging (rank 0 the gathered bucket, at most a stage-3 unit), never the model. Tensors every rank holds
+reference (``_Record``) for each full parameter and element-wise optimizer state that no rank holds whole (every rank
+makes the same references). Then, bucket by bucket and parameter by parameter, in the same order on every rank, each
+rank stages its shard of the bucket (its parameter values or, where the run keeps them, its fp32 masters; then each
+optimizer state) and sends rank 0 the range it holds of each parameter; rank 0 puts the parameter together, appends it
+as its record and lets it go. A rank holds one staged shard of a bucket beyond its own state, and rank 0 one
+parameter more (a parameter lies inside a stage-3 unit), never the model. Tensors every rank holds
 (buffers, frozen parameters at stages 1 and 2, 0-d optimizer state such as Adam's ``step``, Lightning's own) are
 written by rank 0 from memory. Low-precision floating tensors are written in fp32, as ``consolidate`` does (the fp32
 masters' exact values where the run keeps them). Rank 0 writes into a hidden sibling and commits it under the final
@@ -181,18 +182,17 @@ def save_full_checkpoint(
     for bucket in _buckets(zero_optimizers, gatherer):
         held = {id(param) for _, param in bucket.slots_and_params()}
         mine = [s for s in slices if id(s.param) in held and s.stop > s.start]
-        values = _gather(
-            bucket,
-            [(s, s.master_span if s.own_master else s.values_span) for s in mine],
-            tiers,
-            process_group,
-            _out_dtype(bucket.param_shard.dtype),
+        values = [(s, s.master_span if s.own_master else s.values_span) for s in mine]
+        dtype = _out_dtype(bucket.param_shard.dtype)
+        error = _stream(
+            bucket, _staged(bucket, values, tiers, dtype), _param_key, records, writer, error, process_group
         )
-        error = _write(writer, error, bucket, values, records, _param_key)
         for (i, name), dtype in sorted(flat.items(), key=lambda item: item[0]):
             spans = [(s, _state_span(zero_optimizers[i], s, name)) for s in mine if s.optimizer == i]
-            gathered = _gather(bucket, spans, tiers, process_group, dtype)
-            error = _write(writer, error, bucket, gathered, records, lambda p, i=i, n=name: _state_key(i, p, n))
+            state = _staged(bucket, spans, tiers, dtype)
+            error = _stream(
+                bucket, state, lambda p, i=i, n=name: _state_key(i, p, n), records, writer, error, process_group
+            )
     if rank == 0 and writer is not None and error is None:
         try:
             for key, data in records.memory.items():
@@ -303,40 +303,56 @@ def _buckets(zero_optimizers: Sequence[ZeroOptimizer], gatherer: ShardedParamete
     return list({id(b): b for b in held}.values())  # the same order on every rank
 
 
-def _gather(
-    bucket: FlatBucket,
-    spans: list[tuple[OwnedSlice, Span | None]],
-    tiers: TierStorage | None,
-    process_group: dist.ProcessGroup | None,
-    dtype: torch.dtype,
-) -> Tensor | None:
-    """The full flat bucket on rank 0 (None elsewhere), each rank contributing the given spans of its slices."""
+def _staged(
+    bucket: FlatBucket, spans: list[tuple[OwnedSlice, Span | None]], tiers: TierStorage | None, dtype: torch.dtype
+) -> Tensor:
+    """This rank's shard of the bucket as written: the given span of each of its slices (zeros elsewhere)."""
     local = torch.zeros(bucket.shard_numel, dtype=dtype)
     for s, span in spans:
         if span is not None:
             local[s.shard_offset : s.shard_offset + span.numel] = span.read(tiers)
-    if process_group is None:
-        return local
-    world, rank = process_group.size(), process_group.rank()
-    full = torch.empty(world * bucket.shard_numel, dtype=dtype) if rank == 0 else None
-    pieces = list(full.chunk(world)) if full is not None else None
-    dist.gather(local, pieces, dst=dist.get_global_rank(process_group, 0), group=process_group)
-    return full
+    return local
 
 
-def _write(
-    writer: Any, error: str | None, bucket: FlatBucket, full: Tensor | None, records: _Records, what: Any
+def _stream(
+    bucket: FlatBucket,
+    local: Tensor,
+    what: Any,
+    records: _Records,
+    writer: Any,
+    error: str | None,
+    process_group: dist.ProcessGroup | None,
 ) -> str | None:
-    """Rank 0: append a record for each parameter of the gathered bucket that the file holds."""
-    if writer is None or error is not None or full is None:
-        return error
-    try:
-        for slot, param in bucket.slots_and_params():
-            record = records.known.get(what(param))
-            if record is not None and record.key not in records.written:
-                piece = full[slot.offset : slot.offset + slot.numel].to(record.dtype, copy=True)
-                writer.write_record(f"data/{record.key}", piece.untyped_storage(), piece.nbytes)
+    """Each parameter of the bucket that the file holds, put together on rank 0 from every rank's ``local`` shard
+    (its own range sent by each rank that holds one) and appended as its record; one parameter at a time."""
+    rank = 0 if process_group is None else process_group.rank()
+    world = 1 if process_group is None else process_group.size()
+    for slot, param in bucket.slots_and_params():
+        record = records.known.get(what(param))
+        if record is None:  # the same on every rank: records are made alike everywhere before the pickle
+            continue
+        out = torch.empty(slot.numel, dtype=local.dtype) if rank == 0 else None
+        for r in range(world):  # rank r's part of the bucket is [r * shard_numel, (r + 1) * shard_numel)
+            first = max(slot.offset, r * bucket.shard_numel)
+            last = min(slot.offset + slot.numel, (r + 1) * bucket.shard_numel)
+            if first >= last or (rank != 0 and rank != r):
+                continue
+            piece = local[first - r * bucket.shard_numel : last - r * bucket.shard_numel] if rank == r else None
+            if out is None:
+                assert process_group is not None, "only rank 0 assembles"
+                assert piece is not None, "a rank sends its own range"
+                dist.send(piece.contiguous(), dist.get_global_rank(process_group, 0), group=process_group)
+            elif piece is not None:
+                out[first - slot.offset : last - slot.offset] = piece
+            else:
+                assert process_group is not None, "another rank's range means a process group"
+                view = out[first - slot.offset : last - slot.offset]
+                dist.recv(view, dist.get_global_rank(process_group, r), group=process_group)
+        if out is not None and writer is not None and error is None:
+            try:
+                data = out.to(record.dtype)
+                writer.write_record(f"data/{record.key}", data.untyped_storage(), data.nbytes)
                 records.written.add(record.key)
-    except Exception as failure:
-        return f"{type(failure).__name__}: {failure}"
-    return None
+            except Exception as failure:  # go on receiving: the other ranks are sending
+                error = f"{type(failure).__name__}: {failure}"
+    return error
