@@ -25,7 +25,7 @@ def _full_checkpoint_into_ddp(root: str, stage: int) -> tuple[Any, ...]:
     at_save = Snapshot(at="save")
     saves = ModelCheckpoint(dirpath=f"{root}/full", every_n_train_steps=2, save_top_k=-1)
     weights_only = ModelCheckpoint(dirpath=f"{root}/weights", every_n_train_steps=4, save_weights_only=True)
-    strategy = ZeroStrategy(stage=stage, bucket_numel=3_000, state_dict_type="full")  # parameters straddle ranks
+    strategy = ZeroStrategy(stage=stage, bucket_numel=3_000, state_dict_type="full")  # straddling ranks
     zero_run = weights(fit(strategy, 2, 4, root, callbacks=[at_save, saves, weights_only]))
     at_load = Snapshot(at="start")
     ddp_run = weights(fit("ddp", 2, 4, root, ckpt=f"{root}/full/epoch=0-step=2.ckpt", callbacks=[at_load]))
@@ -59,6 +59,24 @@ def test_full_checkpoint_written_under_zero_resumes_ddp_and_loads_with_plain_tor
         assert "optimizer_states" not in plain_weights
         assert_same(plain_weights["state_dict"], zero_final)
         assert not list(Path(root, "full").glob(".*"))  # committed: no staged leftovers
+
+
+def _from_disk_tiers(root: str) -> tuple[Any, ...]:
+    saves = ModelCheckpoint(dirpath=f"{root}/full", every_n_train_steps=2, save_top_k=-1)
+    tiers = {"offload_optimizer": "disk", "offload_params": "disk", "offload_dir": "tiers"}  # under default_root_dir
+    strategy = ZeroStrategy(stage=3, bucket_numel=3_000, state_dict_type="full", **tiers)
+    zero_run = weights(fit(strategy, 2, 4, root, callbacks=[saves]))
+    ddp_run = weights(fit("ddp", 2, 4, root, ckpt=f"{root}/full/epoch=0-step=2.ckpt"))
+    return zero_run, ddp_run
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_full_checkpoint_streams_shards_and_optimizer_state_from_disk_tiers():
+    with tempfile.TemporaryDirectory() as root:
+        zero_final, ddp_final = run_distributed(_from_disk_tiers, 2, root, init_process_group=False)[0]
+        assert_same(ddp_final, zero_final, exact=False)  # weights and Adam state came out of the tiers whole
+        assert_same(torch.load(Path(root, "full", "epoch=0-step=4.ckpt"), weights_only=True)["state_dict"], zero_final)
 
 
 def test_full_checkpoint_refuses_a_remote_path():
