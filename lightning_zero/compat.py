@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -85,7 +86,10 @@ __all__ = [
     "init_dist_connection",
     "layer_sync",
     "non_finite_check_and_unscale_",
+    "open_torch_save_archive",
     "queue_autograd_callback",
+    "rebuild_tensor",
+    "storage_type",
     "swap_storage_memory",
     "sync_ddp_if_available",
     "sync_module_states",
@@ -181,6 +185,33 @@ def swap_storage_memory(storage: torch.UntypedStorage, other: torch.UntypedStora
 def non_finite_check_and_unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
     """``GradScaler``'s fused unscale: multiply ``grads`` by ``inv_scale``, set ``found_inf`` if any is not finite."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+# -- torch.save's file format, written one tensor at a time (checkpoint/full_save.py) --------------------------------
+rebuild_tensor = torch._utils._rebuild_tensor_v2
+"""What torch.save pickles a tensor as (allowed by ``torch.load(weights_only=True)``): ``rebuild_tensor(storage,
+offset, size, stride, requires_grad, backward_hooks)``, the storage a persistent id naming a record of the archive."""
+
+
+def storage_type(dtype: torch.dtype) -> Any:
+    """The storage class a torch.save file names for ``dtype`` in a storage's persistent id (``torch.FloatStorage``)."""
+    typed = torch.storage.TypedStorage(dtype=dtype, device="meta", _internal=True)
+    return getattr(torch, typed._pickle_storage_type())
+
+
+def open_torch_save_archive(path: str, data_pkl: bytes) -> Any:
+    """torch.save's zip writer (``torch._C.PyTorchFileWriter``) on ``path`` with the records torch.save writes before
+    the storages: the pickled object and the format markers. The caller adds each storage as
+    ``write_record(f"data/{key}", untyped_storage, nbytes)`` and ends with ``write_end_of_file()``."""
+    writer = torch._C.PyTorchFileWriter(path)
+    writer.write_record("data.pkl", data_pkl, len(data_pkl))
+    writer.write_record(".format_version", b"1", 1)
+    alignment = getattr(torch.serialization, "_get_storage_alignment", None)  # torch >= 2.7 records it
+    if alignment is not None:
+        value = str(alignment()).encode()
+        writer.write_record(".storage_alignment", value, len(value))
+    writer.write_record("byteorder", sys.byteorder.encode(), len(sys.byteorder))
+    return writer
 
 
 # -- Lightning -------------------------------------------------------------------------------------------------------

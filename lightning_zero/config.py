@@ -197,6 +197,20 @@ class ZeroConfig:
     """The fraction (0 < r <= 1) of the optimizer state (masters and moments) that ``offload_optimizer`` moves, by
     elements, bucket by bucket in step order (ZeRO-Offload++); the rest stays on the device."""
 
+    state_dict_type: Literal["sharded", "full"] = "sharded"
+    """What ``trainer.save_checkpoint`` and ``ModelCheckpoint`` write, as ``FSDPStrategy(state_dict_type=...)``.
+    ``"sharded"``: a directory in which each rank writes what it owns (``checkpoint/``). ``"full"``: one Lightning
+    ``.ckpt`` file as a DDP run writes it (full weights; the optimizers' state in torch's format unless
+    ``save_weights_only``), which plain ``torch.load`` and a DDP run read, put together parameter by parameter on
+    rank 0, which writes it (Note [full checkpoint streamed] in ``checkpoint/full_save.py``); local paths only."""
+
+    exclude_frozen_parameters: bool = False
+    """Leave parameters with ``requires_grad=False`` out of checkpoints (DeepSpeed's option of that name): a LoRA
+    checkpoint holds the adapters and their optimizer state, not the frozen base. A resume restores the base from the
+    pretrained weights the run loaded (``fit(ckpt_path=<pretrained>)``, ``load_full_state_dict(trainer.strategy,
+    ...)``) or, when none was loaded, as the model is built (``from_pretrained`` in ``__init__``); it refuses when
+    that source is gone (Note [frozen base restored from its source] in ``checkpoint/frozen.py``)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
             raise ValueError(f"Invalid ZeroConfig.stage: {self.stage!r}. Expected 1, 2 or 3.")
@@ -221,7 +235,7 @@ class ZeroConfig:
             raise TypeError(
                 f"Invalid ZeroConfig.keep_reduce_buffers: {self.keep_reduce_buffers!r}. Expected True, False or None."
             )
-        for name in ("overlap_comm", "broadcast_buffers", "reshard_root_after_forward"):
+        for name in ("overlap_comm", "broadcast_buffers", "reshard_root_after_forward", "exclude_frozen_parameters"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Invalid ZeroConfig.{name}: {getattr(self, name)!r}. Expected True or False.")
         if self.check_rank_divergence is not None and not isinstance(self.check_rank_divergence, bool):
@@ -243,6 +257,10 @@ class ZeroConfig:
         if self.reduce_dtype is not None and self.reduce_dtype not in _DTYPES:
             raise ValueError(
                 f"Invalid ZeroConfig.reduce_dtype: {self.reduce_dtype!r}. Expected None or one of {sorted(_DTYPES)}."
+            )
+        if self.state_dict_type not in ("sharded", "full"):
+            raise ValueError(
+                f"Invalid ZeroConfig.state_dict_type: {self.state_dict_type!r}. Expected 'sharded' or 'full'."
             )
         self._check_zeropp()
         self._check_offload()

@@ -6,6 +6,9 @@
 - ``files``: safe reading (no code runs on load), integrity checks and the atomic commit.
 - ``storage``: local paths and fsspec URLs (``s3://``, ``gs://``, ``memory://``); the commit on an object store.
 - ``full``: DDP / full checkpoints and plain state dicts as input.
+- ``frozen``: ``exclude_frozen_parameters``: adapter-sized checkpoints, the frozen base restored from its source.
+- ``full_save``: ``state_dict_type="full"``: one ``torch.save`` file as DDP writes it, streamed from the shards.
+- ``pretrained``: pretrained weights as input: safetensors files, Hugging Face directories, keys matched to the model.
 - ``tiered``: checkpoint IO through the memory tiers (``TierStorage``): slices moved one at a time.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3

@@ -10,8 +10,9 @@ parameters as ``configure_optimizers`` built them, in the order of the run that 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 from torch import Tensor, nn
 
 from lightning_zero.checkpoint.files import CheckpointError
@@ -19,6 +20,21 @@ from lightning_zero.checkpoint.format import Toc, empty_toc, model_key, optimize
 from lightning_zero.checkpoint.storage import Location
 from lightning_zero.sharding.activation_checkpointing import state_dict_name
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
+
+
+class FlatSource(Protocol):
+    """A full tensor read by flat element ranges without being read whole (``pretrained.SafetensorsSlice``); a
+    flattened ``Tensor`` is one too."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def __getitem__(self, index: slice) -> Tensor:
+        """Elements ``index`` of the flattened tensor."""
+        ...
 
 
 def state_dict_sources(state_dict: Mapping[str, Any], prefix: str, origin: Location) -> tuple[dict[str, Tensor], Toc]:

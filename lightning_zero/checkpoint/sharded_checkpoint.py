@@ -30,6 +30,7 @@ full checkpoint) goes through the same plan with in-memory sources instead of DC
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from os import PathLike
 from typing import Any
 
@@ -57,8 +58,10 @@ from lightning_zero.checkpoint.format import (
     model_key,
     open_committed,
 )
-from lightning_zero.checkpoint.full import full_checkpoint_sources, state_dict_sources
+from lightning_zero.checkpoint.frozen import FROZEN_KEY, adapter_prefixes, frozen_keys, frozen_source, source_path
+from lightning_zero.checkpoint.full import full_checkpoint_sources
 from lightning_zero.checkpoint.local_commit import recover_interrupted_commit
+from lightning_zero.checkpoint.pretrained import is_pretrained_source, open_pretrained, pretrained_sources
 from lightning_zero.checkpoint.slices import LoadPlan, owned_parameter_slices, read_whole
 from lightning_zero.checkpoint.storage import ChecksummingWriter, Location, locate
 from lightning_zero.checkpoint.tiered import Span, TierStorage, chunk_of
@@ -81,16 +84,21 @@ def sharded_model_state(
     zero_optimizers: Sequence[ZeroOptimizer],
     gatherer: ShardedParameters | None = None,
     tiers: TierStorage | None = None,
+    exclude_frozen: bool = False,
 ) -> dict[str, FlatChunk | Tensor]:
     """``module.state_dict()`` as this rank saves it: owned ranges of sharded parameters, replicated tensors whole.
 
     Tied names map to the same object, so the tensor is stored once. Nothing is copied, and nothing is read from
-    the memory ``tiers`` until the save writes it (Note [checkpoints stream through the tiers]).
+    the memory ``tiers`` until the save writes it (Note [checkpoints stream through the tiers]). ``exclude_frozen``
+    leaves out parameters that do not require grad (Note [frozen base restored from its source] in ``frozen.py``).
     """
+    excluded = set(frozen_keys(module)) if exclude_frozen else set()
     by_param = {id(s.param): s for s in owned_parameter_slices(zero_optimizers, gatherer)}
     made: dict[int, FlatChunk | Tensor] = {}
     state: dict[str, FlatChunk | Tensor] = {}
     for key, value in module.state_dict(keep_vars=True).items():
+        if key in excluded:
+            continue
         if not isinstance(value, Tensor):
             raise CheckpointError(
                 f"State dict entry {key!r} of {type(module).__name__} is a {type(value).__name__}; sharded "
@@ -206,6 +214,7 @@ def load_checkpoint(
     strict: bool = True,
     gatherer: ShardedParameters | None = None,
     tiers: TierStorage | None = None,
+    built_on_meta: bool = False,
 ) -> dict[str, Any]:
     """Load a sharded checkpoint directory (any world size, stage or bucket size) or a full ``.ckpt`` file.
 
@@ -213,6 +222,8 @@ def load_checkpoint(
     in their memory ``tiers`` (Note [checkpoints stream through the tiers]);
     returns the rest of Lightning's state (loops, callbacks, LR schedulers, param-group hyper-parameters, ...), and as
     ``state_dict`` the full averaged copy of the model if the save had one (``save_sharded_checkpoint(averaged=)``).
+    A checkpoint that left the frozen parameters out restores them from the source it records first (Note [frozen
+    base restored from its source]); ``built_on_meta``: this run's model was built on meta and only initialized.
     """
     checkpoint = locate(path)
     if not checkpoint.remote and (process_group is None or process_group.rank() == 0):
@@ -220,11 +231,19 @@ def load_checkpoint(
     if process_group is not None:
         dist.barrier(group=process_group)
     checkpoint.forget_listings()
+    if is_pretrained_source(checkpoint):  # weights only, e.g. `fit(ckpt_path=hf_dir)`: Lightning restores nothing else
+        load_pretrained(module, path, zero_optimizers, gatherer, prefix=None, strict=strict, tiers=tiers)
+        return {}
     slices = owned_parameter_slices(zero_optimizers, gatherer)
+
+    def restore_frozen(state: Mapping[str, Any]) -> list[str]:
+        return _restore_frozen(state, module, checkpoint, zero_optimizers, gatherer, tiers, built_on_meta)
+
     if checkpoint.isfile():  # e.g. a DDP run's checkpoint: full tensors, sliced here
         state = load_lightning_state(checkpoint, mmap=True)
+        excluded = restore_frozen(state)
         sources, toc = full_checkpoint_sources(state, module, zero_optimizers if load_optimizer else (), checkpoint)
-        plan = LoadPlan(module, slices, toc, strict=strict, origin=checkpoint, tiers=tiers)
+        plan = LoadPlan(module, slices, toc, strict=strict, origin=checkpoint, tiers=tiers, excluded=excluded)
         if load_optimizer and toc["optimizers"]:
             plan.add_optimizers(zero_optimizers, state.get("optimizer_states"))
         plan.read_from(sources)
@@ -232,7 +251,8 @@ def load_checkpoint(
         _refresh(gatherer)
         return state
     state, toc, data, metadata = open_committed(checkpoint)
-    plan = LoadPlan(module, slices, toc, strict=strict, origin=checkpoint, tiers=tiers)
+    excluded = restore_frozen(state)
+    plan = LoadPlan(module, slices, toc, strict=strict, origin=checkpoint, tiers=tiers, excluded=excluded)
     if load_optimizer and toc["optimizers"]:
         plan.add_optimizers(zero_optimizers, state.get("optimizer_states"))
     plan.read_dcp(data, metadata, process_group)
@@ -241,6 +261,24 @@ def load_checkpoint(
     if toc.get("averaged"):
         state["state_dict"] = read_whole(data, metadata, toc, toc["averaged"], process_group)
     return state
+
+
+def _restore_frozen(
+    state: Mapping[str, Any],
+    module: nn.Module,
+    origin: Location,
+    zero_optimizers: Sequence[ZeroOptimizer],
+    gatherer: ShardedParameters | None,
+    tiers: TierStorage | None,
+    built_on_meta: bool,
+) -> list[str]:
+    """Load the frozen base a checkpoint left out from its recorded source; the keys it left out."""
+    if FROZEN_KEY not in state:
+        return []
+    excluded, source = frozen_source(state[FROZEN_KEY], origin, built_on_meta=built_on_meta)
+    if source is not None:  # every entry it holds; the checkpoint's own entries are loaded over it
+        load_pretrained(module, source, zero_optimizers, gatherer, prefix=None, strict=False, tiers=tiers)
+    return excluded
 
 
 def _refresh(gatherer: ShardedParameters | None) -> None:
@@ -253,41 +291,61 @@ def load_full_state_dict(
     state_dict: Mapping[str, Tensor] | str | PathLike[str],
     *,
     optimizers: Sequence[ZeroOptimizer] = (),
-    prefix: str = "",
+    prefix: str | None = None,
     strict: bool = True,
     tiers: TierStorage | None = None,
 ) -> None:
     """Load full (unsharded) weights, e.g. pretrained ones, into a ZeRO model; every rank calls it.
 
     ``target`` is a ``ZeroStrategy`` after setup (its LightningModule, optimizers and memory tiers are used) or a
-    module wrapped by ``optimizers`` (with their memory ``tiers``, if any). ``state_dict`` is a mapping or a file
-    (``torch.save`` of one, or of a Lightning checkpoint), memory-mapped so that each rank copies out only the ranges
-    it owns, one parameter at a time, straight into the tiers (Note [checkpoints stream through the tiers]).
-    ``prefix`` is prepended to its keys to name the module's parameters, e.g. ``"model."`` for the GPT inside
-    ``LitGPT``.
+    module wrapped by ``optimizers`` (with their memory ``tiers``, if any). ``state_dict`` is a mapping or a path: a
+    ``.safetensors`` file, a Hugging Face checkpoint directory (``model.safetensors``, or the shards listed in
+    ``model.safetensors.index.json``), or a ``torch.save`` file of a state dict or a Lightning checkpoint. Files are
+    memory-mapped and each rank reads only the ranges it owns, one parameter at a time, straight into its shards or
+    their tiers (Note [checkpoints stream through the tiers]). ``prefix`` is prepended to the file's keys to name the
+    module's entries, e.g. ``"model."`` for the model a LightningModule holds as ``self.model``; None finds it (the
+    one prefix under which every key of the file names an entry; ``checkpoint/pretrained.py``).
     """
     if isinstance(target, Strategy):
         if target.lightning_module is None:
             raise CheckpointError(
                 f"load_full_state_dict got a {type(target).__name__} without a LightningModule. HINT: call it once "
-                "the Trainer has set the strategy up, e.g. from the LightningModule's `on_fit_start` hook."
+                "the Trainer has set the strategy up, e.g. from the LightningModule's `on_fit_start` hook, or pass "
+                "the file as `trainer.fit(model, ckpt_path=...)`."
             )
         module: nn.Module = target.lightning_module
         optimizers = [
             o for o in (getattr(o, "_optimizer", o) for o in target.optimizers) if isinstance(o, ZeroOptimizer)
         ]
         tiers = getattr(target, "memory_tiers", None)
+        gatherer = getattr(target, "_gatherer", None)  # ZeroStrategy's stage-3 model, also without optimizers
+        if hasattr(target, "pretrained_source"):  # recorded by checkpoints that leave frozen parameters out
+            target.pretrained_source = source_path(state_dict)
     else:
-        module = target
+        module, gatherer = target, None
+    load_pretrained(module, state_dict, optimizers, gatherer, prefix=prefix, strict=strict, tiers=tiers)
+
+
+def load_pretrained(
+    module: nn.Module,
+    state_dict: Mapping[str, Tensor] | str | PathLike[str],
+    optimizers: Sequence[ZeroOptimizer],
+    gatherer: ShardedParameters | None,
+    *,
+    prefix: str | None,
+    strict: bool,
+    tiers: TierStorage | None,
+) -> None:
+    """``load_full_state_dict`` into ``module``, sharded by ``optimizers`` and, at stage 3, by ``gatherer``."""
     origin = locate(state_dict if isinstance(state_dict, str | PathLike) else "<state_dict>")
-    if not isinstance(state_dict, Mapping):
-        state_dict = load_lightning_state(origin, mmap=True)
-        nested = state_dict.get("state_dict")
-        state_dict = nested if isinstance(nested, Mapping) else state_dict
-    sources, toc = state_dict_sources(state_dict, prefix, origin)
-    gatherer = next((o.gatherer for o in optimizers if o.gatherer is not None), None)  # stage 3's sharded model
-    slices = owned_parameter_slices(optimizers, gatherer)
-    plan = LoadPlan(module, slices, toc, strict=strict, origin=origin, prefix=prefix, tiers=tiers)
-    plan.read_from(sources)
+    gatherer = gatherer or next((o.gatherer for o in optimizers if o.gatherer is not None), None)
+    with ExitStack() as files:
+        tensors = dict(state_dict) if isinstance(state_dict, Mapping) else open_pretrained(origin, files)
+        module_state = module.state_dict(keep_vars=True)
+        adapters = adapter_prefixes(module)
+        sources, toc = pretrained_sources(module_state, tensors, prefix, origin, strict=strict, adapters=adapters)
+        slices = owned_parameter_slices(optimizers, gatherer)
+        plan = LoadPlan(module, slices, toc, strict=False, origin=origin, tiers=tiers)  # checked by name above
+        plan.read_from(sources)
     plan.finish(optimizers)
     _refresh(gatherer)

@@ -10,7 +10,7 @@ the tiers] in ``tiered.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_zero.checkpoint.files import CheckpointError, SafeReader
 from lightning_zero.checkpoint.format import FlatChunk, SafeLoadPlanner, Toc, info_dtype
+from lightning_zero.checkpoint.full import FlatSource
 from lightning_zero.checkpoint.storage import Location
 from lightning_zero.checkpoint.tiered import Span, TierStorage, chunk_of
 from lightning_zero.compat import dcp_load
@@ -121,7 +122,8 @@ def owned_parameter_slices(
 class LoadPlan:
     """Every destination this rank fills, keyed by the storage key it is read from, and what to do afterwards:
     a ``FlatChunk`` for a range of a flattened tensor (``SpanChunk`` through the memory ``tiers``), a tensor for a
-    whole unflattened one."""
+    whole unflattened one. ``excluded``: entries the checkpoint left out on purpose (Note [frozen base restored from
+    its source] in ``frozen.py``)."""
 
     def __init__(
         self,
@@ -133,6 +135,7 @@ class LoadPlan:
         origin: Location,
         prefix: str = "",
         tiers: TierStorage | None = None,
+        excluded: Collection[str] = (),
     ) -> None:
         self.slices = slices
         self.toc = toc
@@ -142,7 +145,8 @@ class LoadPlan:
         self.after: list[Callable[[], object]] = []
         by_param = {id(s.param): s for s in slices}
         module_state = {k: v for k, v in module.state_dict(keep_vars=True).items() if k.startswith(prefix)}
-        _check_keys(type(module).__name__, set(module_state), set(toc["state_dict"]), strict, origin)
+        present = set(toc["state_dict"]) | set(excluded)  # excluded: frozen, restored from their source
+        _check_keys(type(module).__name__, set(module_state), present, strict, origin)
         placed: set[int] = set()
         for key, value in module_state.items():
             storage = toc["state_dict"].get(key)
@@ -250,8 +254,9 @@ class LoadPlan:
     def read_dcp(self, directory: Location, metadata: Metadata, process_group: dist.ProcessGroup | None) -> None:
         _dcp_read(dict(self.reads), directory, metadata, self.toc, process_group)
 
-    def read_from(self, sources: Mapping[str, Tensor]) -> None:
-        """Fill every destination from full in-memory (or memory-mapped) ``sources``, one parameter at a time."""
+    def read_from(self, sources: Mapping[str, Tensor | FlatSource]) -> None:
+        """Fill every destination from full in-memory, memory-mapped or lazily read ``sources`` (flattened), one
+        parameter at a time."""
         with torch.no_grad():
             for key, destination in self.reads.items():
                 source = sources[key]
@@ -260,6 +265,7 @@ class LoadPlan:
                     piece.copy_(source[destination.offset : destination.offset + destination.numel])
                     destination.commit(0, piece)
                 else:
+                    assert isinstance(source, Tensor), "whole destinations are 0-d optimizer state, from memory"
                     destination.copy_(source)
 
     def finish(self, zero_optimizers: Sequence[ZeroOptimizer]) -> None:

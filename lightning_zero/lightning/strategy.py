@@ -170,7 +170,10 @@ class ZeroStrategy(ShardedCheckpointing):
             return
         assert self.lightning_module is not None
         refuse_released_placeholders(self.lightning_module)
-        if not any(t.is_meta for t in (*self.lightning_module.parameters(), *self.lightning_module.buffers())):
+        self.built_on_meta = any(
+            t.is_meta for t in (*self.lightning_module.parameters(), *self.lightning_module.buffers())
+        )
+        if not self.built_on_meta:
             self.model_to_device()
         # ZeRO++ and the metering by link need the ranks per node; Lightning knows them when the environment does not.
         config = dataclasses.replace(self.config, ranks_per_node=self._ranks_per_node())

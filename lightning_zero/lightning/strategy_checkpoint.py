@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import lightning
 import lightning.pytorch as pl
 from lightning.pytorch import callbacks
 from lightning.pytorch.trainer.states import TrainerFn
@@ -30,6 +31,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.checkpoint.files import remove
+from lightning_zero.checkpoint.frozen import FROZEN_KEY, frozen_keys, frozen_record, source_path
+from lightning_zero.checkpoint.full_save import save_full_checkpoint
 from lightning_zero.checkpoint.sharded_checkpoint import (
     load_checkpoint,
     save_sharded_checkpoint,
@@ -52,12 +55,19 @@ class ShardedCheckpointing(ProcessPerDevice):
     ``checkpoint/tiered.py``)."""
     _gatherer: ParameterGatherer | None
     """Stage 3's sharded model; None for stages 1 and 2."""
+    pretrained_source: str | None = None
+    """The pretrained weights this run loaded (``fit(ckpt_path=<pretrained>)``, ``load_full_state_dict``), recorded
+    by checkpoints that leave frozen parameters out (Note [frozen base restored from its source])."""
+    built_on_meta: bool = False
+    """Whether stage 3 built the model on the meta device and initialized it (no weights of its own)."""
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
         refuse_weight_averaging_at_stage_3(model.trainer.callbacks, self.config.stage)  # type: ignore[attr-defined]
         refuse_parameter_changing_callbacks(model.trainer.callbacks, self.config.stage)  # type: ignore[attr-defined]
+        if self.config.state_dict_type == "full":
+            refuse_remote_full_checkpoints(model.trainer)
 
     @property
     @override
@@ -73,7 +83,8 @@ class ShardedCheckpointing(ProcessPerDevice):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
         zero_optimizers = list(iter_zero_optimizers(self.optimizers))
-        return sharded_model_state(self.lightning_module, zero_optimizers, self._gatherer, self._tiers)
+        exclude_frozen = self.config.exclude_frozen_parameters
+        return sharded_model_state(self.lightning_module, zero_optimizers, self._gatherer, self._tiers, exclude_frozen)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -90,15 +101,34 @@ class ShardedCheckpointing(ProcessPerDevice):
                 "checkpoints are written by every rank, not through a CheckpointIO plugin. HINT: drop storage_options."
             )
         saved_with = {"world_size": self.world_size, "stage": self.config.stage}
+        if self.config.exclude_frozen_parameters:  # Note [frozen base restored from its source]
+            assert self.lightning_module is not None
+            checkpoint[FROZEN_KEY] = frozen_record(self.lightning_module, self.pretrained_source)
         averaged = None
         if _WEIGHT_AVERAGING_LIVE in checkpoint:  # Note [Lightning's WeightAveraging]
             averaged = checkpoint.pop("state_dict")
             checkpoint["state_dict"] = checkpoint.pop(_WEIGHT_AVERAGING_LIVE)
+        if self.config.state_dict_type == "full":  # one file as DDP writes it: Note [full checkpoint streamed]
+            if averaged is not None:  # back where Lightning's callback put them
+                checkpoint[_WEIGHT_AVERAGING_LIVE] = checkpoint.pop("state_dict")
+                checkpoint["state_dict"] = averaged
+            assert self.lightning_module is not None
+            save_full_checkpoint(
+                checkpoint,
+                self.broadcast(filepath),
+                self.lightning_module,
+                list(iter_zero_optimizers(self.optimizers)),
+                self.process_group,
+                self._gatherer,
+                self._tiers,
+            )
+            return
         save_sharded_checkpoint(checkpoint, self.broadcast(filepath), self.process_group, saved_with, averaged)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded directory (any world size or stage) or a full ``.ckpt`` file into this rank's shards.
+        """Load a sharded directory (any world size or stage) or a full ``.ckpt`` file into this rank's shards; or
+        pretrained weights only (a ``.safetensors`` file, a Hugging Face directory), from which training starts.
 
         Always as ``weights_only=True`` would (see Note [safe loading] in ``checkpoint/files.py``).
         """
@@ -113,11 +143,36 @@ class ShardedCheckpointing(ProcessPerDevice):
             strict=module.strict_loading,
             gatherer=self._gatherer,
             tiers=self._tiers,
+            built_on_meta=self.built_on_meta,
         )
+        if not state:  # pretrained weights (a safetensors file or directory): training starts from them
+            self.pretrained_source = source_path(self.broadcast(checkpoint_path))
+            return weights_only_checkpoint(module.trainer)
+        frozen = state.get(FROZEN_KEY)
+        if isinstance(frozen, dict) and frozen.get("source") is not None:  # the base came from there: saves say so
+            self.pretrained_source = frozen["source"]
         if "state_dict" in state:  # a WeightAveraging average: Note [Lightning's WeightAveraging]
             # The live weights are in place already; loading them into the module again changes nothing.
             state[_WEIGHT_AVERAGING_LIVE] = module.state_dict()
         return state
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        module = self.lightning_module
+        if self.config.exclude_frozen_parameters and self.built_on_meta and self.pretrained_source is None:
+            assert module is not None
+            frozen = frozen_keys(module)
+            if frozen:
+                raise ValueError(
+                    f"ZeroConfig.exclude_frozen_parameters=True leaves {len(frozen)} frozen parameter(s) out of "
+                    f"checkpoints (e.g. {frozen[:3]}), but this model was built on the meta device and initialized, "
+                    "and no pretrained weights were loaded: a resume could not restore them (Note [frozen base "
+                    "restored from its source]). HINT: load the pretrained base with `trainer.fit(model, "
+                    "ckpt_path=<pretrained>)` or `lightning_zero.load_full_state_dict(trainer.strategy, <pretrained>)` "
+                    "in `on_fit_start`, build the model with its weights in `__init__`, or set "
+                    "exclude_frozen_parameters=False."
+                )
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -135,6 +190,29 @@ class ShardedCheckpointing(ProcessPerDevice):
 
 _WEIGHT_AVERAGING_LIVE = "current_model_state"
 """Where ``WeightAveraging.on_save_checkpoint`` moves the live state dict (Note [Lightning's WeightAveraging])."""
+
+
+def weights_only_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
+    """What Lightning restores after ``load_checkpoint`` put pretrained weights (``fit(ckpt_path=hf_dir)``) in place:
+    nothing. Loops start at zero; the optimizers (already loaded: nothing) and LR schedulers keep their own state."""
+    return {
+        "pytorch-lightning_version": lightning.__version__,
+        "optimizer_states": [],
+        "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+    }
+
+
+def refuse_remote_full_checkpoints(trainer: pl.Trainer) -> None:
+    """``state_dict_type="full"`` writes local files (``checkpoint/full_save.py``): refuse remote checkpoint
+    directories when fit starts rather than at the first save."""
+    for callback in trainer.checkpoint_callbacks:
+        directory = str(getattr(callback, "dirpath", None) or trainer.default_root_dir)
+        if "://" in directory and not directory.startswith("file://"):
+            raise ValueError(
+                f"ZeroConfig.state_dict_type='full' writes local files, but {type(callback).__name__} saves under "
+                f"{directory}. HINT: use state_dict_type='sharded' (the default) for remote storage and "
+                "`python -m lightning_zero consolidate` for one file, or save to a local directory."
+            )
 
 
 def refuse_weight_averaging_at_stage_3(trainer_callbacks: list[pl.Callback], stage: int) -> None:

@@ -1,0 +1,358 @@
+"""A full checkpoint written straight from the shards: one Lightning ``.ckpt`` file as a DDP run's ``torch.save``
+writes it, which plain ``torch.load(weights_only=True)`` and a DDP run read (``ZeroConfig.state_dict_type="full"``,
+FSDP's ``state_dict_type="full"``).
+
+Note [full checkpoint streamed]
+A ``torch.save`` file is a zip archive: the pickled object, in which each tensor names a storage record, and then one
+record per storage; loading needs nothing else. So rank 0 pickles Lightning's checkpoint dictionary first, with a
+reference (``_Record``) for each full parameter and element-wise optimizer state that no rank holds whole (every rank
+makes the same references). Then, bucket by bucket and parameter by parameter, in the same order on every rank, each
+rank stages its shard of the bucket (its parameter values or, where the run keeps them, its fp32 masters; then each
+optimizer state) and sends rank 0 the range it holds of each parameter; rank 0 puts the parameter together, appends it
+as its record and lets it go. A rank holds one staged shard of a bucket beyond its own state, and rank 0 one
+parameter more (a parameter lies inside a stage-3 unit), never the model. Tensors every rank holds
+(buffers, frozen parameters at stages 1 and 2, 0-d optimizer state such as Adam's ``step``, Lightning's own) are
+written by rank 0 from memory. Low-precision floating tensors are written in fp32, as ``consolidate`` does (the fp32
+masters' exact values where the run keeps them). Rank 0 writes into a hidden sibling and commits it under the final
+name (Note [atomic commit]); if writing fails there, rank 0 still takes part in every gather and every rank raises the
+error at the end, so nothing hangs and nothing is committed.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+from collections.abc import Hashable, Mapping, Sequence
+from os import PathLike
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_zero.checkpoint.files import CheckpointError
+from lightning_zero.checkpoint.format import FlatChunk
+from lightning_zero.checkpoint.local_commit import commit, partial_sibling, remove_stale_siblings
+from lightning_zero.checkpoint.slices import OwnedSlice, owned_parameter_slices
+from lightning_zero.checkpoint.storage import locate
+from lightning_zero.checkpoint.tiered import Span, TierStorage
+from lightning_zero.compat import open_torch_save_archive, rebuild_tensor, storage_type
+from lightning_zero.sharding.flat_bucket import FlatBucket
+from lightning_zero.sharding.sharded_optimizer import ShardedParameters, ZeroOptimizer
+
+_PICKLE_PROTOCOL = 2  # torch.save's default
+
+
+class _Record(NamedTuple):
+    """A storage record of the archive (``data/<key>``): ``numel`` elements of ``dtype``."""
+
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+class _Deferred:
+    """A full tensor of the file whose data is gathered from the shards after the pickle (Note [full checkpoint
+    streamed]); pickled as ``torch.save`` pickles a contiguous tensor."""
+
+    def __init__(self, record: _Record, shape: torch.Size) -> None:
+        self.record = record
+        self.shape = shape
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        stride = torch.empty(self.shape, device="meta").stride()
+        return rebuild_tensor, (self.record, 0, tuple(self.shape), stride, False, collections.OrderedDict())
+
+
+class _Pickler(pickle.Pickler):
+    """torch.save's pickler: storages as persistent ids; in-memory tensors become records written from memory."""
+
+    def __init__(self, stream: io.BytesIO, records: _Records) -> None:
+        super().__init__(stream, protocol=_PICKLE_PROTOCOL)
+        self.records = records
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _Record):
+            return ("storage", storage_type(obj.dtype), obj.key, "cpu", obj.numel)
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, Tensor):
+            return NotImplemented
+        return self.records.in_memory(obj).__reduce_ex__(_PICKLE_PROTOCOL)
+
+
+class _Records:
+    """The archive's storage records, keyed as they are met: gathered ones by what they hold, in-memory ones (rank 0's
+    tensors) by the tensor."""
+
+    def __init__(self) -> None:
+        self.known: dict[Hashable, _Record] = {}
+        self.memory: dict[str, Tensor] = {}
+        self.written: set[str] = set()
+        self._alive: list[Tensor] = []  # the in-memory tensors whose ids key ``known``
+
+    def deferred(self, what: Hashable, shape: torch.Size, dtype: torch.dtype) -> _Deferred:
+        if what not in self.known:
+            self.known[what] = _Record(str(len(self.known)), dtype, shape.numel())
+        return _Deferred(self.known[what], shape)
+
+    def in_memory(self, tensor: Tensor) -> _Deferred:
+        what = ("memory", id(tensor))
+        if what not in self.known:
+            data = tensor.detach().cpu()
+            data = data.to(_out_dtype(data.dtype)).contiguous()
+            if data.storage_offset() or data.untyped_storage().nbytes() != data.nbytes:
+                data = data.clone()  # a record holds this tensor's bytes alone, as torch.save's would
+            self.known[what] = _Record(str(len(self.known)), data.dtype, data.numel())
+            self.memory[self.known[what].key] = data
+            self._alive.append(tensor)
+        return _Deferred(self.known[what], tensor.shape)
+
+    def missing(self) -> list[str]:
+        return sorted(set(r.key for r in self.known.values()) - self.written - set(self.memory), key=int)
+
+
+def _out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Low-precision floating tensors are written in fp32 (Note [full checkpoint streamed])."""
+    return torch.float32 if dtype.is_floating_point and dtype.itemsize < 4 else dtype
+
+
+def _param_key(param: Tensor) -> Hashable:
+    return ("param", id(param))
+
+
+def _state_key(optimizer: int, param: Tensor, name: str) -> Hashable:
+    return ("state", optimizer, id(param), name)
+
+
+def save_full_checkpoint(
+    checkpoint: dict[str, Any],
+    path: str | PathLike[str],
+    module: nn.Module,
+    zero_optimizers: Sequence[ZeroOptimizer],
+    process_group: dist.ProcessGroup | None,
+    gatherer: ShardedParameters | None = None,
+    tiers: TierStorage | None = None,
+) -> None:
+    """Write ``checkpoint`` (Lightning's dictionary, its ``state_dict`` this rank's ``sharded_model_state``) as one
+    full ``torch.save`` file at the local ``path``, with the optimizers' full state in DDP's format if it has
+    ``optimizer_states``. Collective; rank 0 writes (Note [full checkpoint streamed])."""
+    target = locate(path)
+    if target.remote:
+        raise CheckpointError(
+            f"ZeroConfig.state_dict_type='full' writes local files; {target} is remote. HINT: use "
+            "state_dict_type='sharded' (the default) for remote storage and `python -m lightning_zero consolidate` "
+            "for one file."
+        )
+    rank = 0 if process_group is None else process_group.rank()
+    slices = owned_parameter_slices(zero_optimizers, gatherer)
+    by_param = {id(s.param): s for s in slices}
+    records = _Records()
+    entries = module.state_dict(keep_vars=True)
+    for name in ("state_dict", "current_model_state"):  # the latter: Note [Lightning's WeightAveraging]
+        state = checkpoint.get(name)
+        if isinstance(state, Mapping):
+            checkpoint[name] = {
+                key: _deferred_parameter(records, entries[key], by_param[id(entries[key])])
+                if isinstance(value, FlatChunk)
+                else value
+                for key, value in state.items()
+            }
+    flat: dict[tuple[int, str], torch.dtype] = {}
+    if checkpoint.get("optimizer_states") is not None:
+        flat, scalars = _state_layout(zero_optimizers, slices, process_group)
+        checkpoint["optimizer_states"] = _torch_optimizer_states(
+            module, zero_optimizers, checkpoint["optimizer_states"], flat, scalars, by_param, records
+        )
+    error: str | None = None
+    writer: Any = None
+    staged = partial_sibling(target.local)
+    if rank == 0:
+        try:
+            target.local.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_siblings(target.local)
+            stream = io.BytesIO()
+            _Pickler(stream, records).dump(checkpoint)
+            writer = open_torch_save_archive(str(staged), stream.getvalue())
+        except Exception as failure:  # still take part in every gather below: the other ranks wait in them
+            error = f"{type(failure).__name__}: {failure}"
+    for bucket in _buckets(zero_optimizers, gatherer):
+        held = {id(param) for _, param in bucket.slots_and_params()}
+        mine = [s for s in slices if id(s.param) in held and s.stop > s.start]
+        values = [(s, s.master_span if s.own_master else s.values_span) for s in mine]
+        dtype = _out_dtype(bucket.param_shard.dtype)
+        error = _stream(
+            bucket, _staged(bucket, values, tiers, dtype), _param_key, records, writer, error, process_group
+        )
+        for (i, name), dtype in sorted(flat.items(), key=lambda item: item[0]):
+            spans = [(s, _state_span(zero_optimizers[i], s, name)) for s in mine if s.optimizer == i]
+            state = _staged(bucket, spans, tiers, dtype)
+            error = _stream(
+                bucket, state, lambda p, i=i, n=name: _state_key(i, p, n), records, writer, error, process_group
+            )
+    if rank == 0 and writer is not None and error is None:
+        try:
+            for key, data in records.memory.items():
+                writer.write_record(f"data/{key}", data.untyped_storage(), data.nbytes)
+            missing = records.missing()
+            assert not missing, f"records {missing[:5]} were never written"
+            writer.write_end_of_file()
+            writer = None
+            with open(staged, "rb") as f:
+                os.fsync(f.fileno())
+            commit(staged, target.local)
+        except Exception as failure:
+            error = f"{type(failure).__name__}: {failure}"
+    if rank == 0 and error is not None:
+        staged.unlink(missing_ok=True)
+    errors = [error]
+    if process_group is not None:
+        dist.broadcast_object_list(errors, src=dist.get_global_rank(process_group, 0), group=process_group)
+    if errors[0] is not None:
+        raise CheckpointError(
+            f"Saving the full checkpoint {target} failed: {errors[0]}. Nothing was committed; a previous checkpoint "
+            "of that name is intact. HINT: check that the location is writable and has room."
+        )
+
+
+def _deferred_parameter(records: _Records, param: Tensor, owned: OwnedSlice) -> _Deferred:
+    # The master's dtype where the run keeps fp32 masters; a frozen low-precision parameter is widened alike.
+    return records.deferred(_param_key(param), owned.shape, _out_dtype(owned.shard.dtype))
+
+
+def _state_span(zero: ZeroOptimizer, s: OwnedSlice, name: str) -> Span | None:
+    value = zero.state.get(s.state_key, {}).get(name) if s.state_key is not None else None
+    return None if value is None else Span(value, s.state_offset, s.stop - s.start)
+
+
+def _state_layout(
+    zero_optimizers: Sequence[ZeroOptimizer], slices: list[OwnedSlice], process_group: dist.ProcessGroup | None
+) -> tuple[dict[tuple[int, str], torch.dtype], dict[tuple[int, str], dict[str, Tensor | None]]]:
+    """Over every rank: each optimizer's element-wise state names and dtypes ``{(optimizer, name): dtype}``, and
+    which parameter has which state ``{(optimizer, fqn): {name: 0-d value or None (element-wise)}}``."""
+    mine: dict[tuple[int, str], dict[str, Tensor | torch.dtype]] = {}  # element-wise: its dtype; 0-d: its value
+    for s in slices:
+        if s.optimizer is None or s.state_key is None or s.stop <= s.start:
+            continue
+        for name, value in zero_optimizers[s.optimizer].state.get(s.state_key, {}).items():
+            if isinstance(value, Tensor) and value.shape == s.state_key.shape:
+                mine.setdefault((s.optimizer, s.fqn), {})[name] = value.dtype
+            elif isinstance(value, Tensor) and value.dim() == 0:
+                mine.setdefault((s.optimizer, s.fqn), {})[name] = value.detach().cpu()
+            else:
+                raise CheckpointError(
+                    f"Cannot write optimizer state {name!r} of parameter {s.fqn!r} into a full checkpoint: a "
+                    f"{type(value).__name__}, neither element-wise nor a 0-d tensor. HINT: ZeRO checkpoints support "
+                    "element-wise optimizers whose state is tensors."
+                )
+    every: list[Any] = [mine]
+    if process_group is not None:
+        every = [None] * process_group.size()
+        dist.all_gather_object(every, mine, group=process_group)
+    flat: dict[tuple[int, str], torch.dtype] = {}
+    which: dict[tuple[int, str], dict[str, Tensor | None]] = {}
+    for layout in every:
+        for (i, fqn), names in layout.items():
+            for name, value in names.items():
+                if isinstance(value, torch.dtype):
+                    flat[(i, name)] = value
+                which.setdefault((i, fqn), {}).setdefault(name, None if isinstance(value, torch.dtype) else value)
+    return flat, which
+
+
+def _torch_optimizer_states(
+    module: nn.Module,
+    zero_optimizers: Sequence[ZeroOptimizer],
+    sharded: list[dict[str, Any]],
+    flat: Mapping[tuple[int, str], torch.dtype],
+    which: Mapping[tuple[int, str], Mapping[str, Tensor | None]],
+    by_param: Mapping[int, OwnedSlice],
+    records: _Records,
+) -> list[dict[str, Any]]:
+    """Each optimizer's ``state_dict()`` as torch builds it under DDP: state by position in its param groups."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    states = []
+    for i, (zero, saved) in enumerate(zip(zero_optimizers, sharded, strict=True)):
+        state: dict[int, dict[str, Any]] = {}
+        groups = []
+        position = 0
+        for group, hyper in zip(zero.param_groups, saved["param_groups"], strict=True):
+            positions = []
+            for param in group["params"]:
+                shape = by_param[id(param)].shape if id(param) in by_param else param.shape
+                entry: dict[str, Any] = {}
+                for name, value in which.get((i, names[id(param)]), {}).items():
+                    if value is None:
+                        entry[name] = records.deferred(_state_key(i, param, name), shape, flat[(i, name)])
+                    else:
+                        entry[name] = value
+                if entry:
+                    state[position] = entry
+                positions.append(position)
+                position += 1
+            groups.append({**hyper, "params": positions})
+        states.append({"state": state, "param_groups": groups})
+    return states
+
+
+def _buckets(zero_optimizers: Sequence[ZeroOptimizer], gatherer: ShardedParameters | None) -> list[FlatBucket]:
+    held = gatherer.all_buckets() if gatherer is not None else [b for z in zero_optimizers for b in z.buckets]
+    return list({id(b): b for b in held}.values())  # the same order on every rank
+
+
+def _staged(
+    bucket: FlatBucket, spans: list[tuple[OwnedSlice, Span | None]], tiers: TierStorage | None, dtype: torch.dtype
+) -> Tensor:
+    """This rank's shard of the bucket as written: the given span of each of its slices (zeros elsewhere)."""
+    local = torch.zeros(bucket.shard_numel, dtype=dtype)
+    for s, span in spans:
+        if span is not None:
+            local[s.shard_offset : s.shard_offset + span.numel] = span.read(tiers)
+    return local
+
+
+def _stream(
+    bucket: FlatBucket,
+    local: Tensor,
+    what: Any,
+    records: _Records,
+    writer: Any,
+    error: str | None,
+    process_group: dist.ProcessGroup | None,
+) -> str | None:
+    """Each parameter of the bucket that the file holds, put together on rank 0 from every rank's ``local`` shard
+    (its own range sent by each rank that holds one) and appended as its record; one parameter at a time."""
+    rank = 0 if process_group is None else process_group.rank()
+    world = 1 if process_group is None else process_group.size()
+    for slot, param in bucket.slots_and_params():
+        record = records.known.get(what(param))
+        if record is None:  # the same on every rank: records are made alike everywhere before the pickle
+            continue
+        out = torch.empty(slot.numel, dtype=local.dtype) if rank == 0 else None
+        for r in range(world):  # rank r's part of the bucket is [r * shard_numel, (r + 1) * shard_numel)
+            first = max(slot.offset, r * bucket.shard_numel)
+            last = min(slot.offset + slot.numel, (r + 1) * bucket.shard_numel)
+            if first >= last or (rank != 0 and rank != r):
+                continue
+            piece = local[first - r * bucket.shard_numel : last - r * bucket.shard_numel] if rank == r else None
+            if out is None:
+                assert process_group is not None, "only rank 0 assembles"
+                assert piece is not None, "a rank sends its own range"
+                dist.send(piece.contiguous(), dist.get_global_rank(process_group, 0), group=process_group)
+            elif piece is not None:
+                out[first - slot.offset : last - slot.offset] = piece
+            else:
+                assert process_group is not None, "another rank's range means a process group"
+                view = out[first - slot.offset : last - slot.offset]
+                dist.recv(view, dist.get_global_rank(process_group, r), group=process_group)
+        if out is not None and writer is not None and error is None:
+            try:
+                data = out.to(record.dtype)
+                writer.write_record(f"data/{record.key}", data.untyped_storage(), data.nbytes)
+                records.written.add(record.key)
+            except Exception as failure:  # go on receiving: the other ranks are sending
+                error = f"{type(failure).__name__}: {failure}"
+    return error
