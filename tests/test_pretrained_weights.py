@@ -177,3 +177,33 @@ def test_load_full_state_dict_finds_the_prefix_of_a_held_model_and_names_mismatc
         lightning_zero.load_full_state_dict(holder, other["single"])
     with pytest.raises(CheckpointError, match=r"without model.safetensors.*HINT"):
         lightning_zero.load_full_state_dict(holder, tmp_path)
+
+
+class PretrainedInConfigureModel(FineTune):
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def configure_model(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if self.model is None:
+            self.model = AutoModelForCausalLM.from_pretrained(self.path)
+
+
+def _from_pretrained_in_configure_model(path: str) -> str:
+    try:
+        _fit(ZeroStrategy(stage=3), PretrainedInConfigureModel(path), None)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+def test_from_pretrained_in_configure_model_at_stage_3_is_refused_with_the_way_to_load_pretrained_weights(tmp_path):
+    # transformers refuses from_pretrained on meta (the weights would be lost); the refusal says what to do instead.
+    sources = save_pretrained(tmp_path)
+    for message in run_distributed(_from_pretrained_in_configure_model, 2, str(sources["single"])):
+        assert "from_pretrained" in message, message
+        assert "HINT: build it from its config" in message, message
+        assert "ckpt_path=path" in message, message

@@ -54,7 +54,7 @@ from lightning_zero.lightning.strategy_processes import StartMethod
 from lightning_zero.offload.memory_tiers import MemoryTiers, TierBytes
 from lightning_zero.sharding.activation_checkpointing import apply_activation_checkpointing_policy
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
-from lightning_zero.stage3.library_init import ParamInitFn
+from lightning_zero.stage3.library_init import ParamInitFn, pretrained_on_meta_hint
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 from lightning_zero.stage3.sharded_init import shard_module
 from lightning_zero.stage3.zeropp import metering_topology
@@ -223,7 +223,7 @@ class ZeroStrategy(ShardedCheckpointing):
         if self.config.stage != 3:
             yield
             return
-        with torch.device("meta"):
+        with torch.device("meta"), pretrained_on_meta_hint("`configure_model`"):
             yield
 
     @contextmanager
@@ -235,7 +235,8 @@ class ZeroStrategy(ShardedCheckpointing):
         behave as DDP: every rank builds the whole model on its device (uninitialized memory with ``empty_init=True``,
         which the broadcast from rank 0 in ``setup`` makes equal on every rank)."""
         if self.config.stage == 3 and empty_init:
-            with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            hint = pretrained_on_meta_hint("`trainer.init_module(empty_init=True)`")
+            with torch.device("meta"), self.precision_plugin.tensor_init_context(), hint:
                 yield
             return
         with super().tensor_init_context(empty_init=empty_init):

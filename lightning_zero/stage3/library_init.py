@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,3 +293,21 @@ def lora_init(layer: nn.Module, adapters: list[tuple[str, bool | str]], members:
                     ) from error
 
     return init
+
+
+@contextmanager
+def pretrained_on_meta_hint(where: str) -> Iterator[None]:
+    """Around a build on meta: ``transformers`` refuses ``from_pretrained`` under a meta device context (the weights
+    would be lost); add how to load pretrained weights into a stage-3 model instead. ``where``: what built on meta."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "from_pretrained" not in str(error) or "meta" not in str(error):
+            raise
+        raise RuntimeError(
+            f"{error}\nAt stage 3 {where} builds the model on the meta device, so its weights can only come "
+            "afterwards. HINT: build it from its config (`AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("
+            "path))`) and load the weights into the shards with `trainer.fit(model, ckpt_path=path)` or "
+            '`lightning_zero.load_full_state_dict` (README, "Pretrained weights"); or call `from_pretrained` in '
+            "`__init__`, which builds the whole model on every rank first."
+        ) from error
