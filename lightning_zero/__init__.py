@@ -7,7 +7,7 @@ Importing the package registers the strategies ``"zero1"``, ``"zero2"`` and ``"z
 The package, bottom to top (each subpackage's docstring says what it owns and which others it may import; nothing
 imports upwards):
 
-- ``config``: ``ZeroConfig``, every option, validated once.
+- ``config``: ``ZeroConfig``, every option, validated once (by ``config_checks``).
 - ``comm``: collectives, the communication ledger, the buffer pool, the fault monitor.
 - ``sharding``: stages 1 and 2 and the shared optimizer: flat buckets, gradient reducers, ``ZeroOptimizer``.
 - ``stage3``: parameters sharded too: unit policy, units, the gatherer, sharded initialization.

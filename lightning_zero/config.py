@@ -5,15 +5,24 @@ The Hydra configs under ``conf/strategy/`` mirror these fields one to one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
 
+from lightning_zero.config_checks import (
+    ZEROPP_OFF,
+    check_checkpointing_policy,
+    check_class_names,
+    check_non_negative_int,
+    check_offload,
+    check_positive_int,
+    check_zeropp,
+)
+
 DTypeName = Literal["float32", "bfloat16", "float16"]
 TierName = Literal["none", "cpu", "disk"]
-_TIERS = ("none", "cpu", "disk")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -221,12 +230,12 @@ class ZeroConfig:
                 f"Invalid ZeroConfig.collective_timeout_s: {self.collective_timeout_s!r}. Expected a positive number "
                 "of seconds."
             )
-        _check_positive_int("bucket_numel", self.bucket_numel)
-        _check_positive_int("max_inflight_buckets", self.max_inflight_buckets)
-        _check_non_negative_int("wrap_min_numel", self.wrap_min_numel)
-        _check_non_negative_int("persistence_threshold", self.persistence_threshold)
+        check_positive_int("bucket_numel", self.bucket_numel)
+        check_positive_int("max_inflight_buckets", self.max_inflight_buckets)
+        check_non_negative_int("wrap_min_numel", self.wrap_min_numel)
+        check_non_negative_int("persistence_threshold", self.persistence_threshold)
         if self.prefetch_limit_numel is not None:
-            _check_non_negative_int("prefetch_limit_numel", self.prefetch_limit_numel)
+            check_non_negative_int("prefetch_limit_numel", self.prefetch_limit_numel)
         if self.grad_accumulation not in ("sharded", "local"):
             raise ValueError(
                 f"Invalid ZeroConfig.grad_accumulation: {self.grad_accumulation!r}. Expected 'sharded' or 'local'."
@@ -243,9 +252,9 @@ class ZeroConfig:
                 f"Invalid ZeroConfig.check_rank_divergence: {self.check_rank_divergence!r}. Expected True, False or "
                 "None (on CPU devices only)."
             )
-        _check_class_names("wrap_module_classes", self, "('Block',) or ('torch.nn.TransformerEncoderLayer',)")
-        _check_class_names("leaf_module_classes", self, "('MoEBlock',) or ('mymodels.moe.SparseMoE',)")
-        _check_checkpointing_policy(self)
+        check_class_names("wrap_module_classes", self, "('Block',) or ('torch.nn.TransformerEncoderLayer',)")
+        check_class_names("leaf_module_classes", self, "('MoEBlock',) or ('mymodels.moe.SparseMoE',)")
+        check_checkpointing_policy(self)
         optimizers: object = self.elementwise_optimizers
         names = list(optimizers) if isinstance(optimizers, (tuple, list)) else None
         if names is None or not all(isinstance(n, str) and n for n in names):
@@ -262,71 +271,13 @@ class ZeroConfig:
             raise ValueError(
                 f"Invalid ZeroConfig.state_dict_type: {self.state_dict_type!r}. Expected 'sharded' or 'full'."
             )
-        self._check_zeropp()
-        self._check_offload()
-
-    def _check_zeropp(self) -> None:
-        if self.ranks_per_node is not None:
-            _check_positive_int("ranks_per_node", self.ranks_per_node)
-        _check_positive_int("hpz_partition_size", self.hpz_partition_size)
-        _check_positive_int("quantization_block", self.quantization_block)
-        for name in ("quantize_weights", "quantize_gradients"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"Invalid ZeroConfig.{name}: {getattr(self, name)!r}. Expected True or False.")
-        bits = self.gradient_quantization_bits
-        if isinstance(bits, bool) or bits not in (4, 8):
-            raise ValueError(f"Invalid ZeroConfig.gradient_quantization_bits: {bits!r}. Expected 4 or 8.")
-        if self.ranks_per_node is not None and self.ranks_per_node % self.hpz_partition_size:
-            raise ValueError(
-                f"Invalid ZeroConfig.hpz_partition_size: {self.hpz_partition_size} with ranks_per_node="
-                f"{self.ranks_per_node}. Expected a divisor of ranks_per_node, so that a secondary shard's "
-                "partition stays inside one node. HINT: hpz_partition_size=ranks_per_node."
-            )
-        if self.stage < 3:
-            on = [f"{n}={getattr(self, n)!r}" for n in _ZEROPP_SWITCHES if getattr(self, n) != _ZEROPP_OFF[n]]
-            if on:
-                raise ValueError(
-                    f"Invalid ZeroConfig: {', '.join(on)} with stage={self.stage}. ZeRO++ (quantize_weights, "
-                    "hpz_partition_size, quantize_gradients) works on stage 3's parameter gathers and gradient "
-                    "reduce-scatters. HINT: set stage=3, or turn these off."
-                )
+        check_zeropp(self)
+        check_offload(self)
 
     @property
     def uses_zeropp(self) -> bool:
         """Whether any ZeRO++ switch is on."""
-        return any(getattr(self, n) != _ZEROPP_OFF[n] for n in _ZEROPP_SWITCHES)
-
-    def _check_offload(self) -> None:
-        for name in ("offload_optimizer", "offload_params"):
-            if getattr(self, name) not in _TIERS:
-                raise ValueError(
-                    f"Invalid ZeroConfig.{name}: {getattr(self, name)!r}. Expected 'none', 'cpu' or 'disk'."
-                )
-        if self.offload_params != "none" and self.stage != 3:
-            raise ValueError(
-                f"Invalid ZeroConfig.offload_params: {self.offload_params!r} at stage {self.stage}. Expected 'none': "
-                "stages 1 and 2 keep full parameters on every rank. HINT: use stage=3 to offload parameter shards, "
-                "or offload_optimizer to offload the optimizer state."
-            )
-        ratio = self.offload_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
-            raise ValueError(f"Invalid ZeroConfig.offload_ratio: {ratio!r}. Expected a number in (0, 1].")
-        if ratio < 1 and self.offload_optimizer == "none":
-            raise ValueError(
-                f"Invalid ZeroConfig.offload_ratio: {ratio!r} with offload_optimizer='none'. Expected 1.0, or "
-                "offload_optimizer 'cpu' or 'disk' (the ratio is the part of the optimizer state it moves)."
-            )
-        directory: object = self.offload_dir
-        if directory is not None and (not isinstance(directory, str) or not directory):
-            raise ValueError(
-                f"Invalid ZeroConfig.offload_dir: {directory!r}. Expected None or a directory path (a string)."
-            )
-        uses_disk = [n for n in ("offload_optimizer", "offload_params") if getattr(self, n) == "disk"]
-        if uses_disk and directory is None:
-            raise ValueError(
-                f"Invalid ZeroConfig.offload_dir: None with {uses_disk[0]}='disk'. Expected a directory for the disk "
-                "tier. HINT: ZeroStrategy(offload_dir='/path/on/a/fast/disk'), or the preset 'zero3_offload_disk'."
-            )
+        return any(getattr(self, n) != off for n, off in ZEROPP_OFF.items())
 
     @property
     def offloads_to_disk(self) -> bool:
@@ -355,66 +306,3 @@ class ZeroConfig:
                 "HINT: check the spelling in `ZeroStrategy(...)` or in your `strategy` config."
             )
         return cls(**kwargs)
-
-
-def _check_class_names(name: str, config: ZeroConfig, example: str) -> None:
-    """A field holding None or module class names: lists from YAML are frozen as a tuple."""
-    classes: object = getattr(config, name)  # typed loosely: YAML and callers may pass anything
-    if classes is None:
-        return
-    names = list(classes) if isinstance(classes, (tuple, list)) else None
-    if names is None or not all(isinstance(c, str) and c for c in names):
-        raise TypeError(
-            f"Invalid ZeroConfig.{name}: {classes!r}. Expected None or a tuple of class names, e.g. {example}."
-        )
-    object.__setattr__(config, name, tuple(names))
-
-
-def _check_checkpointing_policy(config: ZeroConfig) -> None:
-    """Module classes (a class, a set, a list from YAML) are frozen as a tuple; a callable stays as it is."""
-    policy: object = config.activation_checkpointing_policy  # typed loosely: YAML and callers may pass anything
-    if policy is None or (callable(policy) and not isinstance(policy, type)):
-        return
-    items = [policy] if isinstance(policy, (type, str)) else list(policy) if isinstance(policy, Iterable) else None
-    if not items or not all(
-        (isinstance(c, str) and c) or (isinstance(c, type) and issubclass(c, torch.nn.Module)) for c in items
-    ):
-        raise TypeError(
-            f"Invalid ZeroConfig.activation_checkpointing_policy: {policy!r}. Expected None, module classes (e.g. "
-            "{Block}, or from YAML a list of class names such as [Block] or [transformers.models.llama.modeling_"
-            "llama.LlamaDecoderLayer]), or a callable taking a module and returning whether to checkpoint it."
-        )
-    object.__setattr__(config, "activation_checkpointing_policy", tuple(items))
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"Invalid ZeroConfig.{name}: {value!r}. Expected a positive integer.")
-
-
-def _check_non_negative_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"Invalid ZeroConfig.{name}: {value!r}. Expected a non-negative integer.")
-
-
-_ZEROPP_OFF: dict[str, object] = {"quantize_weights": False, "hpz_partition_size": 1, "quantize_gradients": False}
-_ZEROPP_SWITCHES = tuple(_ZEROPP_OFF)
-
-
-def class_matches(module: torch.nn.Module, names: tuple[str, ...]) -> bool:
-    """Whether ``module``'s class is one of ``names``, by class name or qualified name (the class-name fields)."""
-    cls = type(module)
-    return cls.__name__ in names or f"{cls.__module__}.{cls.__qualname__}" in names
-
-
-def check_classes_exist(root: torch.nn.Module, names: tuple[str, ...], field: str, otherwise: str) -> None:
-    # A misspelled wrap class would silently leave the whole model in the root unit (every rank would gather all of
-    # it); a misspelled leaf class would leave the units it was meant to merge to diverge after the first step; a
-    # misspelled checkpointing class would keep every activation.
-    missing = [n for n in names if not any(class_matches(m, (n,)) for m in root.modules())]
-    if missing:
-        present = sorted({type(m).__name__ for m in root.modules()})
-        raise ValueError(
-            f"Invalid ZeroConfig.{field}: {missing} name no module class of {type(root).__name__} "
-            f"(its classes: {present}). HINT: use a class name from that list, {otherwise}."
-        )

@@ -26,7 +26,8 @@ from lightning_zero.compat import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from lightning_zero.config import CheckpointingPolicy, check_classes_exist, class_matches
+from lightning_zero.config import CheckpointingPolicy
+from lightning_zero.config_checks import check_classes_exist, class_matches
 
 
 def state_dict_name(name: str) -> str:

@@ -44,7 +44,8 @@ from collections import Counter
 
 from torch import nn
 
-from lightning_zero.config import ZeroConfig, check_classes_exist, class_matches
+from lightning_zero.config import ZeroConfig
+from lightning_zero.config_checks import check_classes_exist, class_matches
 from lightning_zero.sharding.activation_checkpointing import state_dict_name
 
 # Modules whose own forward reads their children's parameters directly: never split them into several units.
