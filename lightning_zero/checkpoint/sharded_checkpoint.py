@@ -256,6 +256,7 @@ def load_full_state_dict(
     prefix: str = "",
     strict: bool = True,
     tiers: TierStorage | None = None,
+    gatherer: ShardedParameters | None = None,
 ) -> None:
     """Load full (unsharded) weights, e.g. pretrained ones, into a ZeRO model; every rank calls it.
 
@@ -264,7 +265,7 @@ def load_full_state_dict(
     (``torch.save`` of one, or of a Lightning checkpoint), memory-mapped so that each rank copies out only the ranges
     it owns, one parameter at a time, straight into the tiers (Note [checkpoints stream through the tiers]).
     ``prefix`` is prepended to its keys to name the module's parameters, e.g. ``"model."`` for the GPT inside
-    ``LitGPT``.
+    ``LitGPT``. ``gatherer``: a stage-3 model's, when no optimizer was set up over it (inference).
     """
     if isinstance(target, Strategy):
         if target.lightning_module is None:
@@ -285,7 +286,7 @@ def load_full_state_dict(
         nested = state_dict.get("state_dict")
         state_dict = nested if isinstance(nested, Mapping) else state_dict
     sources, toc = state_dict_sources(state_dict, prefix, origin)
-    gatherer = next((o.gatherer for o in optimizers if o.gatherer is not None), None)  # stage 3's sharded model
+    gatherer = gatherer or next((o.gatherer for o in optimizers if o.gatherer is not None), None)  # stage 3's
     slices = owned_parameter_slices(optimizers, gatherer)
     plan = LoadPlan(module, slices, toc, strict=strict, origin=origin, prefix=prefix, tiers=tiers)
     plan.read_from(sources)

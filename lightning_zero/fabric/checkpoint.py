@@ -1,0 +1,181 @@
+"""Fabric's ``save``/``load``/``load_raw`` in the Trainer's sharded checkpoint format (``lightning_zero.checkpoint``).
+
+Note [Fabric state in the Trainer's format]
+A Fabric checkpoint is a dictionary of named objects (``{"model": model, "optimizer": optimizer, "step": 3}``);
+the Trainer's holds the model under ``state_dict`` and the optimizers, in order, under ``optimizer_states``. A Fabric
+save writes the set-up model's sharded state as ``state_dict`` and the optimizers' as ``optimizer_states`` (all of
+them, in the order they were set up), everything else of the dictionary as it is (a ``state_dict()`` for stateful
+objects), and under ``FABRIC_NAMES`` the names the model and optimizers had. So one directory format serves both
+front doors: a Fabric load finds its objects by those names, and a Trainer checkpoint (which has no names) gives its
+model to the module of the dictionary and its optimizers to the optimizers; a Trainer resumes a Fabric checkpoint
+from its weights and optimizer state (it finds no loops there: it starts counting steps from 0) and an empty list of
+LR schedulers, which a Fabric save adds because the Trainer requires the key. Any world size, stage or bucket size
+loads any other, as for the Trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
+from lightning.fabric.utilities.types import _PATH, _Stateful
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_zero.checkpoint.sharded_checkpoint import (
+    load_checkpoint,
+    load_full_state_dict,
+    save_sharded_checkpoint,
+    sharded_model_state,
+    sharded_optimizer_state,
+)
+from lightning_zero.checkpoint.storage import locate
+from lightning_zero.lightning.strategy_checkpoint import as_zero_optimizer
+
+if TYPE_CHECKING:
+    from lightning_zero.fabric.strategy import ZeroFabricStrategy
+
+FABRIC_NAMES = "fabric_names"
+"""The names of the model and the optimizers in the Fabric state saved (Note [Fabric state in the Trainer's
+format])."""
+_FORMAT_KEYS = ("state_dict", "optimizer_states", FABRIC_NAMES)
+
+
+def save_fabric_checkpoint(
+    strategy: ZeroFabricStrategy,
+    path: _PATH,
+    state: dict[str, Any],
+    filter: dict[str, Callable[[str, Any], bool]],
+) -> None:
+    """Write ``state`` as the sharded directory ``path`` (Note [Fabric state in the Trainer's format])."""
+    module_name, optimizer_names = _named_objects(strategy, state, "save")
+    checkpoint: dict[str, Any] = {}
+    added = []
+    for name, obj in state.items():
+        if name in (module_name, *optimizer_names):
+            continue
+        if name in _FORMAT_KEYS:
+            raise ValueError(
+                f"`fabric.save` state key {name!r} is reserved by the sharded checkpoint format. HINT: rename it."
+            )
+        value = obj.state_dict() if isinstance(obj, _Stateful) else obj
+        checkpoint[name] = _filtered(value, filter.get(name))
+    if "lr_schedulers" not in checkpoint:  # the Trainer refuses a checkpoint without it
+        checkpoint["lr_schedulers"] = []
+        added.append("lr_schedulers")
+    if module_name is not None:
+        assert strategy._module is not None
+        model_state = sharded_model_state(strategy._module, strategy._optimizers, strategy._gatherer, strategy._tiers)
+        keep = filter.get(module_name)
+        if keep is not None:
+            parameters = strategy._module.state_dict(keep_vars=True)
+            model_state = {k: v for k, v in model_state.items() if keep(k, parameters[k])}
+        checkpoint["state_dict"] = model_state
+    if optimizer_names:
+        if any(name in filter for name in optimizer_names):
+            raise ValueError(
+                "`fabric.save(filter=...)` on an optimizer is not supported by ZeroFabricStrategy: its state is "
+                "sharded with the model. HINT: filter the model's entries only."
+            )
+        checkpoint["optimizer_states"] = [
+            sharded_optimizer_state(strategy._optimizers, i, strategy._tiers) for i in range(len(optimizer_names))
+        ]
+    checkpoint[FABRIC_NAMES] = {"model": module_name, "optimizers": optimizer_names, "added": added}
+    saved_with = {"world_size": strategy.world_size, "stage": strategy.config.stage}
+    save_sharded_checkpoint(checkpoint, path, strategy.process_group, saved_with)
+
+
+def load_fabric_checkpoint(
+    strategy: ZeroFabricStrategy, path: _PATH, state: dict[str, Any], strict: bool
+) -> dict[str, Any]:
+    """Restore the objects of ``state`` from the directory (or full ``.ckpt`` file) ``path``, in place; plain values
+    are replaced in ``state``. Returns what of the checkpoint was not restored."""
+    module_name, optimizer_names = _named_objects(strategy, state, "load")
+    if module_name is None:
+        raise ValueError(
+            "ZeroFabricStrategy.load_checkpoint needs the set-up model in `state`: the model's shards and the rest "
+            "of the checkpoint are read together. HINT: `fabric.load(path, {'model': model, ...})`."
+        )
+    assert strategy._module is not None
+    loaded = load_checkpoint(
+        path,
+        strategy._module,
+        strategy._optimizers,
+        strategy.process_group,
+        load_optimizer=bool(optimizer_names),
+        strict=strict,
+        gatherer=strategy._gatherer,
+        tiers=strategy._tiers,
+    )
+    names = loaded.pop(FABRIC_NAMES, None) or {}
+    for key in (*_FORMAT_KEYS, *names.get("added", ())):
+        loaded.pop(key, None)
+    others = [k for k in state if k not in (module_name, *optimizer_names)]
+    _validate_keys_for_strict_loading(others, loaded.keys(), strict=strict)
+    for name in others:
+        if name not in loaded:
+            continue
+        obj = state[name]
+        if isinstance(obj, _Stateful):
+            obj.load_state_dict(loaded.pop(name))
+        else:
+            state[name] = loaded.pop(name)
+    return loaded
+
+
+def load_raw(strategy: ZeroFabricStrategy, path: _PATH, module: Module, strict: bool) -> None:
+    """``fabric.load_raw(path, model)``: a full state-dict file (``torch.save(model.state_dict())``, or a
+    Lightning checkpoint) into the sharded model, streamed (``load_full_state_dict``); a sharded directory's
+    weights too."""
+    if module is not strategy._module:
+        raise ValueError(
+            f"`fabric.load_raw` got a {type(module).__name__} that ZeroFabricStrategy did not set up. HINT: set it up "
+            "first (`fabric.setup(model)`), then load into it; ZeRO loads only into shards."
+        )
+    if _is_directory(path):
+        load_checkpoint(
+            path,
+            module,
+            strategy._optimizers,
+            strategy.process_group,
+            load_optimizer=False,
+            strict=strict,
+            gatherer=strategy._gatherer,
+            tiers=strategy._tiers,
+        )
+        return
+    load_full_state_dict(
+        module, path, optimizers=strategy._optimizers, strict=strict, tiers=strategy._tiers, gatherer=strategy._gatherer
+    )
+
+
+def _named_objects(strategy: ZeroFabricStrategy, state: dict[str, Any], verb: str) -> tuple[str | None, list[str]]:
+    """The name of the set-up model in ``state`` (or None), and those of its optimizers, all of them or none."""
+    modules = [k for k, v in state.items() if isinstance(v, Module)]
+    for name in modules:
+        if state[name] is not strategy._module:
+            raise ValueError(
+                f"`fabric.{verb}` state {name!r} is a {type(state[name]).__name__} that ZeroFabricStrategy did not set "
+                "up; a sharded checkpoint holds the one model set up. HINT: pass the model `fabric.setup` returned."
+            )
+    optimizers = [k for k, v in state.items() if isinstance(v, Optimizer)]
+    indices = [strategy._optimizers.index(as_zero_optimizer(state[k])) for k in optimizers]
+    if optimizers and sorted(indices) != list(range(len(strategy._optimizers))):
+        raise ValueError(
+            f"`fabric.{verb}` state holds optimizers {optimizers}, not all {len(strategy._optimizers)} optimizers set "
+            "up: their sharded states are saved and loaded together. HINT: pass every optimizer, or none."
+        )
+    ordered = [name for _, name in sorted(zip(indices, optimizers, strict=True))]
+    return (modules[0] if modules else None), ordered
+
+
+def _filtered(value: Any, keep: Callable[[str, Any], bool] | None) -> Any:
+    if keep is None or not isinstance(value, dict):
+        return value
+    return {k: v for k, v in value.items() if keep(k, v)}
+
+
+def _is_directory(path: _PATH) -> bool:
+    location = locate(path)
+    return location.exists() and not location.isfile()

@@ -1,0 +1,110 @@
+"""Fabric loops for the Fabric front door's tests: the same loop under Fabric's DDP (the oracle) and under
+``Fabric(strategy="zero*")``. Everything here runs inside a rank started by ``tests.harness.run_distributed`` with
+``init_process_group=False``: Fabric creates the process group from the environment the harness sets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from torch import Tensor, nn
+
+from lightning_zero import ZeroFabricStrategy
+from tests import parity, third_party_models
+from tests.parity import Run
+
+Fixture = tuple[Callable[[], nn.Module], Callable[[int, int], Any], Callable[[nn.Module, Any], Tensor]]
+
+
+def fixture(name: str) -> Fixture:
+    """(build the model, (rank, micro-batch index) -> batch, loss) for ``name``."""
+    if name == "gpt":
+        return (
+            lambda: parity.build_model("gpt"),
+            lambda rank, i: parity.batch("gpt", rank, i, 0),
+            lambda model, data: parity.loss_fn("gpt", model, data),
+        )
+    built = {"hf_causal_lm": third_party_models.hf_causal_lm, "hf_lora": third_party_models.hf_lora}[name]
+    return (lambda: built().model, lambda rank, i: built_batch(name)(rank, i), third_party_models._hf_loss)
+
+
+def built_batch(name: str) -> Callable[[int, int], Any]:
+    return third_party_models._token_batch
+
+
+def make_fabric(strategy: str | ZeroFabricStrategy, precision: str = "32-true", devices: int = 2) -> Fabric:
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=devices, precision=precision)  # type: ignore[arg-type]
+    fabric.launch()
+    return fabric
+
+
+def optimizer_for(model: nn.Module) -> torch.optim.Optimizer:
+    return parity.build_optimizer("adamw", model) if not _is_peft(model) else _trainable_adamw(model)
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return any("lora_" in n for n, _ in model.named_parameters())
+
+
+def _trainable_adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+
+
+def weights(fabric: Fabric, model: Any) -> dict[str, Tensor]:
+    """Every parameter in full, on every rank (stage 3 gathers them for the copy)."""
+    strategy = fabric.strategy
+    context = strategy.gathered_parameters() if isinstance(strategy, ZeroFabricStrategy) else nullcontext()
+    with context:
+        return {n: p.detach().float().clone() for n, p in model.module.named_parameters()}
+
+
+def train(
+    strategy: str | ZeroFabricStrategy,
+    name: str,
+    steps: int,
+    accumulate: int,
+    max_norm: float | None,
+    precision: str = "32-true",
+    separate_setup: bool = False,
+    init_module: bool = False,
+) -> Run:
+    """``steps`` optimizer steps of ``accumulate`` micro-batches (all but the last under ``no_backward_sync``), with
+    clipping by norm when ``max_norm``; the norms clipped by are in ``extra["norms"]``."""
+    fabric = make_fabric(strategy, precision)
+    build, batch, loss_fn = fixture(name)
+    context = fabric.init_module(empty_init=True) if init_module else nullcontext()
+    with context:
+        model = build()
+    if separate_setup:
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(optimizer_for(model))
+    else:
+        model, optimizer = fabric.setup(model, optimizer_for(model))
+    run = Run(extra={"norms": []})
+    for step in range(steps):
+        total = 0.0
+        for micro in range(accumulate):
+            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+                loss = loss_fn(model, batch(fabric.global_rank, step * accumulate + micro)) / accumulate
+                fabric.backward(loss)
+            total += loss.item()
+        if max_norm is not None:
+            run.extra["norms"].append(float(fabric.clip_gradients(model, optimizer, max_norm=max_norm)))
+        optimizer.step()
+        optimizer.zero_grad()
+        run.losses.append(total)
+    run.weights = weights(fabric, model)
+    return run
+
+
+def ddp_and_zero(
+    stage: int, name: str, steps: int, accumulate: int, max_norm: float | None, precision: str = "32-true"
+) -> list[Run]:
+    """One rank's [Fabric DDP run, Fabric ZeRO run]; stage 3 sets up the model and the optimizer separately."""
+    reference = train("ddp", name, steps, accumulate, max_norm, "32-true" if precision == "32-true" else precision)
+    zero = ZeroFabricStrategy(stage=stage, bucket_numel=3_000)
+    sharded = train(zero, name, steps, accumulate, max_norm, precision, separate_setup=stage == 3)
+    return [reference, sharded]

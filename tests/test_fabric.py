@@ -1,0 +1,32 @@
+"""The Lightning Fabric front door: ``Fabric(strategy="zero1/2/3")`` gives Fabric's DDP numbers in a Fabric loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+from lightning_zero import ZeroConfig, ZeroFabricStrategy
+from tests.fabric_runs import ddp_and_zero
+from tests.harness import run_distributed
+from tests.parity import assert_runs_match
+
+
+def test_zero_names_are_registered_with_fabric():
+    for name, stage in [("zero1", 1), ("zero2", 2), ("zero3", 3), ("zero3_offload", 3)]:
+        strategy = Fabric(strategy=name, accelerator="cpu", devices=2).strategy
+        assert isinstance(strategy, ZeroFabricStrategy)
+        assert strategy.config.stage == stage
+    assert STRATEGY_REGISTRY["zero3_offload"]["init_params"]["offload_params"] == "cpu"
+    config = ZeroConfig(stage=2, bucket_numel=1234)
+    assert Fabric(strategy=ZeroFabricStrategy(config), accelerator="cpu", devices=2).strategy.config is config
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fabric_zero_matches_fabric_ddp_with_accumulation_and_clipping(stage):
+    for reference, sharded in run_distributed(ddp_and_zero, 2, stage, "gpt", 3, 2, 0.5, init_process_group=False):
+        assert_runs_match(reference, sharded)
+        torch.testing.assert_close(torch.tensor(sharded.extra["norms"]), torch.tensor(reference.extra["norms"]))
+        assert min(reference.extra["norms"]) > 0.5  # the clipping clipped
