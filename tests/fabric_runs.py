@@ -13,6 +13,7 @@ from lightning.fabric import Fabric
 from torch import Tensor, nn
 
 from lightning_zero import ZeroFabricStrategy
+from lightning_zero.models.mlp import MLP
 from tests import parity, third_party_models
 from tests.parity import Run
 
@@ -21,6 +22,12 @@ Fixture = tuple[Callable[[], nn.Module], Callable[[int, int], Any], Callable[[nn
 
 def fixture(name: str) -> Fixture:
     """(build the model, (rank, micro-batch index) -> batch, loss) for ``name``."""
+    if name == "mlp":
+        return (
+            lambda: parity.build_model("mlp"),
+            lambda rank, i: parity.batch("mlp", rank, i, 0),
+            lambda model, data: parity.loss_fn("mlp", model, data),
+        )
     if name == "gpt":
         return (
             lambda: parity.build_model("gpt"),
@@ -28,11 +35,7 @@ def fixture(name: str) -> Fixture:
             lambda model, data: parity.loss_fn("gpt", model, data),
         )
     built = {"hf_causal_lm": third_party_models.hf_causal_lm, "hf_lora": third_party_models.hf_lora}[name]
-    return (lambda: built().model, lambda rank, i: built_batch(name)(rank, i), third_party_models._hf_loss)
-
-
-def built_batch(name: str) -> Callable[[int, int], Any]:
-    return third_party_models._token_batch
+    return (lambda: built().model, third_party_models._token_batch, third_party_models._hf_loss)
 
 
 def make_fabric(strategy: str | ZeroFabricStrategy, precision: str = "32-true", devices: int = 2) -> Fabric:
@@ -42,7 +45,11 @@ def make_fabric(strategy: str | ZeroFabricStrategy, precision: str = "32-true", 
 
 
 def optimizer_for(model: nn.Module) -> torch.optim.Optimizer:
-    return parity.build_optimizer("adamw", model) if not _is_peft(model) else _trainable_adamw(model)
+    """AdamW with two param groups; SGD for the MLP (bf16's tolerances are SGD's: tests/test_precision.py); AdamW
+    over the trainable parameters of a peft model."""
+    if _is_peft(model):
+        return _trainable_adamw(model)
+    return parity.build_optimizer("sgd" if isinstance(model, MLP) else "adamw", model)
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -78,9 +85,10 @@ def train(
     context = fabric.init_module(empty_init=True) if init_module else nullcontext()
     with context:
         model = build()
-    if separate_setup:
+    if separate_setup:  # the optimizer is built over the set-up (at stage 3: sharded) model's parameters
+        raw = model
         model = fabric.setup_module(model)
-        optimizer = fabric.setup_optimizers(optimizer_for(model))
+        optimizer = fabric.setup_optimizers(optimizer_for(raw))
     else:
         model, optimizer = fabric.setup(model, optimizer_for(model))
     run = Run(extra={"norms": []})
@@ -103,8 +111,14 @@ def train(
 def ddp_and_zero(
     stage: int, name: str, steps: int, accumulate: int, max_norm: float | None, precision: str = "32-true"
 ) -> list[Run]:
-    """One rank's [Fabric DDP run, Fabric ZeRO run]; stage 3 sets up the model and the optimizer separately."""
-    reference = train("ddp", name, steps, accumulate, max_norm, "32-true" if precision == "32-true" else precision)
+    """One rank's [Fabric DDP run, Fabric ZeRO run] in ``precision``; stage 3 sets up the model and the optimizer
+    separately (as Fabric's FSDP needs), stages 1 and 2 together."""
+    reference = train("ddp", name, steps, accumulate, max_norm, precision)
     zero = ZeroFabricStrategy(stage=stage, bucket_numel=3_000)
     sharded = train(zero, name, steps, accumulate, max_norm, precision, separate_setup=stage == 3)
     return [reference, sharded]
+
+
+def several(cases: list[tuple[Any, ...]]) -> list[list[Run]]:
+    """``ddp_and_zero`` for each case, in one set of processes."""
+    return [ddp_and_zero(*case) for case in cases]

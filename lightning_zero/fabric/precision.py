@@ -4,22 +4,45 @@ The parameters' dtypes, the masters, autocast, the normalization layers and the 
 ``ZeroPrecision``'s, unchanged; only the calls differ. Fabric's ``Strategy.backward`` ignores what ``pre_backward``
 returns and back-propagates from ``backward``'s argument, so the loss is scaled there (as Fabric's ``MixedPrecision``
 does); there are no Trainer hooks to call around it; and ``optimizer_step`` takes the optimizer alone.
+
+What the model's forward sees and returns is what Fabric's own plugins give it (``MixedPrecision``,
+``HalfPrecision``), so that a Fabric loop computes what it computes under Fabric's DDP: floating inputs in the
+low-precision dtype, outputs back in the default dtype (the loss outside the model is fp32), and under ``-true``
+tensors created inside the forward in the low-precision dtype.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
+from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_zero.compat import DtypeContextManager, convert_fp_tensor
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.sharding.loss_scaler import scale_for_backward
 
 
 class ZeroFabricPrecision(ZeroPrecision):
     """ZeRO's precision plugin for ``Fabric(strategy="zero*", precision=...)``: see ``ZeroPrecision``."""
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        return _converted(data, self.param_dtype)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        return _converted(data, torch.get_default_dtype())
+
+    @override
+    def forward_context(self) -> AbstractContextManager[Any]:
+        if self._mixed or self.param_dtype == torch.float32:
+            return super().forward_context()
+        return DtypeContextManager(self.param_dtype)  # as Fabric's HalfPrecision
 
     @override
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
@@ -40,3 +63,9 @@ class ZeroFabricPrecision(ZeroPrecision):
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         return optimizer.step(**kwargs)
+
+
+def _converted(data: Any, dtype: torch.dtype) -> Any:
+    if dtype == torch.float32 and torch.get_default_dtype() == torch.float32:
+        return data
+    return apply_to_collection(data, function=convert_fp_tensor, dtype=Tensor, dst_type=dtype)

@@ -348,6 +348,7 @@ def to_zero_precision(plugin: FabricPrecision | None, zero_type: type[ZeroPrecis
     ``zero_type`` is then Fabric's ``ZeroPrecision``) into ZeRO's own."""
     if plugin is None or isinstance(plugin, zero_type):
         return plugin or zero_type()
+    front = "Trainer" if zero_type is ZeroPrecision else "Fabric"
     if isinstance(plugin, ZeroPrecision):
         raise ValueError(
             f"{type(plugin).__name__} is the Trainer's ZeRO precision plugin; this strategy needs a "
@@ -380,6 +381,6 @@ def to_zero_precision(plugin: FabricPrecision | None, zero_type: type[ZeroPrecis
         )
     raise ValueError(
         f"ZeroStrategy does not support the precision plugin {type(plugin).__name__}"
-        f"{f' (precision={name!r})' if name else ''}. HINT: use `precision=...` with one of "
+        f"{f' (precision={name!r})' if name else ''}. HINT: use {front}(precision=...) with one of "
         f"{', '.join(SUPPORTED)}, or pass lightning_zero.{zero_type.__name__}(...) in `plugins`."
     )
