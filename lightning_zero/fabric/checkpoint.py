@@ -8,9 +8,10 @@ them, in the order they were set up), everything else of the dictionary as it is
 objects), and under ``FABRIC_NAMES`` the names the model and optimizers had. So one directory format serves both
 front doors: a Fabric load finds its objects by those names, and a Trainer checkpoint (which has no names) gives its
 model to the module of the dictionary and its optimizers to the optimizers; a Trainer resumes a Fabric checkpoint
-from its weights and optimizer state (it finds no loops there: it starts counting steps from 0) and an empty list of
-LR schedulers, which a Fabric save adds because the Trainer requires the key. Any world size, stage or bucket size
-loads any other, as for the Trainer.
+from its weights and optimizer state (it finds no loops there: it starts counting steps from 0); a Fabric save adds
+what a Trainer requires to resume (``_TRAINER_REQUIRES``: the Lightning version, the LR schedulers' states) when the
+state lacks it, and a Fabric load takes it out again. Any world size, stage or bucket size loads any other, as for
+the Trainer.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import lightning
 from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch.nn import Module
@@ -40,6 +42,8 @@ FABRIC_NAMES = "fabric_names"
 """The names of the model and the optimizers in the Fabric state saved (Note [Fabric state in the Trainer's
 format])."""
 _FORMAT_KEYS = ("state_dict", "optimizer_states", FABRIC_NAMES)
+_TRAINER_REQUIRES: dict[str, Any] = {"lr_schedulers": [], "pytorch-lightning_version": lightning.__version__}
+"""What a Trainer's resume reads that a Fabric state need not have (Note [Fabric state in the Trainer's format])."""
 
 
 def save_fabric_checkpoint(
@@ -61,9 +65,10 @@ def save_fabric_checkpoint(
             )
         value = obj.state_dict() if isinstance(obj, _Stateful) else obj
         checkpoint[name] = _filtered(value, filter.get(name))
-    if "lr_schedulers" not in checkpoint:  # the Trainer refuses a checkpoint without it
-        checkpoint["lr_schedulers"] = []
-        added.append("lr_schedulers")
+    for key, value in _TRAINER_REQUIRES.items():  # a Trainer refuses a checkpoint without them
+        if key not in checkpoint:
+            checkpoint[key] = value
+            added.append(key)
     if module_name is not None:
         assert strategy._module is not None
         model_state = sharded_model_state(strategy._module, strategy._optimizers, strategy._gatherer, strategy._tiers)

@@ -13,7 +13,8 @@ tensors created inside the forward in the low-precision dtype.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -38,11 +39,12 @@ class ZeroFabricPrecision(ZeroPrecision):
     def convert_output(self, data: Any) -> Any:
         return _converted(data, torch.get_default_dtype())
 
+    @contextmanager
     @override
-    def forward_context(self) -> AbstractContextManager[Any]:
-        if self._mixed or self.param_dtype == torch.float32:
-            return super().forward_context()
-        return DtypeContextManager(self.param_dtype)  # as Fabric's HalfPrecision
+    def forward_context(self) -> Generator[None, None, None]:
+        inner = super().forward_context() if self._mixed else DtypeContextManager(self.param_dtype)  # as Fabric's
+        with inner:
+            yield
 
     @override
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
