@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
+from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroFabricStrategy
-from tests.fabric_runs import ddp_and_zero, several
+from lightning_zero.models.gpt import GPT, GPTConfig
+from lightning_zero.stage3.library_init import library_inits
+from tests import memory_probe
+from tests.fabric_runs import ddp_and_zero, make_fabric, several
 from tests.harness import run_distributed
 from tests.parity import assert_runs_match
 from tests.test_precision import BF16_LOSS_RTOL, BF16_WEIGHT_ATOL, BF16_WEIGHT_RTOL
@@ -61,3 +68,52 @@ def test_fabric_bf16_mixed_matches_fabric_ddp_within_bf16_rounding():
                     atol=BF16_WEIGHT_ATOL,
                     msg=fqn,
                 )
+
+
+# -- fabric.init_module(empty_init=True) under stage 3 ---------------------------------------------------------------
+def _empty_init_then_setup() -> dict[str, Any]:
+    memory_probe.return_freed_memory_to_the_kernel()
+    config = GPTConfig.tiny(n_layer=12, n_embd=512, n_head=4, vocab_size=64, block_size=32, bias=False)
+    fabric = make_fabric(ZeroFabricStrategy(stage=3))
+    with torch.device("meta"):  # what does not grow with the model: the initializer check reads the classes' source
+        library_inits(GPT(GPTConfig.tiny()))
+    memory_probe.reset_peak()
+    before = memory_probe.rss_bytes()
+    torch.manual_seed(1234)
+    with fabric.init_module(empty_init=True):
+        model = GPT(config)
+    on_meta = all(p.is_meta for p in model.parameters())
+    model = fabric.setup_module(model)
+    peak = memory_probe.peak_rss_bytes() - before
+    torch.manual_seed(1234)
+    direct = GPT(config)  # after the measurement: this one is whole
+    with fabric.strategy.gathered_parameters():  # type: ignore[attr-defined]
+        mismatched = [
+            n for (n, p), q in zip(direct.named_parameters(), model.module.parameters(), strict=True) if not p.equal(q)
+        ]
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(fabric.global_rank))
+    loss = nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    fabric.backward(loss)
+    optimizer.step()
+    return {
+        "on_meta": on_meta,
+        "peak": peak,
+        "full": sum(p.numel() * p.element_size() for p in direct.parameters()),
+        "unit": sum(p.numel() * p.element_size() for p in direct.blocks[0].parameters()),
+        "mismatched": mismatched,
+        "loss": loss.item(),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_empty_init_builds_on_meta_and_setup_materializes_shard_by_shard_as_a_direct_build():
+    for result in run_distributed(_empty_init_then_setup, 2, init_process_group=False):
+        assert result["on_meta"]
+        assert result["mismatched"] == []  # the weights of a direct build from the same seed
+        # 151 MB of fp32 weights in 12 units of 12.6 MB: a rank's peak while materializing is its shard (half) and a
+        # few units (one being initialized, its flat copy, the last broadcast gloo still holds), never the model.
+        peak, full, unit = result["peak"], result["full"], result["unit"]
+        assert peak < full / 2 + 3 * unit, (peak, full, unit)
+        assert peak < 0.75 * full, (peak, full)
+        assert math.isfinite(result["loss"])
