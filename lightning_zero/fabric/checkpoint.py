@@ -17,11 +17,10 @@ the Trainer.
 from __future__ import annotations
 
 from collections.abc import Callable
+from os import PathLike
 from typing import TYPE_CHECKING, Any
 
 import lightning
-from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
-from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -33,10 +32,14 @@ from lightning_zero.checkpoint.sharded_checkpoint import (
     sharded_optimizer_state,
 )
 from lightning_zero.checkpoint.storage import locate
+from lightning_zero.compat import FabricStateful, validate_keys_for_strict_loading
 from lightning_zero.lightning.strategy_checkpoint import as_zero_optimizer
 
 if TYPE_CHECKING:
     from lightning_zero.fabric.strategy import ZeroFabricStrategy
+
+CheckpointPath = str | PathLike[str]
+"""A checkpoint's location: a local path or an fsspec URL."""
 
 FABRIC_NAMES = "fabric_names"
 """The names of the model and the optimizers in the Fabric state saved (Note [Fabric state in the Trainer's
@@ -48,7 +51,7 @@ _TRAINER_REQUIRES: dict[str, Any] = {"lr_schedulers": [], "pytorch-lightning_ver
 
 def save_fabric_checkpoint(
     strategy: ZeroFabricStrategy,
-    path: _PATH,
+    path: CheckpointPath,
     state: dict[str, Any],
     filter: dict[str, Callable[[str, Any], bool]],
 ) -> None:
@@ -63,7 +66,7 @@ def save_fabric_checkpoint(
             raise ValueError(
                 f"`fabric.save` state key {name!r} is reserved by the sharded checkpoint format. HINT: rename it."
             )
-        value = obj.state_dict() if isinstance(obj, _Stateful) else obj
+        value = obj.state_dict() if isinstance(obj, FabricStateful) else obj
         checkpoint[name] = _filtered(value, filter.get(name))
     for key, value in _TRAINER_REQUIRES.items():  # a Trainer refuses a checkpoint without them
         if key not in checkpoint:
@@ -92,7 +95,7 @@ def save_fabric_checkpoint(
 
 
 def load_fabric_checkpoint(
-    strategy: ZeroFabricStrategy, path: _PATH, state: dict[str, Any], strict: bool
+    strategy: ZeroFabricStrategy, path: CheckpointPath, state: dict[str, Any], strict: bool
 ) -> dict[str, Any]:
     """Restore the objects of ``state`` from the directory (or full ``.ckpt`` file) ``path``, in place; plain values
     are replaced in ``state``. Returns what of the checkpoint was not restored."""
@@ -117,19 +120,19 @@ def load_fabric_checkpoint(
     for key in (*_FORMAT_KEYS, *names.get("added", ())):
         loaded.pop(key, None)
     others = [k for k in state if k not in (module_name, *optimizer_names)]
-    _validate_keys_for_strict_loading(others, loaded.keys(), strict=strict)
+    validate_keys_for_strict_loading(others, loaded.keys(), strict=strict)
     for name in others:
         if name not in loaded:
             continue
         obj = state[name]
-        if isinstance(obj, _Stateful):
+        if isinstance(obj, FabricStateful):
             obj.load_state_dict(loaded.pop(name))
         else:
             state[name] = loaded.pop(name)
     return loaded
 
 
-def load_raw(strategy: ZeroFabricStrategy, path: _PATH, module: Module, strict: bool) -> None:
+def load_raw(strategy: ZeroFabricStrategy, path: CheckpointPath, module: Module, strict: bool) -> None:
     """``fabric.load_raw(path, model)``: a full state-dict file (``torch.save(model.state_dict())``, or a
     Lightning checkpoint) into the sharded model, streamed (``load_full_state_dict``); a sharded directory's
     weights too."""
@@ -181,6 +184,6 @@ def _filtered(value: Any, keep: Callable[[str, Any], bool] | None) -> Any:
     return {k: v for k, v in value.items() if keep(k, v)}
 
 
-def _is_directory(path: _PATH) -> bool:
+def _is_directory(path: CheckpointPath) -> bool:
     location = locate(path)
     return location.exists() and not location.isfile()

@@ -34,17 +34,15 @@ import torch.distributed as dist
 from lightning.fabric.accelerators.accelerator import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies.ddp import DDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
-from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.comm.fault_monitor import FaultMonitor
-from lightning_zero.compat import sync_module_states
+from lightning_zero.compat import FabricBackwardSyncControl, FabricSharded, sync_module_states
 from lightning_zero.config import ZeroConfig
-from lightning_zero.fabric.checkpoint import load_fabric_checkpoint, load_raw, save_fabric_checkpoint
+from lightning_zero.fabric.checkpoint import CheckpointPath, load_fabric_checkpoint, load_raw, save_fabric_checkpoint
 from lightning_zero.fabric.precision import ZeroFabricPrecision
 from lightning_zero.lightning.engine_setup import broadcast_buffers, shard_for_stage3, wrap_optimizers
 from lightning_zero.lightning.grad_norm import hide_partial_gradients
@@ -60,7 +58,7 @@ from lightning_zero.stage3.library_init import ParamInitFn
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 
 
-class ZeroFabricStrategy(DDPStrategy, _Sharded):
+class ZeroFabricStrategy(DDPStrategy, FabricSharded):
     """Shard optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) in a Fabric loop.
 
     Args:
@@ -299,7 +297,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
     @override
     def save_checkpoint(
         self,
-        path: _PATH,
+        path: CheckpointPath,
         state: dict[str, Module | Optimizer | Any],
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
@@ -315,7 +313,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
     @override
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: CheckpointPath,
         state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
         strict: bool = True,
         weights_only: bool | None = None,
@@ -358,7 +356,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         register_zero_strategies(strategy_registry, cls)
 
 
-class _ZeroBackwardSyncControl(_BackwardSyncControl):
+class _ZeroBackwardSyncControl(FabricBackwardSyncControl):
     def __init__(self, strategy: ZeroFabricStrategy) -> None:
         self._strategy = strategy
 
