@@ -11,15 +11,17 @@ format) is written at the end and resumed from when it exists. Options::
     .venv/bin/python examples/fabric_train.py --strategy ddp --model tiny     # Fabric's own DDP, for comparison
     .venv/bin/python examples/fabric_train.py --checkpoint ckpt/fabric --steps 20   # again: resumes at step 20
 
-With Fabric's command line, the strategy comes from the launcher (the script's ``Fabric()`` takes it)::
+Launched by Fabric's command line (``fabric run`` with ZeRO's names), the launcher's options set the accelerator,
+devices, strategy and precision (the script's ``Fabric()`` reads them)::
 
     .venv/bin/python -m lightning_zero fabric-run --strategy zero3 --accelerator cpu --devices 2 \\
-        examples/fabric_train.py --strategy from-cli
+        examples/fabric_train.py --model tiny --steps 20
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", default="zero3", help='"zero1".."zero3", "ddp", or "from-cli" (fabric-run)')
+    parser.add_argument("--strategy", default="zero3", help='"zero1".."zero3", "ddp", ...')
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--model", choices=("tiny", "small"), default="small")
@@ -53,12 +55,13 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    if args.strategy == "from-cli":  # `fabric-run` sets the accelerator, devices, strategy and precision
+    if os.environ.get("LT_CLI_USED"):  # `fabric-run` chose the options and started the processes
         fabric = Fabric()
     else:
         fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=args.strategy, precision=args.precision)
-    fabric.launch()
+        fabric.launch()
     fabric.seed_everything(1234)
+    fabric.print(f"{type(fabric.strategy).__name__} on {fabric.world_size} processes")
 
     data = ByteCorpusDataModule(path=REPO / "data" / "fables.txt", seq_len=64, batch_size=args.batch_size)
     loader = fabric.setup_dataloaders(data.train_dataloader())

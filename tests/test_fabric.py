@@ -7,17 +7,21 @@ from typing import Any
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from torch import nn
 
-from lightning_zero import ZeroConfig, ZeroFabricStrategy
+from lightning_zero import ZeroConfig, ZeroFabricStrategy, ZeroStrategy
+from lightning_zero.hydra.schema import register_configs
 from lightning_zero.models.gpt import GPT, GPTConfig
 from lightning_zero.stage3.library_init import library_inits
 from tests import memory_probe
 from tests.fabric_runs import ddp_and_zero, make_fabric, several
 from tests.harness import run_distributed
 from tests.parity import assert_runs_match
+from tests.test_example import ROOT
 from tests.test_precision import BF16_LOSS_RTOL, BF16_WEIGHT_ATOL, BF16_WEIGHT_RTOL
 
 
@@ -117,3 +121,18 @@ def test_empty_init_builds_on_meta_and_setup_materializes_shard_by_shard_as_a_di
         assert peak < full / 2 + 3 * unit, (peak, full, unit)
         assert peak < 0.75 * full, (peak, full)
         assert math.isfinite(result["loss"])
+
+
+@pytest.mark.parametrize("name", ["zero3pp", "zero2_offload"])
+def test_a_hydra_strategy_config_instantiates_either_front_door(name):
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        trainer = compose(config_name="config", overrides=[f"strategy={name}"]).strategy
+        fabric = compose(
+            config_name="config", overrides=[f"strategy={name}", "strategy._target_=lightning_zero.ZeroFabricStrategy"]
+        ).strategy
+    for_trainer, for_fabric = instantiate(trainer, _convert_="all"), instantiate(fabric, _convert_="all")
+    assert isinstance(for_trainer, ZeroStrategy)
+    assert isinstance(for_fabric, ZeroFabricStrategy)
+    assert for_fabric.config == for_trainer.config
+    assert for_fabric._start_method == for_trainer._start_method
