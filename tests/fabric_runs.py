@@ -77,20 +77,23 @@ def train(
     precision: str = "32-true",
     separate_setup: bool = False,
     init_module: bool = False,
+    two_optimizers: bool = False,
 ) -> Run:
     """``steps`` optimizer steps of ``accumulate`` micro-batches (all but the last under ``no_backward_sync``), with
     clipping by norm when ``max_norm``; the norms clipped by are in ``extra["norms"]``."""
     fabric = make_fabric(strategy, precision)
     build, batch, loss_fn = fixture(name)
-    context = fabric.init_module(empty_init=True) if init_module else nullcontext()
+    context = fabric.init_module() if init_module else nullcontext()  # stage 3: on meta, as Fabric's FSDP
     with context:
         model = build()
-    if separate_setup:  # the optimizer is built over the set-up (at stage 3: sharded) model's parameters
+    make = _two_optimizers if two_optimizers else lambda raw: [optimizer_for(raw)]
+    if separate_setup:  # the optimizers are built over the set-up (at stage 3: sharded) model's parameters
         raw = model
         model = fabric.setup_module(model)
-        optimizer = fabric.setup_optimizers(optimizer_for(raw))
+        optimizers = fabric.setup_optimizers(*make(raw))
+        optimizers = list(optimizers) if isinstance(optimizers, tuple) else [optimizers]
     else:
-        model, optimizer = fabric.setup(model, optimizer_for(model))
+        model, *optimizers = fabric.setup(model, *make(model))
     run = Run(extra={"norms": []})
     for step in range(steps):
         total = 0.0
@@ -99,13 +102,21 @@ def train(
                 loss = loss_fn(model, batch(fabric.global_rank, step * accumulate + micro)) / accumulate
                 fabric.backward(loss)
             total += loss.item()
-        if max_norm is not None:
-            run.extra["norms"].append(float(fabric.clip_gradients(model, optimizer, max_norm=max_norm)))
-        optimizer.step()
-        optimizer.zero_grad()
+        for optimizer in optimizers:
+            if max_norm is not None:
+                run.extra["norms"].append(float(fabric.clip_gradients(model, optimizer, max_norm=max_norm)))
+            optimizer.step()
+            optimizer.zero_grad()
         run.losses.append(total)
     run.weights = weights(fabric, model)
     return run
+
+
+def _two_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """AdamW over the transformer blocks, SGD with momentum over the rest (embeddings, final norm)."""
+    blocks = [p for n, p in model.named_parameters() if ".blocks." in f".{n}"]
+    rest = [p for n, p in model.named_parameters() if ".blocks." not in f".{n}"]
+    return [torch.optim.AdamW(blocks, lr=3e-3), torch.optim.SGD(rest, lr=0.05, momentum=0.9)]
 
 
 def ddp_and_zero(
@@ -117,6 +128,14 @@ def ddp_and_zero(
     zero = ZeroFabricStrategy(stage=stage, bucket_numel=3_000)
     sharded = train(zero, name, steps, accumulate, max_norm, precision, separate_setup=stage == 3)
     return [reference, sharded]
+
+
+def built_on_meta_and_two_optimizers(stage: int) -> list[Run]:
+    """[Fabric DDP, ZeRO]: the GPT built under ``fabric.init_module()`` (on meta at stage 3) and set up together with
+    two optimizers (``fabric.setup(model, opt1, opt2)``), with accumulation and clipping."""
+    reference = train("ddp", "gpt", 3, 2, 0.5, init_module=True, two_optimizers=True)
+    zero = ZeroFabricStrategy(stage=stage, bucket_numel=3_000)
+    return [reference, train(zero, "gpt", 3, 2, 0.5, init_module=True, two_optimizers=True)]
 
 
 def several(cases: list[tuple[Any, ...]]) -> list[list[Run]]:

@@ -18,7 +18,7 @@ from lightning_zero.hydra.schema import register_configs
 from lightning_zero.models.gpt import GPT, GPTConfig
 from lightning_zero.stage3.library_init import library_inits
 from tests import memory_probe
-from tests.fabric_runs import ddp_and_zero, make_fabric, several
+from tests.fabric_runs import built_on_meta_and_two_optimizers, ddp_and_zero, make_fabric, several
 from tests.harness import run_distributed
 from tests.parity import assert_runs_match
 from tests.test_example import ROOT
@@ -78,7 +78,7 @@ def test_fabric_bf16_mixed_matches_fabric_ddp_within_bf16_rounding():
 def _empty_init_then_setup() -> dict[str, Any]:
     memory_probe.return_freed_memory_to_the_kernel()
     config = GPTConfig.tiny(n_layer=12, n_embd=512, n_head=4, vocab_size=64, block_size=32, bias=False)
-    fabric = make_fabric(ZeroFabricStrategy(stage=3))
+    fabric = make_fabric(ZeroFabricStrategy(stage=3, collective_timeout_s=77))
     with torch.device("meta"):  # what does not grow with the model: the initializer check reads the classes' source
         library_inits(GPT(GPTConfig.tiny()))
     memory_probe.reset_peak()
@@ -107,6 +107,12 @@ def _empty_init_then_setup() -> dict[str, Any]:
         "unit": sum(p.numel() * p.element_size() for p in direct.blocks[0].parameters()),
         "mismatched": mismatched,
         "loss": loss.item(),
+        "collectives": (
+            fabric.all_gather(torch.tensor(fabric.global_rank)).tolist(),
+            float(fabric.all_reduce(torch.tensor(fabric.global_rank + 1.0), reduce_op="sum")),
+            fabric.broadcast(f"from {fabric.global_rank}", src=1),
+        ),
+        "timeout": fabric.strategy._timeout.total_seconds(),  # type: ignore[attr-defined]
     }
 
 
@@ -121,6 +127,8 @@ def test_empty_init_builds_on_meta_and_setup_materializes_shard_by_shard_as_a_di
         assert peak < full / 2 + 3 * unit, (peak, full, unit)
         assert peak < 0.75 * full, (peak, full)
         assert math.isfinite(result["loss"])
+        assert result["collectives"] == ([0, 1], 3.0, "from 1")  # Fabric's collectives, as under its DDP
+        assert result["timeout"] == 77  # ZeroConfig.collective_timeout_s: the timeout the process group is made with
 
 
 @pytest.mark.parametrize("name", ["zero3pp", "zero2_offload"])
@@ -136,3 +144,15 @@ def test_a_hydra_strategy_config_instantiates_either_front_door(name):
     assert isinstance(for_fabric, ZeroFabricStrategy)
     assert for_fabric.config == for_trainer.config
     assert for_fabric._start_method == for_trainer._start_method
+
+
+def _meta_and_two_optimizers() -> list[list[Any]]:
+    return [built_on_meta_and_two_optimizers(stage) for stage in (2, 3)]
+
+
+@pytest.mark.timeout(120)
+def test_a_model_built_on_meta_set_up_with_two_optimizers_at_once_matches_fabric_ddp():
+    for runs in run_distributed(_meta_and_two_optimizers, 2, init_process_group=False):
+        for reference, sharded in runs:
+            assert_runs_match(reference, sharded)
+            torch.testing.assert_close(torch.tensor(sharded.extra["norms"]), torch.tensor(reference.extra["norms"]))
