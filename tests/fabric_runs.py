@@ -120,13 +120,19 @@ def _two_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
 
 
 def ddp_and_zero(
-    stage: int, name: str, steps: int, accumulate: int, max_norm: float | None, precision: str = "32-true"
+    stage: int | dict[str, Any],
+    name: str,
+    steps: int,
+    accumulate: int,
+    max_norm: float | None,
+    precision: str = "32-true",
 ) -> list[Run]:
-    """One rank's [Fabric DDP run, Fabric ZeRO run] in ``precision``; stage 3 sets up the model and the optimizer
-    separately (as Fabric's FSDP needs), stages 1 and 2 together."""
+    """One rank's [Fabric DDP run, Fabric ZeRO run] in ``precision``; ``stage``, or ``ZeroConfig`` fields. Stage 3
+    sets up the model and the optimizer separately (as Fabric's FSDP needs), stages 1 and 2 together."""
     reference = train("ddp", name, steps, accumulate, max_norm, precision)
-    zero = ZeroFabricStrategy(stage=stage, bucket_numel=3_000)
-    sharded = train(zero, name, steps, accumulate, max_norm, precision, separate_setup=stage == 3)
+    fields = {"stage": stage} if isinstance(stage, int) else stage
+    zero = ZeroFabricStrategy(bucket_numel=3_000, **fields)
+    sharded = train(zero, name, steps, accumulate, max_norm, precision, separate_setup=fields["stage"] == 3)
     return [reference, sharded]
 
 

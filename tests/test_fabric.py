@@ -36,7 +36,7 @@ def test_zero_names_are_registered_with_fabric():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3, {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}], ids=str)
 def test_fabric_zero_matches_fabric_ddp_with_accumulation_and_clipping(stage):
     for reference, sharded in run_distributed(ddp_and_zero, 2, stage, "gpt", 3, 2, 0.5, init_process_group=False):
         assert_runs_match(reference, sharded)
