@@ -147,3 +147,32 @@ def built_on_meta_and_two_optimizers(stage: int) -> list[Run]:
 def several(cases: list[tuple[Any, ...]]) -> list[list[Run]]:
     """``ddp_and_zero`` for each case, in one set of processes."""
     return [ddp_and_zero(*case) for case in cases]
+
+
+def batch_norm_loop(strategy: str | ZeroFabricStrategy) -> tuple[list[float], list[Tensor]]:
+    """A BatchNorm model whose ranks see differently scaled data, accumulating over two micro-batches, evaluated
+    after every step: the losses, evaluations and final running statistics show whose buffers each forward used
+    (Note [buffers follow rank 0] in ``lightning_zero/lightning/strategy.py``)."""
+    fabric = make_fabric(strategy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    generator = torch.Generator().manual_seed(fabric.global_rank)
+    values = []
+    for _ in range(4):
+        for micro in range(2):
+            with fabric.no_backward_sync(model, enabled=micro == 0):
+                loss = model(torch.randn(6, 8, generator=generator) * (1 + fabric.global_rank)).pow(2).mean()
+                fabric.backward(loss)
+            values.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            values.append(model(torch.ones(2, 8)).sum().item())
+        model.train()
+    return values, [b.clone() for b in model.module.buffers()]
+
+
+def batch_norm_runs() -> list[tuple[list[float], list[Tensor]]]:
+    return [batch_norm_loop(s) for s in ("ddp", ZeroFabricStrategy(stage=1), ZeroFabricStrategy(stage=3))]

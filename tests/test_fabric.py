@@ -18,7 +18,13 @@ from lightning_zero.hydra.schema import register_configs
 from lightning_zero.models.gpt import GPT, GPTConfig
 from lightning_zero.stage3.library_init import library_inits
 from tests import memory_probe
-from tests.fabric_runs import built_on_meta_and_two_optimizers, ddp_and_zero, make_fabric, several
+from tests.fabric_runs import (
+    batch_norm_runs,
+    built_on_meta_and_two_optimizers,
+    ddp_and_zero,
+    make_fabric,
+    several,
+)
 from tests.harness import run_distributed
 from tests.parity import assert_runs_match
 from tests.test_example import ROOT
@@ -156,3 +162,12 @@ def test_a_model_built_on_meta_set_up_with_two_optimizers_at_once_matches_fabric
         for reference, sharded in runs:
             assert_runs_match(reference, sharded)
             torch.testing.assert_close(torch.tensor(sharded.extra["norms"]), torch.tensor(reference.extra["norms"]))
+
+
+@pytest.mark.timeout(120)
+def test_batch_norm_buffers_follow_rank_0_where_fabric_ddp_broadcasts_them():
+    for (ddp_values, ddp_buffers), *zero in run_distributed(batch_norm_runs, 2, init_process_group=False):
+        for values, buffers in zero:
+            torch.testing.assert_close(torch.tensor(values), torch.tensor(ddp_values), rtol=1e-5, atol=1e-6)
+            for buffer, expected in zip(buffers, ddp_buffers, strict=True):
+                assert torch.equal(buffer, expected)
