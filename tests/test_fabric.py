@@ -22,6 +22,7 @@ from tests.fabric_runs import (
     batch_norm_runs,
     built_on_meta_and_two_optimizers,
     ddp_and_zero,
+    fp16_runs,
     make_fabric,
     several,
 )
@@ -171,3 +172,13 @@ def test_batch_norm_buffers_follow_rank_0_where_fabric_ddp_broadcasts_them():
             torch.testing.assert_close(torch.tensor(values), torch.tensor(ddp_values), rtol=1e-5, atol=1e-6)
             for buffer, expected in zip(buffers, ddp_buffers, strict=True):
                 assert torch.equal(buffer, expected)
+
+
+@pytest.mark.timeout(120)
+def test_fp16_mixed_skips_the_steps_fabric_ddp_skips_and_matches_its_losses():
+    for (ddp_losses, ddp_scale), *zero in run_distributed(fp16_runs, 2, init_process_group=False):
+        assert ddp_scale < 2.0**24  # the first steps overflowed and were skipped
+        for losses, scale in zero:
+            assert scale == ddp_scale  # the same steps skipped, decided for every rank at once
+            # fp16 keeps 11 significant bits; ZeRO's parameters are fp16 where DDP's are fp32 under autocast.
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ddp_losses), rtol=2**-9, atol=0)
