@@ -1,5 +1,6 @@
-"""``examples/fabric_train.py`` end to end, launched by Fabric's command line with ZeRO's names
-(``python -m lightning_zero fabric-run --strategy zero3``) and by itself."""
+"""Fabric scripts launched as users launch them: ``examples/fabric_train.py`` end to end, by Fabric's command line with
+ZeRO's names (``python -m lightning_zero fabric-run --strategy zero3``) and by itself; a failing rank named in the
+others' errors."""
 
 from __future__ import annotations
 
@@ -48,3 +49,26 @@ def test_example_under_zero_gives_fabric_ddp_losses_and_resumes(tmp_path):
     resumed = _run([sys.executable, str(EXAMPLE), *FAST, "--checkpoint", "ck"], tmp_path)
     assert "resumed from ck at step 2" in resumed
     assert len(_losses(resumed)) == 2
+
+
+FAILING = """
+import torch
+from lightning.fabric import Fabric
+from lightning_zero import ZeroFabricStrategy
+
+fabric = Fabric(strategy=ZeroFabricStrategy(stage=2, collective_timeout_s=20), accelerator="cpu", devices=2)
+fabric.launch()
+model = fabric.setup_module(torch.nn.Linear(4, 4))
+if fabric.global_rank == 1:
+    raise ValueError("rank 1 broke its data loader")
+fabric.all_reduce(torch.ones(1))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_rank_that_fails_is_named_in_the_error_of_the_rank_waiting_for_it(tmp_path):
+    (tmp_path / "failing.py").write_text(FAILING)
+    code, output = finish(start([sys.executable, "failing.py"], tmp_path, {"PYTHONPATH": str(ROOT)}), 100)
+    assert code != 0
+    assert "Rank 1 failed first with ValueError: rank 1 broke its data loader" in output, output
