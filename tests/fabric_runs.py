@@ -79,9 +79,11 @@ def train(
     separate_setup: bool = False,
     init_module: bool = False,
     two_optimizers: bool = False,
+    clip_val: float | None = None,
 ) -> Run:
     """``steps`` optimizer steps of ``accumulate`` micro-batches (all but the last under ``no_backward_sync``), with
-    clipping by norm when ``max_norm``; the norms clipped by are in ``extra["norms"]``."""
+    clipping by value when ``clip_val``, then by norm when ``max_norm``; the norms clipped by are in
+    ``extra["norms"]``. The learning rates are set by hand every step."""
     fabric = make_fabric(strategy, precision)
     build, batch, loss_fn = fixture(name)
     context = fabric.init_module() if init_module else nullcontext()  # stage 3: on meta, as Fabric's FSDP
@@ -104,6 +106,10 @@ def train(
                 fabric.backward(loss)
             total += loss.item()
         for optimizer in optimizers:
+            for group in optimizer.param_groups:  # a warm-up set by hand every step, as LitGPT's loop does
+                group["lr"] = group.setdefault("peak_lr", group["lr"]) * (step + 1) / steps
+            if clip_val is not None:
+                fabric.clip_gradients(model, optimizer, clip_val=clip_val)
             if max_norm is not None:
                 run.extra["norms"].append(float(fabric.clip_gradients(model, optimizer, max_norm=max_norm)))
             optimizer.step()
@@ -139,10 +145,11 @@ def ddp_and_zero(
 
 def built_on_meta_and_two_optimizers(stage: int) -> list[Run]:
     """[Fabric DDP, ZeRO]: the GPT built under ``fabric.init_module()`` (on meta at stage 3) and set up together with
-    two optimizers (``fabric.setup(model, opt1, opt2)``), with accumulation and clipping."""
-    reference = train("ddp", "gpt", 3, 2, 0.5, init_module=True, two_optimizers=True)
+    two optimizers (``fabric.setup(model, opt1, opt2)``), with accumulation and clipping by value and by norm."""
+    options: dict[str, Any] = {"init_module": True, "two_optimizers": True, "clip_val": 0.01}
+    reference = train("ddp", "gpt", 3, 2, 0.5, **options)
     zero = ZeroFabricStrategy(stage=stage, bucket_numel=3_000)
-    return [reference, train(zero, "gpt", 3, 2, 0.5, init_module=True, two_optimizers=True)]
+    return [reference, train(zero, "gpt", 3, 2, 0.5, **options)]
 
 
 def several(cases: list[tuple[Any, ...]]) -> list[list[Run]]:
