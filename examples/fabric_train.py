@@ -30,7 +30,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-import lightning_zero  # noqa: F401  (registers "zero1".."zero3" with Fabric)
+from lightning_zero import ZeroFabricStrategy  # importing lightning_zero registers "zero1".."zero3" with Fabric
 from lightning_zero.models.data import ByteCorpusDataModule, decode, encode
 from lightning_zero.models.gpt import GPT, GPTConfig
 from lightning_zero.models.param_groups import param_groups_with_weight_decay
@@ -68,8 +68,9 @@ def main() -> None:
     config = getattr(GPTConfig, args.model)(vocab_size=data.vocab_size, block_size=64)
 
     # Stage 3 builds on meta, as Fabric's FSDP does: no rank ever holds the whole model (setup_module materializes
-    # and initializes it shard by shard). (`empty_init=True` would leave DDP's weights uninitialized.)
-    with fabric.init_module():
+    # and initializes it shard by shard). Elsewhere `empty_init=True` would leave the weights uninitialized.
+    stage3 = isinstance(fabric.strategy, ZeroFabricStrategy) and fabric.strategy.config.stage == 3
+    with fabric.init_module(empty_init=stage3):
         model = GPT(config)
     model = fabric.setup_module(model)
     optimizer = torch.optim.AdamW(param_groups_with_weight_decay(model, 0.1), lr=3e-3, betas=(0.9, 0.95))

@@ -86,7 +86,8 @@ def train(
     ``extra["norms"]``. The learning rates are set by hand every step."""
     fabric = make_fabric(strategy, precision)
     build, batch, loss_fn = fixture(name)
-    context = fabric.init_module() if init_module else nullcontext()  # stage 3: on meta, as Fabric's FSDP
+    stage3 = isinstance(strategy, ZeroFabricStrategy) and strategy.config.stage == 3
+    context = fabric.init_module(empty_init=stage3) if init_module else nullcontext()  # stage 3: on meta
     with context:
         model = build()
     make = _two_optimizers if two_optimizers else lambda raw: [optimizer_for(raw)]
@@ -144,7 +145,7 @@ def ddp_and_zero(
 
 
 def built_on_meta_and_two_optimizers(stage: int) -> list[Run]:
-    """[Fabric DDP, ZeRO]: the GPT built under ``fabric.init_module()`` (on meta at stage 3) and set up together with
+    """[Fabric DDP, ZeRO]: the GPT built under ``fabric.init_module`` (on meta at stage 3) and set up together with
     two optimizers (``fabric.setup(model, opt1, opt2)``), with accumulation and clipping by value and by norm."""
     options: dict[str, Any] = {"init_module": True, "two_optimizers": True, "clip_val": 0.01}
     reference = train("ddp", "gpt", 3, 2, 0.5, **options)

@@ -182,3 +182,10 @@ def test_fp16_mixed_skips_the_steps_fabric_ddp_skips_and_matches_its_losses():
             assert scale == ddp_scale  # the same steps skipped, decided for every rank at once
             # fp16 keeps 11 significant bits; ZeRO's parameters are fp16 where DDP's are fp32 under autocast.
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ddp_losses), rtol=2**-9, atol=0)
+
+
+def test_init_module_builds_on_meta_only_at_stage_3_with_empty_init():
+    for name, empty_init, on_meta in [("zero3", True, True), ("zero3", None, False), ("zero2", True, False)]:
+        strategy = Fabric(strategy=name, accelerator="cpu", devices=2).strategy
+        with strategy.module_init_context(empty_init):  # what fabric.init_module enters
+            assert nn.Linear(2, 2).weight.is_meta == on_meta, (name, empty_init)

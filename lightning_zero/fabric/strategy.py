@@ -5,9 +5,9 @@ Thin glue, in the order a Fabric loop calls it:
 - ``launch``/``setup_environment``: Fabric's DDP processes, launcher and process group (this class is a
   ``DDPStrategy`` that never wraps the model in ``DistributedDataParallel``), with ``ZeroConfig``'s collective
   timeout and the fault monitor.
-- ``init_module(empty_init=...)``: at stage 3 the model is built on the meta device, as under Fabric's FSDP (unless
-  ``empty_init=False``); ``setup_module`` materializes it unit by unit, initialized as the Trainer's
-  ``configure_model`` models are (``stage3/sharded_init.py``).
+- ``init_module(empty_init=True)``: at stage 3 the model is built on the meta device, as under Fabric's FSDP;
+  ``setup_module`` materializes it unit by unit, initialized as the Trainer's ``configure_model`` models are
+  (``stage3/sharded_init.py``). Otherwise (stages 1 and 2, or without ``empty_init``) it is DDP's.
 - ``setup_module``: stage 3 shards the model; stages 1 and 2 synchronize it from rank 0. ``setup_optimizer``: each
   optimizer becomes a ``ZeroOptimizer`` over the set-up model (so ``fabric.setup(model, optimizer)`` and
   ``fabric.setup_module`` then ``fabric.setup_optimizers`` both work, at every stage: sharding keeps the parameter
@@ -161,7 +161,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
     # -- model and optimizers ----------------------------------------------------------------------------------------
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[Any]:
-        if self.config.stage != 3 or empty_init is False:
+        if self.config.stage != 3 or not empty_init:
             return super().module_init_context(empty_init)
         stack = ExitStack()
         stack.enter_context(torch.device("meta"))  # materialized unit by unit in setup_module
