@@ -64,12 +64,13 @@ def test_fabric_zero3_matches_fabric_ddp_on_a_hugging_face_model_and_its_lora():
 
 
 @pytest.mark.timeout(120)
-def test_fabric_bf16_mixed_matches_fabric_ddp_within_bf16_rounding():
-    cases = [(stage, "mlp", 4, 2, 0.05, "bf16-mixed") for stage in (1, 3)]
+def test_fabric_bf16_matches_fabric_ddp_within_bf16_rounding():
+    precisions = ["bf16-mixed", "bf16-mixed", "bf16-true"]
+    cases = [(stage, "mlp", 4, 2, 0.05, precision) for stage, precision in zip((1, 3, 3), precisions, strict=True)]
     for runs in run_distributed(several, 2, cases, init_process_group=False):
-        for reference, sharded in runs:
+        for (reference, sharded), precision in zip(runs, precisions, strict=True):
             torch.testing.assert_close(
-                torch.tensor(sharded.losses), torch.tensor(reference.losses), rtol=BF16_LOSS_RTOL["bf16-mixed"], atol=0
+                torch.tensor(sharded.losses), torch.tensor(reference.losses), rtol=BF16_LOSS_RTOL[precision], atol=0
             )
             for fqn, expected in reference.weights.items():
                 torch.testing.assert_close(
