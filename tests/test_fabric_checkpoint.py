@@ -260,3 +260,35 @@ def test_a_corrupted_checkpoint_is_refused_as_the_trainer_refuses_it():
     with tempfile.TemporaryDirectory() as root:
         messages = run_distributed(_load_corrupted, 2, root, init_process_group=False)
     assert any(re.search(r"\.distcp is corrupted", m) for m in messages), messages
+
+
+# -- a one-file checkpoint of Fabric's DDP ----------------------------------------------------------------------------
+def _ddp_file_into_zero(root: str) -> dict[str, Any]:
+    fabric = Fabric(strategy="ddp", accelerator="cpu", devices=2)
+    fabric.launch()
+    model = fabric.setup(FabricTinyGPT())
+    with torch.no_grad():
+        model.module.model.lm_head.weight.add_(1.0)  # weights no fresh build has (tied to the token embedding)
+    expected = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    fabric.save(f"{root}/ddp.ckpt", {"model": model, "step": 7})
+    fabric = _fabric(3, 2)
+    model, optimizer = _setup(fabric)
+    refused = ""
+    try:
+        fabric.load(f"{root}/ddp.ckpt", {"model": model, "optimizer": optimizer, "step": 0})
+    except CheckpointError as error:
+        refused = str(error)
+    state: dict[str, Any] = {"model": model, "step": 0}
+    assert fabric.load(f"{root}/ddp.ckpt", state) == {}
+    loaded = _snapshot(fabric, model, optimizer)["weights"]
+    return {"loaded": loaded, "expected": expected, "step": state["step"], "refused": refused}
+
+
+@pytest.mark.timeout(120)
+def test_a_one_file_fabric_ddp_checkpoint_loads_its_weights_and_state_into_zero3():
+    with tempfile.TemporaryDirectory() as root:
+        results = run_distributed(_ddp_file_into_zero, 2, root, init_process_group=False)
+    for result in results:
+        assert_same(result["loaded"], result["expected"])
+        assert result["step"] == 7
+        assert "one-file Fabric checkpoint" in result["refused"]  # its optimizer state is torch's, unsharded

@@ -5,9 +5,10 @@ A Fabric checkpoint is a dictionary of named objects (``{"model": model, "optimi
 the Trainer's holds the model under ``state_dict`` and the optimizers, in order, under ``optimizer_states``. A Fabric
 save writes the set-up model's sharded state as ``state_dict`` and the optimizers' as ``optimizer_states`` (all of
 them, in the order they were set up), everything else of the dictionary as it is (a ``state_dict()`` for stateful
-objects), and under ``FABRIC_NAMES`` the names the model and optimizers had. So one directory format serves both
-front doors: a Fabric load finds its objects by those names, and a Trainer checkpoint (which has no names) gives its
-model to the module of the dictionary and its optimizers to the optimizers; a Trainer resumes a Fabric checkpoint
+objects), and under ``FABRIC_NAMES`` the names the model and optimizers had (for readers; a load does not need
+them). So one directory format serves both front doors: a load gives the checkpoint's model to the module of the
+dictionary and its optimizers to the optimizers, whatever their names, a Trainer's checkpoint as a Fabric's; the
+other entries are restored by name as Fabric restores them; a Trainer resumes a Fabric checkpoint
 from its weights and optimizer state (it finds no loops there: it starts counting steps from 0); a Fabric save adds
 what a Trainer requires to resume (``_TRAINER_REQUIRES``: the Lightning version, the LR schedulers' states) when the
 state lacks it, and a Fabric load takes it out again. Any world size, stage or bucket size loads any other, as for
@@ -24,6 +25,7 @@ import lightning
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_zero.checkpoint.files import CheckpointError, load_lightning_state
 from lightning_zero.checkpoint.sharded_checkpoint import (
     load_checkpoint,
     load_full_state_dict,
@@ -106,6 +108,24 @@ def load_fabric_checkpoint(
             "of the checkpoint are read together. HINT: `fabric.load(path, {'model': model, ...})`."
         )
     assert strategy._module is not None
+    single = _single_file_fabric_checkpoint(path, module_name)
+    if single is not None:  # Note [one-file Fabric checkpoints]
+        if optimizer_names:
+            raise CheckpointError(
+                f"{path} is a one-file Fabric checkpoint (as Fabric's DDP writes), whose optimizer state is torch's "
+                "unsharded format keyed by parameter position, which ZeRO does not map onto its shards. HINT: load "
+                "the model and the rest without the optimizers, `fabric.load(path, {'model': model, ...})`, and let "
+                "them start fresh, or resume from a checkpoint a ZeRO run saved."
+            )
+        load_full_state_dict(
+            strategy._module,
+            single.pop(module_name),
+            optimizers=strategy._optimizers,
+            strict=strict,
+            tiers=strategy._tiers,
+            gatherer=strategy._gatherer,
+        )
+        return _restore_others(single, state, [module_name], strict)
     loaded = load_checkpoint(
         path,
         strategy._module,
@@ -119,7 +139,13 @@ def load_fabric_checkpoint(
     names = loaded.pop(FABRIC_NAMES, None) or {}
     for key in (*_FORMAT_KEYS, *names.get("added", ())):
         loaded.pop(key, None)
-    others = [k for k in state if k not in (module_name, *optimizer_names)]
+    return _restore_others(loaded, state, [module_name, *optimizer_names], strict)
+
+
+def _restore_others(loaded: dict[str, Any], state: dict[str, Any], restored: list[str], strict: bool) -> dict[str, Any]:
+    """Fabric's semantics for the entries of ``state`` that are not the model or its optimizers: a stateful object
+    loads its state, a plain value is replaced; what the checkpoint has beyond them is returned."""
+    others = [k for k in state if k not in restored]
     validate_keys_for_strict_loading(others, loaded.keys(), strict=strict)
     for name in others:
         if name not in loaded:
@@ -176,6 +202,27 @@ def _named_objects(strategy: ZeroFabricStrategy, state: dict[str, Any], verb: st
         )
     ordered = [name for _, name in sorted(zip(indices, optimizers, strict=True))]
     return (modules[0] if modules else None), ordered
+
+
+def _single_file_fabric_checkpoint(path: CheckpointPath, module_name: str) -> dict[str, Any] | None:
+    """The contents of ``path`` if it is one file holding the model's state dict under ``module_name`` (not a
+    Lightning checkpoint's ``state_dict``), memory-mapped; else None.
+
+    Note [one-file Fabric checkpoints]
+    Fabric's DDP (and single-device) strategies save ``fabric.save(path, state)`` as one ``torch.save`` file of the
+    state with every object replaced by its state dict. Its model weights load into the shards as pretrained weights
+    do (``load_full_state_dict``, each rank copying out its ranges), and the rest as Fabric restores it; the
+    optimizer's state is refused, since torch's format keys it by parameter position in the optimizer, which the
+    shards of another layout do not keep. A one-file Lightning checkpoint (a DDP Trainer's) has the ``state_dict``
+    layout and goes through ``load_checkpoint``, optimizer state included.
+    """
+    location = locate(path)
+    if not location.isfile():
+        return None
+    contents = load_lightning_state(location, mmap=True)
+    if "state_dict" in contents or not isinstance(contents.get(module_name), dict):
+        return None
+    return contents
 
 
 def _filtered(value: Any, keep: Callable[[str, Any], bool] | None) -> Any:
