@@ -2,7 +2,8 @@
 
 Importing the package registers the strategies ``"zero1"``, ``"zero2"`` and ``"zero3"`` (and ``"zero1_spawn"``,
 ``"zero2_spawn"``, ``"zero3_spawn"``), and the memory-tier presets ``"zero2_offload"``, ``"zero3_offload"`` and
-``"zero3_offload_disk"`` with Lightning, so ``Trainer(strategy="zero3")`` works.
+``"zero3_offload_disk"`` with Lightning, so ``Trainer(strategy="zero3")`` works, and the same names with Lightning
+Fabric (``ZeroFabricStrategy``), so ``Fabric(strategy="zero3")`` works too.
 
 The package, bottom to top (each subpackage's docstring says what it owns and which others it may import; nothing
 imports upwards):
@@ -14,16 +15,20 @@ imports upwards):
 - ``offload``: memory tiers: where shards live between uses (host memory, disk), read ahead and written behind.
 - ``checkpoint``: sharded checkpoint IO.
 - ``lightning``: ``ZeroStrategy``, ``ZeroPrecision``, ``ShardedEMA``, the memory count and report.
+- ``fabric``: ``ZeroFabricStrategy``, the Lightning Fabric front door over the same engine.
 - ``hydra``: structured configs and multirun launch; ``cli``: ``python -m lightning_zero`` commands.
 - ``models``: the example models and data (plain PyTorch / Lightning code).
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.checkpoint.sharded_checkpoint import CheckpointError, load_full_state_dict
 from lightning_zero.cli.consolidate import consolidate_checkpoint
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig
+from lightning_zero.fabric.precision import ZeroFabricPrecision
+from lightning_zero.fabric.strategy import ZeroFabricStrategy
 from lightning_zero.lightning.ema import ShardedEMA
 from lightning_zero.lightning.grad_norm import grad_norm
 from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes, model_state_bytes
@@ -45,6 +50,8 @@ __all__ = [
     "RankDivergenceError",
     "ShardedEMA",
     "ZeroConfig",
+    "ZeroFabricPrecision",
+    "ZeroFabricStrategy",
     "ZeroOptimizer",
     "ZeroPrecision",
     "ZeroStrategy",
@@ -58,3 +65,4 @@ __all__ = [
 
 
 ZeroStrategy.register_strategies(StrategyRegistry)
+ZeroFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)

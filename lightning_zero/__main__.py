@@ -2,6 +2,7 @@
 
 python -m lightning_zero consolidate CKPT_DIR OUT_FILE   # a sharded checkpoint -> one plain checkpoint
 python -m lightning_zero estimate --params 7.5e9 --gpus 64  # model-state memory per rank, per stage
+python -m lightning_zero fabric-run --strategy zero3 --devices 2 train.py  # Fabric's `fabric run`, with ZeRO
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 _COMMANDS = {
     "consolidate": "lightning_zero.cli.consolidate",
     "estimate": "lightning_zero.cli.estimate",
+    "fabric-run": "lightning_zero.cli.fabric_run",
 }
 
 

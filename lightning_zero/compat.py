@@ -35,12 +35,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded, _validate_keys_for_strict_loading
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from torch import Tensor
@@ -64,6 +66,9 @@ __all__ = [
     "SWAPS_STORAGE_MEMORY",
     "CheckpointWrapper",
     "DtypeContextManager",
+    "FabricBackwardSyncControl",
+    "FabricSharded",
+    "FabricStateful",
     "FsspecReader",
     "FsspecWriter",
     "MultiProcessingLauncher",
@@ -82,6 +87,7 @@ __all__ = [
     "dcp_load",
     "default_process_group_backend_for_device",
     "distributed_is_initialized",
+    "fabric_run_command",
     "get_default_store",
     "init_dist_connection",
     "layer_sync",
@@ -93,6 +99,7 @@ __all__ = [
     "swap_storage_memory",
     "sync_ddp_if_available",
     "sync_module_states",
+    "validate_keys_for_strict_loading",
     "write_dcp_item",
     "writes_torch_save",
 ]
@@ -225,6 +232,21 @@ distributed_is_initialized = _distributed_is_initialized
 default_process_group_backend_for_device = _get_default_process_group_backend_for_device
 init_dist_connection = _init_dist_connection
 sync_ddp_if_available = _sync_ddp_if_available
+
+
+# -- Lightning Fabric -------------------------------------------------------------------------------------------------
+# The interfaces Fabric checks a strategy against (`no_backward_sync`, `init_module`'s sharded context), the protocol
+# of objects with a state dict, and the strict-loading check its own strategies apply to `fabric.load`.
+FabricBackwardSyncControl = _BackwardSyncControl
+FabricSharded = _Sharded
+FabricStateful = _Stateful
+validate_keys_for_strict_loading = _validate_keys_for_strict_loading
+
+
+def fabric_run_command() -> Any:
+    """The click command behind ``fabric run``. Imported when called: its ``--strategy`` choices are Fabric's
+    registry at import time, which must hold ZeRO's names by then."""
+    return importlib.import_module("lightning.fabric.cli")._run
 
 
 def layer_sync(strategy: Any) -> Any:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
@@ -105,12 +103,8 @@ def test_too_little_free_space_is_refused_before_anything_is_written():
         assert result["left"] == []
 
 
-def _fake_trainer(root: Path, precision: str = "32-true") -> Any:
-    return SimpleNamespace(precision=precision, default_root_dir=str(root), global_rank=0)
-
-
 def test_disk_tier_on_a_gpu_is_refused_naming_the_field(tmp_path):
     config = ZeroConfig(stage=3, offload_params="disk", offload_dir=str(tmp_path))
     with pytest.raises(NotImplementedError, match=r"ZeroConfig\.offload_params='disk' on a cuda device"):
-        build_memory_tiers(config, torch.nn.Linear(2, 2), _fake_trainer(tmp_path), torch.device("cuda", 0), 2, 2)
+        build_memory_tiers(config, torch.nn.Linear(2, 2), str(tmp_path), 0, torch.device("cuda", 0), 2, 2)
     assert list(tmp_path.iterdir()) == []  # refused before anything was written

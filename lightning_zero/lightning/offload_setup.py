@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.optim import Optimizer
@@ -24,12 +23,14 @@ two moments), so this keeps the next bucket's reads, and the previous bucket's w
 def build_memory_tiers(
     config: ZeroConfig,
     module: nn.Module,
-    trainer: pl.Trainer,
+    root_dir: str,
+    global_rank: int,
     device: torch.device,
     world_size: int,
     local_ranks: int,
 ) -> MemoryTiers | None:
-    """This rank's tiers, or None without offloading. Refuses a bad directory or too little space first."""
+    """This rank's tiers, or None without offloading; a relative ``offload_dir`` is under ``root_dir`` (the Trainer's
+    ``default_root_dir``). Refuses a bad directory or too little space first."""
     if config.offload_optimizer == "none" and config.offload_params == "none":
         return None
     if device.type != "cpu" and config.offloads_to_disk:
@@ -42,12 +43,12 @@ def build_memory_tiers(
     directory = None
     if config.offloads_to_disk:
         assert config.offload_dir is not None
-        base = resolve_offload_dir(config.offload_dir, trainer.default_root_dir)
+        base = resolve_offload_dir(config.offload_dir, root_dir)
         if config.offload_params == "disk":
             params = sum(p.numel() * p.element_size() for p in module.parameters())
             per_rank = -(-params // world_size)
             check_free_space(base, per_rank, local_ranks, "the parameter shards (offload_params='disk')")
-        directory = OffloadDirectory(base, trainer.global_rank)
+        directory = OffloadDirectory(base, global_rank)
     return MemoryTiers(config, directory, _IO_ENTRIES, device)
 
 

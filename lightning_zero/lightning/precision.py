@@ -52,6 +52,9 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
+from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -331,18 +334,35 @@ def _zero_optimizer(optimizer: Any) -> ZeroOptimizer:
     return optimizer
 
 
-def to_zero_precision(plugin: Precision | None) -> ZeroPrecision:
-    """Translate the plugin Lightning built from ``Trainer(precision=...)`` into ZeRO's own."""
-    if plugin is None or isinstance(plugin, ZeroPrecision):
-        return plugin or ZeroPrecision()
-    if type(plugin) is Precision:
-        return ZeroPrecision("32-true")
+_PLAIN: tuple[type[FabricPrecision], ...] = (Precision, FabricPrecision)
+_TRANSLATED: tuple[type[FabricPrecision], ...] = (
+    MixedPrecision,
+    HalfPrecision,
+    FabricMixedPrecision,
+    FabricHalfPrecision,
+)
+
+
+def to_zero_precision(plugin: FabricPrecision | None, zero_type: type[ZeroPrecision] = ZeroPrecision) -> ZeroPrecision:
+    """Translate the plugin Lightning built from ``Trainer(precision=...)`` (or Fabric from ``Fabric(precision=...)``:
+    ``zero_type`` is then Fabric's ``ZeroPrecision``) into ZeRO's own."""
+    if plugin is None or isinstance(plugin, zero_type):
+        return plugin or zero_type()
+    front = "Trainer" if zero_type is ZeroPrecision else "Fabric"
+    if isinstance(plugin, ZeroPrecision):
+        raise ValueError(
+            f"{type(plugin).__name__} is the Trainer's ZeRO precision plugin; this strategy needs a "
+            f"{zero_type.__name__}. "
+            f"HINT: pass `precision=...` or `{zero_type.__name__}({plugin.precision!r})`."
+        )
+    if type(plugin) in _PLAIN:
+        return zero_type("32-true")
     name = getattr(plugin, "precision", None)
     # Exact types only: a subclass customizes what the plugin does, which the translation would silently drop.
-    if type(plugin) in (MixedPrecision, HalfPrecision) and name in SUPPORTED:
+    if type(plugin) in _TRANSLATED and name in SUPPORTED:
         scaler = getattr(plugin, "scaler", None)
         if name != "16-mixed" or scaler is None or not scaler.is_enabled():  # disabled: e.g. a CUDA scaler on CPU
-            return ZeroPrecision(name)
+            return zero_type(name)
         # Keep the schedule of a GradScaler the user configured (Lightning's own default equals ours).
         loss_scaler = DynamicLossScaler(
             scale=scaler.get_scale(),
@@ -350,17 +370,17 @@ def to_zero_precision(plugin: Precision | None) -> ZeroPrecision:
             backoff_factor=scaler.get_backoff_factor(),
             growth_interval=scaler.get_growth_interval(),
         )
-        return ZeroPrecision("16-mixed", loss_scaler=loss_scaler)
-    if isinstance(plugin, (MixedPrecision, HalfPrecision)) and type(plugin) not in (MixedPrecision, HalfPrecision):
-        base = "MixedPrecision" if isinstance(plugin, MixedPrecision) else "HalfPrecision"
+        return zero_type("16-mixed", loss_scaler=loss_scaler)
+    if isinstance(plugin, _TRANSLATED) and type(plugin) not in _TRANSLATED:
+        base = "MixedPrecision" if isinstance(plugin, (MixedPrecision, FabricMixedPrecision)) else "HalfPrecision"
         raise ValueError(
             f"ZeroStrategy cannot use {type(plugin).__name__}, a customized {base}: "
             "ZeRO replaces the precision plugin with its own (bf16/fp16 parameters, fp32 master weights), which "
-            f"would silently drop the customization. HINT: subclass lightning_zero.ZeroPrecision({name!r}) "
+            f"would silently drop the customization. HINT: subclass lightning_zero.{zero_type.__name__}({name!r}) "
             "instead and pass it in `plugins`."
         )
     raise ValueError(
         f"ZeroStrategy does not support the precision plugin {type(plugin).__name__}"
-        f"{f' (precision={name!r})' if name else ''}. HINT: use Trainer(precision=...) with one of "
-        f"{', '.join(SUPPORTED)}, or pass lightning_zero.ZeroPrecision(...) in `plugins`."
+        f"{f' (precision={name!r})' if name else ''}. HINT: use {front}(precision=...) with one of "
+        f"{', '.join(SUPPORTED)}, or pass lightning_zero.{zero_type.__name__}(...) in `plugins`."
     )

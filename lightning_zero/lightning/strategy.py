@@ -41,23 +41,21 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.comm.topology import Link, ranks_per_node_from_environment
-from lightning_zero.compat import broadcast_coalesced, sync_module_states
+from lightning_zero.comm.topology import Link
+from lightning_zero.compat import sync_module_states
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.grad_norm import hide_partial_gradients, refuse_released_placeholders
+from lightning_zero.lightning.engine_setup import broadcast_buffers, shard_for_stage3, wrap_optimizers
+from lightning_zero.lightning.grad_norm import hide_partial_gradients
 from lightning_zero.lightning.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
-from lightning_zero.lightning.offload_setup import build_memory_tiers, check_optimizer_space
+from lightning_zero.lightning.offload_setup import build_memory_tiers
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.lightning.presets import register_presets, with_cpu_offload
 from lightning_zero.lightning.strategy_checkpoint import ShardedCheckpointing, as_zero_optimizer, iter_zero_optimizers
 from lightning_zero.lightning.strategy_processes import StartMethod
 from lightning_zero.offload.memory_tiers import MemoryTiers, TierBytes
 from lightning_zero.sharding.activation_checkpointing import apply_activation_checkpointing_policy
-from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.library_init import ParamInitFn, pretrained_on_meta_hint
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
-from lightning_zero.stage3.sharded_init import shard_module
-from lightning_zero.stage3.zeropp import metering_topology
 
 
 class ZeroStrategy(ShardedCheckpointing):
@@ -149,7 +147,13 @@ class ZeroStrategy(ShardedCheckpointing):
         self.model = self.precision_plugin.convert_module(self.model)
         if self._tiers is None:
             self._tiers = build_memory_tiers(
-                self.config, self.lightning_module, trainer, self.root_device, self.world_size, self.num_processes
+                self.config,
+                self.lightning_module,
+                trainer.default_root_dir,
+                trainer.global_rank,
+                self.root_device,
+                self.world_size,
+                self.num_processes,
             )
         if self.config.stage == 3:
             self._shard_model()
@@ -169,52 +173,35 @@ class ZeroStrategy(ShardedCheckpointing):
         if self._gatherer is not None:  # fit, then validate/test/predict: already sharded
             return
         assert self.lightning_module is not None
-        refuse_released_placeholders(self.lightning_module)
         self.built_on_meta = any(
             t.is_meta for t in (*self.lightning_module.parameters(), *self.lightning_module.buffers())
         )
-        if not self.built_on_meta:
-            self.model_to_device()
-        # ZeRO++ and the metering by link need the ranks per node; Lightning knows them when the environment does not.
-        config = dataclasses.replace(self.config, ranks_per_node=self._ranks_per_node())
-        self._gatherer = shard_module(
-            self.lightning_module, config, self.process_group, self.root_device, self._param_init_fn, self._tiers
+        self._gatherer = shard_for_stage3(
+            self.lightning_module,
+            self.config,
+            self.process_group,
+            self.root_device,
+            self.num_processes,
+            self._param_init_fn,
+            self._tiers,
         )
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         assert self.lightning_module is not None
-        precision = self.precision_plugin
-        # One loss scaler per optimizer: Note [one loss scale per optimizer] in sharding/loss_scaler.py.
-        scalers = precision.loss_scalers_for(len(self.optimizers))
-        self.optimizers = [
-            ZeroOptimizer(
+        self.optimizers = list(
+            wrap_optimizers(
                 self.lightning_module,
-                optimizer,
+                self.optimizers,
                 self.process_group,
                 self.config,
+                self.precision_plugin,
                 self._gatherer,
-                fp32_masters=precision.fp32_masters,
-                loss_scaler=scaler,
-                tiers=self._tiers.for_optimizer() if self._tiers is not None else None,
+                self._tiers,
+                self.num_processes,
             )
-            for optimizer, scaler in zip(self.optimizers, scalers, strict=True)
-        ]
-        if self._tiers is not None:
-            check_optimizer_space(self._tiers, list(iter_zero_optimizers(self.optimizers)), self.num_processes)
-        if self._gatherer is None:  # stage 3's ledger has its topology from shard_module
-            topology = metering_topology(
-                dataclasses.replace(self.config, ranks_per_node=self._ranks_per_node()), self.process_group
-            )
-            for zero_optimizer in iter_zero_optimizers(self.optimizers):
-                zero_optimizer.ledger.topology = topology
-
-    def _ranks_per_node(self) -> int | None:
-        """``ZeroConfig.ranks_per_node``, else the launcher's (Note [node topology] in ``comm/topology.py``), else
-        Lightning's processes per node; None on a single node."""
-        per_node = self.config.ranks_per_node or ranks_per_node_from_environment() or self.num_processes
-        return per_node if 0 < per_node < self.world_size else None
+        )
 
     @contextmanager
     @override
@@ -276,10 +263,7 @@ class ZeroStrategy(ShardedCheckpointing):
 
     def _broadcast_buffers(self) -> None:
         assert self.lightning_module is not None
-        buffers = list(self.lightning_module.buffers())
-        if buffers and self.world_size > 1:
-            # DDP's own coalesced broadcast, with its default bucket size (250 MiB).
-            broadcast_coalesced(self.process_group, buffers, 250 * 1024 * 1024, 0)
+        broadcast_buffers(self.lightning_module, self.process_group)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:

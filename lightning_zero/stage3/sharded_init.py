@@ -83,8 +83,9 @@ def _default_init(module: nn.Module) -> None:
         raise TypeError(
             f"Cannot initialize the parameters and buffers of {type(module).__name__} built on the meta device: it "
             "has no reset_parameters(). HINT: give the module a reset_parameters() that initializes its own "
-            "parameters and buffers, or pass `param_init_fn` to ZeroStrategy, or build the model outside "
-            "`configure_model` and `trainer.init_module(empty_init=True)`."
+            "parameters and buffers, or pass `param_init_fn` to ZeroStrategy (ZeroFabricStrategy), or build the "
+            "model outside `configure_model`, `trainer.init_module(empty_init=True)` and "
+            "`fabric.init_module(empty_init=True)`."
         )
     reset()
 

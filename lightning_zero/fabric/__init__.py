@@ -1,0 +1,11 @@
+"""The Lightning Fabric front door: ZeRO in a Fabric loop, over the same engine and checkpoints as the Trainer's.
+
+- ``strategy``: ``ZeroFabricStrategy`` (setup, sharded initialization, backward, accumulation, clipping, collectives,
+  presets in Fabric's registry).
+- ``precision``: ``ZeroFabricPrecision``, ``ZeroPrecision`` under Fabric's backward and step protocol.
+- ``checkpoint``: ``fabric.save``/``load``/``load_raw`` in the Trainer's sharded directory format.
+
+May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,
+lightning_zero.offload, lightning_zero.checkpoint, and from lightning_zero.lightning what both front doors share
+(``engine_setup``, ``offload_setup``, ``precision``, the strategy presets and the checkpoint helpers).
+"""

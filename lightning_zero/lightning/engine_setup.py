@@ -1,0 +1,109 @@
+"""Setting the engine up for a front door: what ``ZeroStrategy`` (the Trainer's) and ``ZeroFabricStrategy``
+(``lightning_zero.fabric``) both do to a model and its optimizers, written once.
+
+- ``ranks_per_node``: the node size ZeRO++ and the metering by link need.
+- ``shard_for_stage3``: stage 3's sharding of a model (built normally or on meta) unit by unit.
+- ``wrap_optimizers``: the user's optimizers as ``ZeroOptimizer``s, one loss scaler each, with the tiers' space check
+  and the communication ledger's topology.
+- ``broadcast_buffers``: rank 0's buffers to every rank, in one coalesced broadcast as DDP's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zero.comm.topology import ranks_per_node_from_environment
+from lightning_zero.compat import broadcast_coalesced
+from lightning_zero.config import ZeroConfig
+from lightning_zero.lightning.grad_norm import refuse_released_placeholders
+from lightning_zero.lightning.offload_setup import check_optimizer_space
+from lightning_zero.lightning.precision import ZeroPrecision
+from lightning_zero.offload.memory_tiers import MemoryTiers
+from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
+from lightning_zero.stage3.library_init import ParamInitFn
+from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
+from lightning_zero.stage3.sharded_init import shard_module
+from lightning_zero.stage3.zeropp import metering_topology
+
+
+def ranks_per_node(config: ZeroConfig, num_processes: int, world_size: int) -> int | None:
+    """``ZeroConfig.ranks_per_node``, else the launcher's (Note [node topology] in ``comm/topology.py``), else
+    Lightning's processes per node; None on a single node."""
+    per_node = config.ranks_per_node or ranks_per_node_from_environment() or num_processes
+    return per_node if 0 < per_node < world_size else None
+
+
+def shard_for_stage3(
+    module: nn.Module,
+    config: ZeroConfig,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    num_processes: int,
+    param_init_fn: ParamInitFn | None,
+    tiers: MemoryTiers | None,
+) -> ParameterGatherer:
+    """Shard ``module`` for stage 3: one built on meta is materialized unit by unit (``stage3/sharded_init.py``),
+    one built normally is moved to ``device`` first."""
+    refuse_released_placeholders(module)
+    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        module.to(device)
+    # ZeRO++ and the metering by link need the ranks per node; Lightning knows them when the environment does not.
+    config = dataclasses.replace(config, ranks_per_node=ranks_per_node(config, num_processes, group.size()))
+    return shard_module(module, config, group, device, param_init_fn, tiers)
+
+
+def wrap_optimizers(
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    group: dist.ProcessGroup,
+    config: ZeroConfig,
+    precision: ZeroPrecision,
+    gatherer: ParameterGatherer | None,
+    tiers: MemoryTiers | None,
+    num_processes: int,
+) -> list[ZeroOptimizer]:
+    """Wrap each of the model's ``optimizers`` (all of them, every time: one loss scaler per optimizer, Note [one
+    loss scale per optimizer] in ``sharding/loss_scaler.py``). An optimizer that is a ``ZeroOptimizer`` already is
+    kept, with its scaler replaced by the one of its place."""
+    scalers = precision.loss_scalers_for(len(optimizers))
+    wrapped: list[ZeroOptimizer] = []
+    fresh: list[ZeroOptimizer] = []
+    for optimizer, scaler in zip(optimizers, scalers, strict=True):
+        if isinstance(optimizer, ZeroOptimizer):
+            optimizer.loss_scaler = scaler
+            wrapped.append(optimizer)
+            continue
+        zero = ZeroOptimizer(
+            module,
+            optimizer,
+            group,
+            config,
+            gatherer,
+            fp32_masters=precision.fp32_masters,
+            loss_scaler=scaler,
+            tiers=tiers.for_optimizer() if tiers is not None else None,
+        )
+        wrapped.append(zero)
+        fresh.append(zero)
+    if tiers is not None:
+        check_optimizer_space(tiers, wrapped, num_processes)
+    if gatherer is None:  # stage 3's ledger has its topology from shard_module
+        per_node = ranks_per_node(config, num_processes, group.size())
+        topology = metering_topology(dataclasses.replace(config, ranks_per_node=per_node), group)
+        for zero in fresh:
+            zero.ledger.topology = topology
+    return wrapped
+
+
+def broadcast_buffers(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Every rank takes rank 0's buffers (Note [buffers follow rank 0] in ``lightning/strategy.py``)."""
+    buffers = list(module.buffers())
+    if buffers and group.size() > 1:
+        # DDP's own coalesced broadcast, with its default bucket size (250 MiB).
+        broadcast_coalesced(group, buffers, 250 * 1024 * 1024, 0)
