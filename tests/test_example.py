@@ -108,8 +108,14 @@ def read_report(job_dir: Path) -> dict[str, Any]:
     return report
 
 
+# 9 s each: stages 1 and 2 of the example behind --runslow (the parity suite covers those stages).
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize(
+    "strategy", ["ddp", pytest.param("zero1", marks=SLOW), pytest.param("zero2", marks=SLOW), "zero3"]
+)
 def test_example_trains_end_to_end_on_two_processes(tmp_path, strategy):
     if strategy == "zero3" and (reason := stage3_unavailable_reason()):
         pytest.skip(reason)

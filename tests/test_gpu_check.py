@@ -52,6 +52,7 @@ def test_dry_run_reports_every_section_and_goes_on_after_a_failing_one(tmp_path)
     print(f"dry run: {seconds:.1f} s")
 
 
+@pytest.mark.slow  # 13 s; the dry run above, with a failing section, runs by default
 @pytest.mark.timeout(120)
 def test_a_hanging_section_is_ended_by_its_budget_and_recorded(tmp_path):
     summary, _ = _check(tmp_path, "--only", "environment", "--inject-hang", "environment", timeout=100)

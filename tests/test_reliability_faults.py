@@ -128,6 +128,7 @@ def test_stopped_rank_fails_the_others_within_the_collective_timeout(tmp_path):
     assert exits[0].seconds_after_fault >= 10 - 1  # it waited out the timeout, not sooner
 
 
+@pytest.mark.slow  # 31 s: the store's host is stopped past the fault monitor's waits
 @pytest.mark.timeout(150)
 def test_stopped_store_host_fails_the_others_saying_the_store_does_not_answer(tmp_path):
     # Rank 0 hosts the c10d store here, as under Lightning's launcher: with it frozen, store calls block past their
@@ -137,6 +138,7 @@ def test_stopped_store_host_fails_the_others_saying_the_store_does_not_answer(tm
     assert_exited_naming(exits[1], 10 + 40, "store at 127.0.0.1:", "does not answer", "look at rank 0")
 
 
+@pytest.mark.slow  # 21 s: waits out the collective timeout (a stopped rank, the same wait, runs by default)
 @pytest.mark.timeout(120)
 def test_rank_stuck_in_a_loop_fails_the_others_within_the_collective_timeout(tmp_path):
     exits = run_job(tmp_path, "hang", bound_s=10 + 30, timeout_s=10)
