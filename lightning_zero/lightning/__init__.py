@@ -4,6 +4,7 @@
 - ``presets``: the names the strategy registers (``"zero1"`` ... and the memory-tier presets); FSDP's ``cpu_offload``.
 - ``strategy_processes``: one process per device, its process group, launcher and Lightning's collectives (as DDP).
 - ``strategy_checkpoint``: the strategy's checkpoint hooks, routed to ``lightning_zero.checkpoint``.
+- ``root_unit_steps``: the strategy's step hooks, stage 3's root unit gathered around each.
 - ``engine_setup``: what this strategy and Fabric's (``lightning_zero.fabric``) both do to the engine.
 - ``offload_setup``: building a rank's memory tiers (``lightning_zero.offload``), with the directory and space checks.
 - ``precision``: ``ZeroPrecision``, ZeRO's mixed precision (low-precision parameters, fp32 masters).

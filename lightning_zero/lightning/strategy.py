@@ -44,13 +44,14 @@ from typing_extensions import override
 from lightning_zero.comm.topology import Link
 from lightning_zero.compat import sync_module_states
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.engine_setup import broadcast_buffers, shard_for_stage3, wrap_optimizers
+from lightning_zero.lightning.engine_setup import shard_for_stage3, wrap_optimizers
 from lightning_zero.lightning.grad_norm import hide_partial_gradients
 from lightning_zero.lightning.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
 from lightning_zero.lightning.offload_setup import build_memory_tiers
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.lightning.presets import register_presets, with_cpu_offload
-from lightning_zero.lightning.strategy_checkpoint import ShardedCheckpointing, as_zero_optimizer, iter_zero_optimizers
+from lightning_zero.lightning.root_unit_steps import RootUnitSteps
+from lightning_zero.lightning.strategy_checkpoint import as_zero_optimizer, iter_zero_optimizers
 from lightning_zero.lightning.strategy_processes import StartMethod
 from lightning_zero.offload.memory_tiers import MemoryTiers, TierBytes
 from lightning_zero.sharding.activation_checkpointing import apply_activation_checkpointing_policy
@@ -58,7 +59,7 @@ from lightning_zero.stage3.library_init import ParamInitFn, pretrained_on_meta_h
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 
 
-class ZeroStrategy(ShardedCheckpointing):
+class ZeroStrategy(RootUnitSteps):
     """Shard optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) across data-parallel ranks.
 
     Args:
@@ -228,50 +229,6 @@ class ZeroStrategy(ShardedCheckpointing):
             return
         with super().tensor_init_context(empty_init=empty_init):
             yield
-
-    # -- stage 3: every step is a forward of the root unit ---------------------------------------------------------
-    def _with_root_gathered(self, step: Callable[[], Any]) -> Any:
-        if self._gatherer is None:
-            return step()
-        root = self._gatherer.units[0]
-        self._gatherer.pre_forward(root)
-        output = None
-        try:
-            output = step()
-            return output
-        finally:
-            self._gatherer.post_forward(root, output)  # hooks the loss for the root's pre-backward gather
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._forward_of_the_fit()
-        return self._with_root_gathered(lambda: super(ZeroStrategy, self).training_step(*args, **kwargs))
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._forward_of_the_fit()
-        return self._with_root_gathered(lambda: super(ZeroStrategy, self).validation_step(*args, **kwargs))
-
-    def _forward_of_the_fit(self) -> None:
-        """Broadcast rank 0's buffers where DDP would, before a step of ``fit`` (Note [buffers follow rank 0])."""
-        assert self.lightning_module is not None
-        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
-            return
-        if self._broadcast_next_forward and self.config.broadcast_buffers:
-            self._broadcast_buffers()
-        self._broadcast_next_forward = torch.is_grad_enabled() and not self._accumulating
-
-    def _broadcast_buffers(self) -> None:
-        assert self.lightning_module is not None
-        broadcast_buffers(self.lightning_module, self.process_group)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._with_root_gathered(lambda: super(ZeroStrategy, self).test_step(*args, **kwargs))
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._with_root_gathered(lambda: super(ZeroStrategy, self).predict_step(*args, **kwargs))
 
     @contextmanager
     def gathered_parameters(

@@ -1,0 +1,74 @@
+"""The steps of ``ZeroStrategy``: at stage 3 every step is a forward of the root unit, and ``fit``'s forwards
+broadcast rank 0's buffers where DDP would.
+
+``RootUnitSteps`` sits on top of ``ShardedCheckpointing`` (``strategy_checkpoint.py``); ``ZeroStrategy``
+(``strategy.py``) inherits it. Lightning calls ``training_step`` (and the others) on the strategy, which calls the
+``LightningModule``'s: the root unit (the parameters no smaller unit owns, e.g. embeddings used in the module's own
+code) is gathered around it, as a unit's forward hooks gather it around the unit's forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_zero.lightning.engine_setup import broadcast_buffers
+from lightning_zero.lightning.strategy_checkpoint import ShardedCheckpointing
+
+
+class RootUnitSteps(ShardedCheckpointing):
+    """Lightning's step hooks with stage 3's root unit gathered, and rank 0's buffers broadcast (Note [buffers follow
+    rank 0])."""
+
+    _broadcast_next_forward: bool
+    """Whether the next forward of ``fit`` starts with rank 0's buffers, as DDP's next forward would."""
+    _accumulating: bool
+    """Inside ``block_backward_sync`` (accumulating): the forward after this one does not broadcast, as DDP's after a
+    ``no_sync`` forward does not."""
+
+    def _with_root_gathered(self, step: Callable[[], Any]) -> Any:
+        if self._gatherer is None:
+            return step()
+        root = self._gatherer.units[0]
+        self._gatherer.pre_forward(root)
+        output = None
+        try:
+            output = step()
+            return output
+        finally:
+            self._gatherer.post_forward(root, output)  # hooks the loss for the root's pre-backward gather
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._forward_of_the_fit()
+        return self._with_root_gathered(lambda: super(RootUnitSteps, self).training_step(*args, **kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._forward_of_the_fit()
+        return self._with_root_gathered(lambda: super(RootUnitSteps, self).validation_step(*args, **kwargs))
+
+    def _forward_of_the_fit(self) -> None:
+        """Broadcast rank 0's buffers where DDP would, before a step of ``fit`` (Note [buffers follow rank 0])."""
+        assert self.lightning_module is not None
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            return
+        if self._broadcast_next_forward and self.config.broadcast_buffers:
+            self._broadcast_buffers()
+        self._broadcast_next_forward = torch.is_grad_enabled() and not self._accumulating
+
+    def _broadcast_buffers(self) -> None:
+        assert self.lightning_module is not None
+        broadcast_buffers(self.lightning_module, self.process_group)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._with_root_gathered(lambda: super(RootUnitSteps, self).test_step(*args, **kwargs))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._with_root_gathered(lambda: super(RootUnitSteps, self).predict_step(*args, **kwargs))
