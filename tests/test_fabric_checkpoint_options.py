@@ -40,15 +40,22 @@ def _weights(model: Any) -> dict[str, Tensor]:
 
 
 # -- state_dict_type="full" ------------------------------------------------------------------------------------------
-def _full_file(root: str, stage: int) -> dict[str, Any]:
-    fabric = _zero(stage, state_dict_type="full")
+def _state(fabric: Fabric, model: Any, optimizer: Any) -> dict[str, Any]:
+    if fabric.strategy._tiers is None:  # type: ignore[attr-defined]
+        return _snapshot(fabric, model, optimizer)
+    with fabric.strategy.gathered_parameters():  # type: ignore[attr-defined]  # the optimizer state is on disk
+        return {"weights": _weights(model)}
+
+
+def _full_file(root: str, stage: int, options: dict[str, Any]) -> dict[str, Any]:
+    fabric = _zero(stage, state_dict_type="full", **options)
     model, optimizer = _setup(fabric)
     _steps(fabric, model, optimizer, 0, 2)
-    saved = _snapshot(fabric, model, optimizer)
+    saved = _state(fabric, model, optimizer)
     fabric.save(f"{root}/full.ckpt", {"model": model, "optimizer": optimizer, "step": 2})
     fabric.save(f"{root}/trainable.ckpt", {"model": model}, filter={"model": lambda k, v: v.requires_grad})
     zero_losses = _steps(fabric, model, optimizer, 2, 4)
-    zero_final = _snapshot(fabric, model, optimizer)["weights"]
+    zero_final = _state(fabric, model, optimizer)["weights"]
 
     fabric = _ddp()  # the oracle resumes from ZeRO's file and goes on as ZeRO does
     model, optimizer = _setup(fabric)
@@ -73,12 +80,26 @@ def _full_file(root: str, stage: int) -> dict[str, Any]:
     }
 
 
+DISK_TIERS = {"offload_optimizer": "disk", "offload_params": "disk"}  # offload_dir: under the test's directory
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [1, 3])
-def test_full_fabric_checkpoint_is_one_file_that_torch_load_fabric_ddp_and_zero_resume_from(tmp_path, stage):
-    results = run_distributed(_full_file, 2, str(tmp_path), stage, init_process_group=False)
+@pytest.mark.parametrize(
+    ("stage", "options"),
+    [
+        (1, {}),
+        (3, {}),
+        pytest.param(3, DISK_TIERS, marks=pytest.mark.slow, id="3-disk-tiers"),  # shards and Adam state on disk
+    ],
+)
+def test_full_fabric_checkpoint_is_one_file_that_torch_load_fabric_ddp_and_zero_resume_from(tmp_path, stage, options):
+    if options:
+        (tmp_path / "tiers").mkdir()
+        options = {**options, "offload_dir": str(tmp_path / "tiers")}
+    results = run_distributed(_full_file, 2, str(tmp_path), stage, options, init_process_group=False)
     saved = [r["saved"] for r in results]
-    _assert_same_state([r["loaded"] for r in results], saved)  # weights, optimizer state and learning rates
+    if not options:
+        _assert_same_state([r["loaded"] for r in results], saved)  # weights, optimizer state and learning rates
     for result in results:
         assert_same(result["ddp_loaded"], saved[0]["weights"])
         zero_losses, ddp_losses, resumed = result["losses"]
@@ -88,7 +109,8 @@ def test_full_fabric_checkpoint_is_one_file_that_torch_load_fabric_ddp_and_zero_
         assert_same(ddp_final, zero_final, exact=False)
         assert_same(resumed_final, zero_final, exact=False)
 
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["full.ckpt", "trainable.ckpt"]  # committed, no leftovers
+    saves = sorted(p.name for p in tmp_path.iterdir() if p.name != "tiers")
+    assert saves == ["full.ckpt", "trainable.ckpt"]  # committed, no leftovers
     plain = torch.load(tmp_path / "full.ckpt", weights_only=True)
     assert sorted(plain) == ["model", "optimizer", "step"]  # Fabric's DDP layout, nothing of the sharded format
     assert plain["step"] == 2
