@@ -24,7 +24,7 @@ import collections
 import io
 import os
 import pickle
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from os import PathLike
 from typing import Any, NamedTuple
 
@@ -136,10 +136,12 @@ def save_full_checkpoint(
     process_group: dist.ProcessGroup | None,
     gatherer: ShardedParameters | None = None,
     tiers: TierStorage | None = None,
+    arrange: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> None:
     """Write ``checkpoint`` (Lightning's dictionary, its ``state_dict`` this rank's ``sharded_model_state``) as one
     full ``torch.save`` file at the local ``path``, with the optimizers' full state in DDP's format if it has
-    ``optimizer_states``. Collective; rank 0 writes (Note [full checkpoint streamed])."""
+    ``optimizer_states``. ``arrange`` lays the full dictionary out as the file holds it (a Fabric checkpoint's: the
+    model and optimizers under their names). Collective; rank 0 writes (Note [full checkpoint streamed])."""
     target = locate(path)
     if target.remote:
         raise CheckpointError(
@@ -167,6 +169,8 @@ def save_full_checkpoint(
         checkpoint["optimizer_states"] = _torch_optimizer_states(
             module, zero_optimizers, checkpoint["optimizer_states"], flat, scalars, by_param, records
         )
+    if arrange is not None:
+        checkpoint = arrange(checkpoint)
     error: str | None = None
     writer: Any = None
     staged = partial_sibling(target.local)

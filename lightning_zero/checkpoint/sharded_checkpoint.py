@@ -234,24 +234,23 @@ def load_checkpoint(
     if is_pretrained_source(checkpoint):  # weights only, e.g. `fit(ckpt_path=hf_dir)`: Lightning restores nothing else
         load_pretrained(module, path, zero_optimizers, gatherer, prefix=None, strict=strict, tiers=tiers)
         return {}
-    slices = owned_parameter_slices(zero_optimizers, gatherer)
-
-    def restore_frozen(state: Mapping[str, Any]) -> list[str]:
-        return _restore_frozen(state, module, checkpoint, zero_optimizers, gatherer, tiers, built_on_meta)
-
     if checkpoint.isfile():  # e.g. a DDP run's checkpoint: full tensors, sliced here
         state = load_lightning_state(checkpoint, mmap=True)
-        excluded = restore_frozen(state)
-        sources, toc = full_checkpoint_sources(state, module, zero_optimizers if load_optimizer else (), checkpoint)
-        plan = LoadPlan(module, slices, toc, strict=strict, origin=checkpoint, tiers=tiers, excluded=excluded)
-        if load_optimizer and toc["optimizers"]:
-            plan.add_optimizers(zero_optimizers, state.get("optimizer_states"))
-        plan.read_from(sources)
-        plan.finish(zero_optimizers)
-        _refresh(gatherer)
+        load_full_checkpoint(
+            state,
+            checkpoint,
+            module,
+            zero_optimizers,
+            load_optimizer=load_optimizer,
+            strict=strict,
+            gatherer=gatherer,
+            tiers=tiers,
+            built_on_meta=built_on_meta,
+        )
         return state
+    slices = owned_parameter_slices(zero_optimizers, gatherer)
     state, toc, data, metadata = open_committed(checkpoint)
-    excluded = restore_frozen(state)
+    excluded = _restore_frozen(state, module, checkpoint, zero_optimizers, gatherer, tiers, built_on_meta)
     plan = LoadPlan(module, slices, toc, strict=strict, origin=checkpoint, tiers=tiers, excluded=excluded)
     if load_optimizer and toc["optimizers"]:
         plan.add_optimizers(zero_optimizers, state.get("optimizer_states"))
@@ -261,6 +260,32 @@ def load_checkpoint(
     if toc.get("averaged"):
         state["state_dict"] = read_whole(data, metadata, toc, toc["averaged"], process_group)
     return state
+
+
+def load_full_checkpoint(
+    state: dict[str, Any],
+    origin: Location,
+    module: nn.Module,
+    zero_optimizers: Sequence[ZeroOptimizer],
+    *,
+    load_optimizer: bool,
+    strict: bool,
+    gatherer: ShardedParameters | None,
+    tiers: TierStorage | None,
+    built_on_meta: bool,
+) -> None:
+    """Load a full Lightning checkpoint read from ``origin`` (``state_dict``, ``optimizer_states`` in torch's format:
+    a DDP run's, or a one-file Fabric checkpoint arranged so) into this rank's shards; collective. ``state`` keeps
+    the rest, as ``load_checkpoint`` returns it."""
+    excluded = _restore_frozen(state, module, origin, zero_optimizers, gatherer, tiers, built_on_meta)
+    sources, toc = full_checkpoint_sources(state, module, zero_optimizers if load_optimizer else (), origin)
+    slices = owned_parameter_slices(zero_optimizers, gatherer)
+    plan = LoadPlan(module, slices, toc, strict=strict, origin=origin, tiers=tiers, excluded=excluded)
+    if load_optimizer and toc["optimizers"]:
+        plan.add_optimizers(zero_optimizers, state.get("optimizer_states"))
+    plan.read_from(sources)
+    plan.finish(zero_optimizers)
+    _refresh(gatherer)
 
 
 def _restore_frozen(

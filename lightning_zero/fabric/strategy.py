@@ -42,7 +42,13 @@ from typing_extensions import override
 from lightning_zero.comm.fault_monitor import FaultMonitor
 from lightning_zero.compat import FabricBackwardSyncControl, FabricSharded, sync_module_states
 from lightning_zero.config import ZeroConfig
-from lightning_zero.fabric.checkpoint import CheckpointPath, load_fabric_checkpoint, load_raw, save_fabric_checkpoint
+from lightning_zero.fabric.checkpoint import (
+    CheckpointPath,
+    load_fabric_checkpoint,
+    load_raw,
+    refuse_unrestorable_frozen_base,
+    save_fabric_checkpoint,
+)
 from lightning_zero.fabric.precision import ZeroFabricPrecision
 from lightning_zero.lightning.engine_setup import broadcast_buffers, shard_for_stage3, wrap_optimizers
 from lightning_zero.lightning.grad_norm import hide_partial_gradients
@@ -115,6 +121,12 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         self._excepthook: Callable[[type[BaseException], BaseException, TracebackType | None], Any] | None = None
         self._broadcast_next_forward = True  # Note [buffers follow rank 0] in lightning/strategy.py
         self._accumulating = False  # inside no_backward_sync
+        self.pretrained_source: str | None = None
+        """The pretrained weights ``fabric.load_raw`` loaded, recorded by checkpoints that leave frozen parameters
+        out (Note [frozen base restored from its source])."""
+        self.built_on_meta = False
+        """Whether stage 3 built the model on the meta device and initialized it (no weights of its own)."""
+        self._frozen_base_checked = False
 
     # -- precision: ZeRO's own (lightning/precision.py) -------------------------------------------------------------
     @property
@@ -206,6 +218,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
                 self.num_processes,
             )
         if self.config.stage == 3:
+            self.built_on_meta = _on_meta(module)
             self._gatherer = shard_for_stage3(
                 module,
                 self.config,
@@ -253,6 +266,13 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
 
     def _hide_partial_gradients(self) -> None:
         hide_partial_gradients(self._optimizers)  # Note [no partial gradients] in lightning/grad_norm.py
+
+    @override
+    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        if self.config.exclude_frozen_parameters and not self._frozen_base_checked:
+            refuse_unrestorable_frozen_base(self)  # before training, as the Trainer refuses it when fit starts
+            self._frozen_base_checked = True
+        super().backward(tensor, module, *args, **kwargs)
 
     def reducers(self) -> list[GradientReducer]:
         """The gradient reducers of the set-up model: stage 3's (shared by its optimizers), or each optimizer's."""
