@@ -72,7 +72,7 @@ def test_pretrained_state_dict_loads_into_a_stage3_model_built_on_meta(tmp_path)
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("devices", [1, 4])
+@pytest.mark.parametrize("devices", [pytest.param(1, marks=pytest.mark.slow), 4])  # 1 rank: 6 s, behind --runslow
 def test_stage3_resume_is_bit_identical_at_one_and_four_ranks(devices):
     with tempfile.TemporaryDirectory() as root:
         for uninterrupted, resumed in run_distributed(

@@ -108,14 +108,12 @@ def read_report(job_dir: Path) -> dict[str, Any]:
     return report
 
 
-# 9 s each: stages 1 and 2 of the example behind --runslow (the parity suite covers those stages).
+# 9 s each: DDP and stages 1 and 2 of the example behind --runslow (the parity suite compares those stages with DDP).
 SLOW = pytest.mark.slow
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize(
-    "strategy", ["ddp", pytest.param("zero1", marks=SLOW), pytest.param("zero2", marks=SLOW), "zero3"]
-)
+@pytest.mark.parametrize("strategy", [*(pytest.param(s, marks=SLOW) for s in ("ddp", "zero1", "zero2")), "zero3"])
 def test_example_trains_end_to_end_on_two_processes(tmp_path, strategy):
     if strategy == "zero3" and (reason := stage3_unavailable_reason()):
         pytest.skip(reason)

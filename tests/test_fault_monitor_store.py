@@ -17,6 +17,7 @@ from lightning_zero.comm import fault_monitor
 from lightning_zero.comm.fault_monitor import FaultMonitor
 
 
+@pytest.mark.slow  # 9 s of connection retries
 @pytest.mark.timeout(60)
 def test_a_monitor_that_cannot_reach_the_store_is_left_out_with_a_warning(caplog):
     # A rank whose monitor clients cannot connect must go on training, not fail its setup while its peers wait in

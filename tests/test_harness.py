@@ -155,6 +155,7 @@ def test_exception_on_one_rank_is_reported_fast(rank0_waits_in: str) -> None:
         assert "after rank(s) 1 failed; killed" in failures[0]
 
 
+@pytest.mark.slow  # 6.5 s; every collective-timeout test of the suite relies on the same kill
 @pytest.mark.timeout(60)
 def test_hung_rank_is_killed_at_timeout() -> None:
     start = time.monotonic()
