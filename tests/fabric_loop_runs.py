@@ -1,0 +1,280 @@
+"""Fabric training loops written the way public Fabric projects write theirs (a LitGPT-style pretraining script, a
+LoRA fine-tuning script, a nanoGPT-style loop), run under Fabric's DDP (the oracle) and under ``Fabric(strategy=
+"zero*")`` unchanged. They exercise the Fabric calls such scripts make, in their order: ``launch``,
+``seed_everything``, ``init_module(empty_init=world_size > 1)``, ``setup`` then ``setup_optimizers``,
+``setup_dataloaders``, accumulation under ``no_backward_sync``, clipping, learning rates set by hand and by a
+scheduler, validation and sampling between steps, ``all_reduce``, ``barrier``, ``log_dict``, ``save``/``load``
+mid-run, ``load_raw`` of a ``lit_model.pth`` and a filtered adapter save. Everything here runs inside a rank started
+by ``tests.harness.run_distributed`` with ``init_process_group=False``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.loggers import Logger
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zero import ZeroFabricStrategy
+from lightning_zero.models.gpt import Block, GPTConfig
+
+VOCAB, SEQ = 64, 16
+
+
+class LoopGPT(nn.Module):
+    """A GPT laid out as LitGPT's is: ``transformer.wte``/``h``/``ln_f`` and ``lm_head``, a ``config`` attribute, a
+    ``max_seq_length`` whose setter rebuilds a position cache buffer (LitGPT's rope cache), no ``reset_parameters``
+    of its own, and ``forward(idx, input_pos=None)``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(config.vocab_size, config.n_embd),
+                "h": nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+                "ln_f": nn.LayerNorm(config.n_embd),
+            }
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.max_seq_length = config.block_size
+
+    @property
+    def max_seq_length(self) -> int:
+        return self._max_seq_length
+
+    @max_seq_length.setter
+    def max_seq_length(self, value: int) -> None:
+        if value > self.config.block_size:
+            raise ValueError(f"Cannot attend to {value}, block size is only {self.config.block_size}.")
+        self._max_seq_length = value
+        device = self.lm_head.weight.device
+        if device.type == "meta":
+            device = torch.device("cpu")
+        self.register_buffer("positions", _position_cache(value, self.config.n_embd, device), persistent=False)
+
+    def forward(self, idx: Tensor, input_pos: Tensor | None = None) -> Tensor:
+        positions = self.positions[: idx.size(1)] if input_pos is None else self.positions.index_select(0, input_pos)
+        x = self.transformer.wte(idx) + positions.to(self.transformer.wte.weight.dtype)
+        for block in self.transformer.h:
+            x = block(x)
+        out: Tensor = self.lm_head(self.transformer.ln_f(x))
+        return out
+
+
+def _position_cache(length: int, width: int, device: torch.device) -> Tensor:
+    """Sinusoidal position features (length, width), computed, not learned."""
+    position = torch.arange(length, device=device, dtype=torch.float32)[:, None]
+    frequency = torch.exp(torch.arange(0, width, 2, device=device, dtype=torch.float32) * (-math.log(1e4) / width))
+    return torch.cat([torch.sin(position * frequency), torch.cos(position * frequency)], dim=-1)
+
+
+def initialize_weights(fabric: Fabric, model: nn.Module, n_layer: int, n_embd: int) -> None:
+    """LitGPT's pretraining initialization: each layer's ``reset_parameters`` replaced by a scaled normal draw, then
+    (unless the strategy materializes from meta itself) run on every module in ``modules()`` order."""
+
+    def init_weights(module: nn.Module, std: float) -> None:
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+
+    for module in model.modules():
+        if isinstance(module, nn.Embedding | nn.Linear):
+            module.reset_parameters = partial(init_weights, module, std=math.sqrt(2.0 / 5 / n_embd))  # type: ignore[method-assign]
+    for module in model.modules():
+        if isinstance(module, Block):
+            for proj in (module.attn.proj, module.mlp.proj):
+                proj.reset_parameters = partial(init_weights, proj, std=1 / math.sqrt(n_embd) / n_layer)  # type: ignore[method-assign]
+    if not any(p.is_meta for p in model.parameters()):  # on meta, setup calls them as it materializes
+        for module in model.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+
+
+class ListLogger(Logger):
+    """Keeps what ``fabric.log_dict`` logs (on rank 0, as loggers do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "list"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def token_loaders(batch_size: int = 2) -> tuple[DataLoader[Any], DataLoader[Any]]:
+    g = torch.Generator().manual_seed(7)
+    train = TensorDataset(torch.randint(0, VOCAB, (32, SEQ + 1), generator=g))
+    val = TensorDataset(torch.randint(0, VOCAB, (8, SEQ + 1), generator=g))
+    return (
+        DataLoader(train, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(3)),
+        DataLoader(val, batch_size=batch_size),
+    )
+
+
+def cycle(loader: Any) -> Iterator[Any]:
+    while True:
+        yield from loader
+
+
+@torch.no_grad()
+def validate(fabric: Fabric, model: Any, loader: Any, max_iters: int) -> Tensor:
+    fabric.barrier()
+    model.eval()
+    losses = []
+    for k, (batch,) in enumerate(loader):
+        if k >= max_iters:
+            break
+        input_ids = batch[:, : model.max_seq_length].contiguous()
+        targets = batch[:, 1 : model.max_seq_length + 1].contiguous()
+        logits = model(input_ids)
+        losses.append(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    model.train()
+    fabric.barrier()
+    return torch.stack(losses).mean()
+
+
+@torch.no_grad()
+def generate(model: Any, prompt: Tensor, new_tokens: int) -> Tensor:
+    """Greedy decoding as LitGPT's ``generate`` calls the model: one forward per token, ``input_pos`` given."""
+    tokens = prompt
+    for _ in range(new_tokens):
+        input_pos = torch.arange(tokens.size(0), device=tokens.device)
+        logits = model(tokens[None], input_pos)[0, -1]
+        tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)])
+    return tokens
+
+
+@dataclass
+class Pretrain:
+    """What one pretraining run returns: per-iteration losses, the mean over ranks, validation losses, samples, what
+    the logger got (rank 0), the final full weights, the dtypes of the training logits and validation losses."""
+
+    losses: list[float]
+    reduced: list[float]
+    val: list[float]
+    samples: list[list[int]]
+    logged: list[tuple[int | None, dict[str, float]]]
+    weights: dict[str, Tensor]
+    state: dict[str, Any]
+    dtypes: set[str]
+
+
+def pretrain(
+    strategy: str | ZeroFabricStrategy,
+    out_dir: str,
+    precision: str = "32-true",
+    max_iters: int = 8,
+    save_at_step: int | None = None,
+    resume: str | None = None,
+) -> Pretrain:
+    """LitGPT's pretraining script on ``LoopGPT``: accumulation of 2 micro-batches, clipping at 1.0, a cosine
+    schedule set by hand, validation, sampling and logging every 2 steps, ``fabric.save`` of the whole state at
+    ``save_at_step`` and ``fabric.load`` of it when ``resume`` (skipping the iterations done, as LitGPT does)."""
+    logger = ListLogger()
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2, precision=precision, loggers=[logger])  # type: ignore[arg-type]
+    fabric.launch()
+    fabric.print("hyperparameters", {"max_iters": max_iters})
+    fabric.seed_everything(1337)
+    config = GPTConfig.tiny(vocab_size=VOCAB, block_size=SEQ, n_embd=32, n_head=2, n_layer=2, bias=False)
+    with fabric.init_module(empty_init=(fabric.world_size > 1)):
+        model = LoopGPT(config)
+    initialize_weights(fabric, model, n_layer=config.n_layer, n_embd=config.n_embd)
+    model = fabric.setup(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=4e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    optimizer = fabric.setup_optimizers(optimizer)
+    train_loader, val_loader = fabric.setup_dataloaders(*token_loaders())
+    state: dict[str, Any] = {
+        "model": model,
+        "optimizer": optimizer,
+        "hparams": {"lr": 4e-3, "name": "loop"},
+        "iter_num": 0,
+        "step_count": 0,
+    }
+    if resume is not None:
+        fabric.load(resume, state)
+    accumulate, eval_interval = 2, 2
+    result = Pretrain([], [], [], [], [], {}, {}, set())
+    validate(fabric, model, val_loader, max_iters=1)  # sanity check, as LitGPT's fit starts with
+    initial_iter = state["iter_num"]
+    for current, (batch,) in enumerate(cycle(train_loader)):
+        if current < initial_iter:  # resuming: skip what the checkpointed run consumed
+            continue
+        if state["iter_num"] >= max_iters:
+            break
+        lr = _cosine_lr(state["iter_num"], warmup=2, max_iters=max_iters, peak=4e-3)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        state["iter_num"] += 1
+        input_ids = fabric.to_device(batch[:, : model.max_seq_length].contiguous())
+        targets = batch[:, 1 : model.max_seq_length + 1].contiguous()
+        is_accumulating = state["iter_num"] % accumulate != 0
+        with fabric.no_backward_sync(model, enabled=is_accumulating):
+            with fabric.autocast():
+                logits = model(input_ids)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            fabric.backward(loss / accumulate)
+        result.losses.append(loss.item())
+        result.dtypes.add(f"train {logits.dtype}")
+        result.reduced.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
+        if not is_accumulating:
+            fabric.clip_gradients(model, optimizer, max_norm=1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            state["step_count"] += 1
+        if not is_accumulating and state["step_count"] % eval_interval == 0:
+            val_loss = validate(fabric, model, val_loader, max_iters=2)
+            result.val.append(val_loss.item())
+            result.dtypes.add(f"val {val_loss.dtype}")
+            result.samples.append(generate(model, torch.tensor([1, 2, 3]), new_tokens=4).tolist())
+            fabric.log_dict({"val_loss": val_loss.item(), "lr": lr}, step=state["iter_num"])
+            fabric.barrier()
+        if not is_accumulating and state["step_count"] == save_at_step:
+            fabric.save(Path(out_dir) / f"step-{state['step_count']:08d}" / "lit_model.pth", state)
+    result.logged = logger.logged
+    result.weights = full_weights(fabric, model)
+    result.state = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+    return result
+
+
+def _cosine_lr(it: int, warmup: int, max_iters: int, peak: float) -> float:
+    if it < warmup:
+        return peak * (it + 1) / warmup
+    return 0.1 * peak + 0.45 * peak * (1 + math.cos(math.pi * (it - warmup) / (max_iters - warmup)))
+
+
+def full_weights(fabric: Fabric, model: Any) -> dict[str, Tensor]:
+    strategy = fabric.strategy
+    if isinstance(strategy, ZeroFabricStrategy):
+        with strategy.gathered_parameters():
+            return {n: p.detach().float().clone() for n, p in model.module.named_parameters()}
+    return {n: p.detach().float().clone() for n, p in model.module.named_parameters()}
+
+
+def pretrain_runs(stage: int, out_dir: str, precision: str = "32-true") -> list[Pretrain]:
+    """[DDP uninterrupted, ZeRO uninterrupted, ZeRO saving at step 2 then resumed from it in a new Fabric]."""
+    reference = pretrain("ddp", out_dir, precision)
+    zero = partial(ZeroFabricStrategy, stage=stage, bucket_numel=2_000)
+    uninterrupted = pretrain(zero(), out_dir, precision, save_at_step=2)
+    resumed = pretrain(zero(), out_dir, precision, resume=str(Path(out_dir) / "step-00000002" / "lit_model.pth"))
+    return [reference, uninterrupted, resumed]

@@ -1,0 +1,56 @@
+"""Fabric training loops as public Fabric projects write them (``tests/fabric_loop_runs.py``), unchanged under
+``Fabric(strategy="zero*")``, give Fabric DDP's numbers; a resumed run gives the uninterrupted run's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.fabric_loop_runs import Pretrain, pretrain_runs
+from tests.harness import run_distributed
+from tests.test_precision import BF16_LOSS_RTOL
+
+ADAM_STEP_BOUND = 4 * 4e-3
+"""4 AdamW steps at a peak learning rate of 4e-3: the most one element can move (Adam's update is at most about the
+learning rate), the bound for an element whose tiny gradient bf16 rounds to the other sign."""
+
+
+def _tail(values: list, run: list) -> list:
+    return values[len(values) - len(run) :]
+
+
+def _assert_pretrain_matches(reference: Pretrain, run: Pretrain, precision: str) -> None:
+    """``run`` (uninterrupted, or resumed: its tail) against DDP's: fp32 within 1e-5; bf16 within the bf16 tests'
+    loss tolerance, the weights within AdamW's bound and close on average."""
+    assert run.dtypes == reference.dtypes  # what the model returns, as Fabric's plugins return it
+    assert run.samples == _tail(reference.samples, run.samples)
+    assert run.state == reference.state
+    fp32 = precision == "32-true"
+    close = {"rtol": 1e-5, "atol": 1e-6} if fp32 else {"rtol": BF16_LOSS_RTOL[precision], "atol": 0.0}
+    for values, expected in [
+        (run.losses, reference.losses),
+        (run.reduced, reference.reduced),
+        (run.val, reference.val),
+    ]:
+        torch.testing.assert_close(torch.tensor(values), torch.tensor(_tail(expected, values)), **close)
+    for name, expected in reference.weights.items():
+        if fp32:
+            torch.testing.assert_close(run.weights[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            difference = (run.weights[name] - expected).abs()
+            assert difference.max() <= ADAM_STEP_BOUND, name
+            assert difference.mean() <= 2**-7 * expected.abs().mean(), (name, difference.mean())
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("stage", "precision"), [(3, "32-true"), (2, "bf16-mixed"), (3, "bf16-true")], ids=lambda v: str(v)
+)
+def test_litgpt_style_pretraining_loop_matches_fabric_ddp_and_resumes_exactly(stage, precision, tmp_path):
+    runs = run_distributed(pretrain_runs, 2, stage, str(tmp_path), precision, init_process_group=False, timeout=140)
+    for rank, (reference, uninterrupted, resumed) in enumerate(runs):
+        _assert_pretrain_matches(reference, uninterrupted, precision)
+        _assert_pretrain_matches(reference, resumed, precision)
+        assert len(resumed.losses) == 4  # resumed at step 2 of 4 (iteration 4 of 8)
+        if rank == 0:
+            assert [s for s, _ in uninterrupted.logged] == [s for s, _ in reference.logged] == [4, 8]
