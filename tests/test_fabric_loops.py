@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fabric_loop_runs import Pretrain, pretrain_runs
+from tests.fabric_loop_runs import Pretrain, finetune_runs, pretrain_runs
 from tests.harness import run_distributed
 from tests.test_precision import BF16_LOSS_RTOL
 
@@ -54,3 +54,20 @@ def test_litgpt_style_pretraining_loop_matches_fabric_ddp_and_resumes_exactly(st
         assert len(resumed.losses) == 4  # resumed at step 2 of 4 (iteration 4 of 8)
         if rank == 0:
             assert [s for s, _ in uninterrupted.logged] == [s for s, _ in reference.logged] == [4, 8]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_litgpt_style_lora_finetuning_loop_matches_fabric_ddp(stage, tmp_path):
+    runs = run_distributed(finetune_runs, 2, stage, str(tmp_path), init_process_group=False, timeout=140)
+    for reference, run in runs:
+        assert run.trainable == reference.trainable
+        assert all("lora_" in n for n in run.trainable)
+        assert run.samples == reference.samples
+        assert run.lrs == reference.lrs
+        for values, expected in [(run.losses, reference.losses), (run.val, reference.val)]:
+            torch.testing.assert_close(torch.tensor(values), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+        for name, expected in reference.weights.items():
+            torch.testing.assert_close(run.weights[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+    for step in ("step-000002", "step-000004"):  # the filtered adapter saves (tests/test_fabric_checkpoint reads one)
+        assert (tmp_path / "ZeroFabricStrategy" / step / "lit_model.pth.lora" / "lightning_state.pt").is_file()
