@@ -371,3 +371,74 @@ def finetune(
 def finetune_runs(stage: int, out_dir: str, precision: str = "32-true") -> list[Finetune]:
     """[Fabric DDP, ZeRO at ``stage``]."""
     return [finetune("ddp", out_dir, precision), finetune(ZeroFabricStrategy(stage=stage), out_dir, precision)]
+
+
+@dataclass
+class NanoGPT:
+    losses: list[float]
+    evals: list[float]
+    samples: list[list[int]]
+    weights: dict[str, Tensor]
+    extra: dict[str, Any]
+
+
+def nanogpt(strategy: str | ZeroFabricStrategy, precision: str = "32-true") -> NanoGPT:
+    """A nanoGPT-style loop on Fabric: ranks seeded differently (the model built before setup, so only rank 0's
+    initial weights count), weight-decay param groups from the model, ``fabric.setup(model, optimizer)`` together,
+    a learning rate set by hand, accumulation with clipping, ``estimate_loss`` under ``eval``/``no_grad``, and
+    sampling through the model's own ``generate`` marked as a forward method; the raw model read through
+    ``model.module`` and ``model.config``."""
+    from lightning_zero.models.gpt import GPT
+    from lightning_zero.models.param_groups import param_groups_with_weight_decay
+
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2, precision=precision)  # type: ignore[arg-type]
+    fabric.launch()
+    fabric.seed_everything(1337 + fabric.global_rank)
+    model = GPT(GPTConfig.tiny(vocab_size=VOCAB, block_size=SEQ, n_embd=32, n_head=2, bias=False))
+    groups = param_groups_with_weight_decay(model, 0.1)
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95)))
+    model.mark_forward_method("generate")
+    model.mark_forward_method("loss")
+    block_size = model.config.block_size
+    result = NanoGPT([], [], [], {}, {})
+
+    def get_batch(split: int, i: int) -> tuple[Tensor, Tensor]:
+        g = torch.Generator().manual_seed(1000 * split + 10 * fabric.global_rank + i)
+        data = torch.randint(0, VOCAB, (4, block_size + 1), generator=g)
+        return fabric.to_device((data[:, :-1], data[:, 1:]))
+
+    @torch.no_grad()
+    def estimate_loss() -> float:
+        model.eval()
+        losses = torch.stack(
+            [F.cross_entropy(model(x).flatten(0, 1), y.flatten()) for x, y in map(get_batch, [1, 1], [0, 1])]
+        )
+        model.train()
+        return float(fabric.all_reduce(losses.mean(), reduce_op="mean"))
+
+    accumulate = 2
+    for iter_num in range(4):
+        for group in optimizer.param_groups:
+            group["lr"] = 3e-3 * min(1.0, (iter_num + 1) / 2)
+        if iter_num % 2 == 0:
+            result.evals.append(estimate_loss())
+        for micro in range(accumulate):
+            x, y = get_batch(0, iter_num * accumulate + micro)
+            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+                loss = model.loss(x, y) / accumulate  # a marked method: through the strategy's forward
+                fabric.backward(loss)
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        result.losses.append(loss.item() * accumulate)
+    model.eval()
+    prompt = fabric.to_device(torch.tensor([[1, 2, 3]]))
+    result.samples = model.generate(prompt, max_new_tokens=4, temperature=0.0).tolist()
+    result.extra["sample dtype"] = str(model(prompt).dtype)
+    result.extra["config"] = model.module.config.n_layer
+    result.weights = full_weights(fabric, model)
+    return result
+
+
+def nanogpt_runs(stage: int, precision: str = "32-true") -> list[NanoGPT]:
+    return [nanogpt("ddp", precision), nanogpt(ZeroFabricStrategy(stage=stage, bucket_numel=2_000), precision)]

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 
-from tests.fabric_loop_runs import Pretrain, finetune_runs, pretrain_runs
+from tests.fabric_loop_runs import Pretrain, finetune_runs, nanogpt_runs, pretrain_runs
 from tests.harness import run_distributed
 from tests.test_precision import BF16_LOSS_RTOL
 
@@ -33,11 +34,17 @@ def _assert_pretrain_matches(reference: Pretrain, run: Pretrain, precision: str)
         (run.val, reference.val),
     ]:
         torch.testing.assert_close(torch.tensor(values), torch.tensor(_tail(expected, values)), **close)
-    for name, expected in reference.weights.items():
-        if fp32:
-            torch.testing.assert_close(run.weights[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_weights_match(reference.weights, run.weights, precision)
+
+
+def _assert_weights_match(reference: dict[str, Tensor], weights: dict[str, Tensor], precision: str) -> None:
+    """fp32: within 1e-5; bf16: within AdamW's bound, and close on average."""
+    assert weights.keys() == reference.keys()
+    for name, expected in reference.items():
+        if precision == "32-true":
+            torch.testing.assert_close(weights[name], expected, rtol=1e-5, atol=1e-6, msg=name)
         else:
-            difference = (run.weights[name] - expected).abs()
+            difference = (weights[name] - expected).abs()
             assert difference.max() <= ADAM_STEP_BOUND, name
             assert difference.mean() <= 2**-7 * expected.abs().mean(), (name, difference.mean())
 
@@ -71,3 +78,17 @@ def test_litgpt_style_lora_finetuning_loop_matches_fabric_ddp(stage, tmp_path):
             torch.testing.assert_close(run.weights[name], expected, rtol=1e-5, atol=1e-6, msg=name)
     for step in ("step-000002", "step-000004"):  # the filtered adapter saves (tests/test_fabric_checkpoint reads one)
         assert (tmp_path / "ZeroFabricStrategy" / step / "lit_model.pth.lora" / "lightning_state.pt").is_file()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("stage", "precision"), [(3, "32-true"), (1, "bf16-mixed")], ids=lambda v: str(v))
+def test_nanogpt_style_loop_with_ranks_seeded_apart_and_marked_forward_methods_matches_fabric_ddp(stage, precision):
+    runs = run_distributed(nanogpt_runs, 2, stage, precision, init_process_group=False, timeout=110)
+    fp32 = precision == "32-true"
+    close = {"rtol": 1e-5, "atol": 1e-6} if fp32 else {"rtol": BF16_LOSS_RTOL[precision], "atol": 0.0}
+    for reference, run in runs:
+        assert run.extra == reference.extra
+        assert run.samples == reference.samples
+        torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(reference.losses), **close)
+        torch.testing.assert_close(torch.tensor(run.evals), torch.tensor(reference.evals), **close)
+        _assert_weights_match(reference.weights, run.weights, precision)
