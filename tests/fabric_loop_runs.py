@@ -204,6 +204,7 @@ def pretrain(
     optimizer = torch.optim.AdamW(model.parameters(), lr=4e-3, weight_decay=0.1, betas=(0.9, 0.95))
     optimizer = fabric.setup_optimizers(optimizer)
     train_loader, val_loader = fabric.setup_dataloaders(*token_loaders())
+    model.max_seq_length = SEQ - 4  # through Fabric's wrapper, after setup: the position cache is rebuilt
     state: dict[str, Any] = {
         "model": model,
         "optimizer": optimizer,
