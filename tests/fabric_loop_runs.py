@@ -443,3 +443,24 @@ def nanogpt(strategy: str | ZeroFabricStrategy, precision: str = "32-true") -> N
 
 def nanogpt_runs(stage: int, precision: str = "32-true") -> list[NanoGPT]:
     return [nanogpt("ddp", precision), nanogpt(ZeroFabricStrategy(stage=stage, bucket_numel=2_000), precision)]
+
+
+def state_dict_saves(out_dir: str) -> dict[str, Any]:
+    """lit-llama's adapter save, ``fabric.save(path, {"weights": <the model's state dict>})``, at stage 3: refused
+    outside a gather (the values there are placeholders), written inside ``gathered_parameters``."""
+    from lightning_zero.models.gpt import GPT
+
+    fabric = Fabric(strategy=ZeroFabricStrategy(stage=3), accelerator="cpu", devices=2)
+    fabric.launch()
+    model = fabric.setup(GPT(GPTConfig.tiny(vocab_size=VOCAB, block_size=SEQ, n_embd=32, n_head=2, bias=False)))
+    refused = ""
+    try:
+        fabric.save(Path(out_dir) / "outside.pth", {"weights": model.state_dict()})
+    except ValueError as error:
+        refused = str(error)
+    strategy = fabric.strategy
+    assert isinstance(strategy, ZeroFabricStrategy)
+    with strategy.gathered_parameters():
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        fabric.save(Path(out_dir) / "gathered.pth", {"weights": model.state_dict()})
+    return {"refused": refused, "weights": weights}

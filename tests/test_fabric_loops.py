@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from tests.fabric_loop_runs import Pretrain, finetune_runs, nanogpt_runs, pretrain_runs
+from tests.fabric_loop_runs import Pretrain, finetune_runs, nanogpt_runs, pretrain_runs, state_dict_saves
 from tests.harness import run_distributed
 from tests.test_precision import BF16_LOSS_RTOL
 
@@ -92,3 +92,17 @@ def test_nanogpt_style_loop_with_ranks_seeded_apart_and_marked_forward_methods_m
         torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(reference.losses), **close)
         torch.testing.assert_close(torch.tensor(run.evals), torch.tensor(reference.evals), **close)
         _assert_weights_match(reference.weights, run.weights, precision)
+
+
+@pytest.mark.timeout(60)
+def test_saving_a_stage3_state_dict_taken_outside_a_gather_is_refused(tmp_path):
+    results = run_distributed(state_dict_saves, 2, str(tmp_path), init_process_group=False, timeout=50)
+    saved = torch.load(tmp_path / "gathered.pth" / "lightning_state.pt", weights_only=True)["weights"]
+    for result in results:
+        assert "placeholders" in result["refused"]
+        assert "gathered_parameters" in result["refused"]  # the fix
+        assert saved.keys() == result["weights"].keys()
+        for name, expected in result["weights"].items():
+            assert torch.equal(saved[name], expected), name
+            assert not saved[name].isnan().any(), name
+    assert not (tmp_path / "outside.pth").exists()

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from lightning.fabric.accelerators.accelerator import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies.ddp import DDPStrategy
+from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -312,6 +313,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
                 f"ZeroFabricStrategy.save_checkpoint(storage_options={storage_options!r}) is not supported: sharded "
                 "checkpoints are written by every rank, not through a CheckpointIO plugin. HINT: drop storage_options."
             )
+        if self._module is not None and self._gatherer is not None:
+            _refuse_released_parameters(state, self._module)
         save_fabric_checkpoint(self, self.broadcast(path), state, filter or {})
 
     @override
@@ -387,6 +390,27 @@ class _ZeroBackwardSyncControl(FabricBackwardSyncControl):
                 yield
             finally:
                 self._strategy._accumulating = False
+
+
+def _refuse_released_parameters(state: dict[str, Any], module: Module) -> None:
+    """Refuse a state whose plain entries hold stage-3 parameters outside a gather (``model.state_dict()`` taken in
+    the loop, as scripts that save an adapter's state dict do): their values are placeholders (Note [placeholders] in
+    ``sharding/flat_bucket.py``), and the file would hold NaN where the weights should be."""
+    released = {p.untyped_storage().data_ptr() for p in module.parameters() if p.numel() > 1 and not any(p.stride())}
+    released.discard(0)
+    for name, value in state.items():
+        if isinstance(value, Module | Optimizer):
+            continue
+        found: list[Tensor] = []
+        apply_to_collection(value, Tensor, found.append)
+        if any(t.untyped_storage().data_ptr() in released for t in found if t.device.type != "meta"):
+            raise ValueError(
+                f"`fabric.save` state {name!r} holds parameters of the stage-3 model taken outside a forward (e.g. "
+                "`model.state_dict()`): each rank holds only its shard, so their values there are placeholders, not "
+                "the weights. HINT: pass the model itself, `fabric.save(path, {'model': model}, filter={'model': "
+                "keep})`, so that every rank writes its shard, or take the state dict inside "
+                "`with fabric.strategy.gathered_parameters():` (on every rank)."
+            )
 
 
 def _on_meta(module: Module) -> bool:
