@@ -59,6 +59,9 @@ def test_litgpt_style_pretraining_loop_matches_fabric_ddp_and_resumes_exactly(st
         _assert_pretrain_matches(reference, uninterrupted, precision)
         _assert_pretrain_matches(reference, resumed, precision)
         assert len(resumed.losses) == 4  # resumed at step 2 of 4 (iteration 4 of 8)
+        assert resumed.losses == uninterrupted.losses[4:]  # the resume is exact, in every precision
+        for name, expected in uninterrupted.weights.items():
+            assert torch.equal(resumed.weights[name], expected), name
         if rank == 0:
             assert [s for s, _ in uninterrupted.logged] == [s for s, _ in reference.logged] == [4, 8]
 
