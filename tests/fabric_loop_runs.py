@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroFabricStrategy
-from lightning_zero.models.gpt import Block, GPTConfig
+from lightning_zero.models.gpt import GPT, Block, GPTConfig
 
 VOCAB, SEQ = 64, 16
 
@@ -383,23 +383,32 @@ class NanoGPT:
     extra: dict[str, Any]
 
 
+class ScoringGPT(GPT):
+    """Our GPT with a method that reads a parameter itself rather than calling its module: the last position's
+    hidden state scored against the output embedding."""
+
+    def score(self, idx: Tensor) -> Tensor:
+        hidden = self.ln_f(self.wte(idx))[:, -1]
+        return hidden @ self.lm_head.weight.t()
+
+
 def nanogpt(strategy: str | ZeroFabricStrategy, precision: str = "32-true") -> NanoGPT:
     """A nanoGPT-style loop on Fabric: ranks seeded differently (the model built before setup, so only rank 0's
     initial weights count), weight-decay param groups from the model, ``fabric.setup(model, optimizer)`` together,
     a learning rate set by hand, accumulation with clipping, ``estimate_loss`` under ``eval``/``no_grad``, and
     sampling through the model's own ``generate`` marked as a forward method; the raw model read through
     ``model.module`` and ``model.config``."""
-    from lightning_zero.models.gpt import GPT
     from lightning_zero.models.param_groups import param_groups_with_weight_decay
 
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2, precision=precision)  # type: ignore[arg-type]
     fabric.launch()
     fabric.seed_everything(1337 + fabric.global_rank)
-    model = GPT(GPTConfig.tiny(vocab_size=VOCAB, block_size=SEQ, n_embd=32, n_head=2, bias=False))
+    model = ScoringGPT(GPTConfig.tiny(vocab_size=VOCAB, block_size=SEQ, n_embd=32, n_head=2, bias=False))
     groups = param_groups_with_weight_decay(model, 0.1)
     model, optimizer = fabric.setup(model, torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95)))
     model.mark_forward_method("generate")
     model.mark_forward_method("loss")
+    model.mark_forward_method("score")
     block_size = model.config.block_size
     result = NanoGPT([], [], [], {}, {})
 
@@ -436,6 +445,9 @@ def nanogpt(strategy: str | ZeroFabricStrategy, precision: str = "32-true") -> N
     prompt = fabric.to_device(torch.tensor([[1, 2, 3]]))
     result.samples = model.generate(prompt, max_new_tokens=4, temperature=0.0).tolist()
     result.extra["sample dtype"] = str(model(prompt).dtype)
+    scores = model.score(prompt)
+    result.extra["score dtype"] = str(scores.dtype)
+    result.extra["scores"] = scores.float().sum().item()
     result.extra["config"] = model.module.config.n_layer
     result.weights = full_weights(fabric, model)
     return result
@@ -448,7 +460,6 @@ def nanogpt_runs(stage: int, precision: str = "32-true") -> list[NanoGPT]:
 def state_dict_saves(out_dir: str) -> dict[str, Any]:
     """lit-llama's adapter save, ``fabric.save(path, {"weights": <the model's state dict>})``, at stage 3: refused
     outside a gather (the values there are placeholders), written inside ``gathered_parameters``."""
-    from lightning_zero.models.gpt import GPT
 
     fabric = Fabric(strategy=ZeroFabricStrategy(stage=3), accelerator="cpu", devices=2)
     fabric.launch()

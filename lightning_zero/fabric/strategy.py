@@ -34,7 +34,6 @@ import torch.distributed as dist
 from lightning.fabric.accelerators.accelerator import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies.ddp import DDPStrategy
-from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -44,6 +43,7 @@ from lightning_zero.comm.fault_monitor import FaultMonitor
 from lightning_zero.compat import FabricBackwardSyncControl, FabricSharded, sync_module_states
 from lightning_zero.config import ZeroConfig
 from lightning_zero.fabric.checkpoint import CheckpointPath, load_fabric_checkpoint, load_raw, save_fabric_checkpoint
+from lightning_zero.fabric.module import ZeroForwardModule, refuse_released_parameters
 from lightning_zero.fabric.precision import ZeroFabricPrecision
 from lightning_zero.lightning.engine_setup import broadcast_buffers, shard_for_stage3, wrap_optimizers
 from lightning_zero.lightning.grad_norm import hide_partial_gradients
@@ -109,6 +109,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         self._param_init_fn = param_init_fn
         self._module: Module | None = None
         """The model set up (one per strategy: the checkpoint format holds one model)."""
+        self._forward_module: ZeroForwardModule | None = None
+        """What ``setup_module`` returned for it (Note [marked forward methods] in ``fabric/module.py``)."""
         self._gatherer: ParameterGatherer | None = None
         self._optimizers: list[ZeroOptimizer] = []
         self._tiers: MemoryTiers | None = None
@@ -223,7 +225,12 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
             sync_module_states(module)
         module.register_forward_pre_hook(self._forward_of_the_loop, prepend=True)
         self.precision.after_backward = self._hide_partial_gradients
-        return module
+        self._forward_module = ZeroForwardModule(module)
+        return self._forward_module
+
+    def _set_up_model(self, module: Any) -> Any:
+        """The model for what Fabric hands over of it (Note [marked forward methods] in ``fabric/module.py``)."""
+        return self._module if module is self._forward_module and module is not None else module
 
     def _forward_of_the_loop(self, module: Module, args: Any) -> None:
         """Broadcast rank 0's buffers where DDP would (Note [buffers follow rank 0] in ``lightning/strategy.py``):
@@ -270,7 +277,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         if self._gatherer is None:
             yield
             return
-        with self._gatherer.gathered(module, writeback=writeback):
+        with self._gatherer.gathered(self._set_up_model(module), writeback=writeback):
             yield
 
     # -- clipping over shards (Note [reduced gradients live in the optimizer] in lightning/precision.py) -------------
@@ -313,8 +320,9 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
                 f"ZeroFabricStrategy.save_checkpoint(storage_options={storage_options!r}) is not supported: sharded "
                 "checkpoints are written by every rank, not through a CheckpointIO plugin. HINT: drop storage_options."
             )
+        state = {name: self._set_up_model(value) for name, value in state.items()}
         if self._module is not None and self._gatherer is not None:
-            _refuse_released_parameters(state, self._module)
+            refuse_released_parameters(state, self._module)
         save_fabric_checkpoint(self, self.broadcast(path), state, filter or {})
 
     @override
@@ -332,7 +340,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         """
         path = self.broadcast(path)
         if isinstance(state, Module):
-            load_raw(self, path, state, strict)
+            load_raw(self, path, self._set_up_model(state), strict)
             return {}
         if isinstance(state, Optimizer) or not state:
             raise ValueError(
@@ -340,6 +348,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
                 "state is sharded with the model. HINT: pass the objects together, "
                 "`fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`."
             )
+        for name, value in state.items():  # in place: Fabric copies the plain entries back from this dictionary
+            state[name] = self._set_up_model(value)
         return load_fabric_checkpoint(self, path, state, strict)
 
     # -- end ---------------------------------------------------------------------------------------------------------
@@ -373,7 +383,7 @@ class _ZeroBackwardSyncControl(FabricBackwardSyncControl):
         outside reduces them all (as DDP's ``no_sync``)."""
         if not enabled:
             return nullcontext()
-        if module is not self._strategy._module:
+        if self._strategy._set_up_model(module) is not self._strategy._module:
             raise TypeError(
                 f"`no_backward_sync` got a {type(module).__name__} that ZeroFabricStrategy did not set up. HINT: pass "
                 "the model `fabric.setup` returned."
@@ -390,27 +400,6 @@ class _ZeroBackwardSyncControl(FabricBackwardSyncControl):
                 yield
             finally:
                 self._strategy._accumulating = False
-
-
-def _refuse_released_parameters(state: dict[str, Any], module: Module) -> None:
-    """Refuse a state whose plain entries hold stage-3 parameters outside a gather (``model.state_dict()`` taken in
-    the loop, as scripts that save an adapter's state dict do): their values are placeholders (Note [placeholders] in
-    ``sharding/flat_bucket.py``), and the file would hold NaN where the weights should be."""
-    released = {p.untyped_storage().data_ptr() for p in module.parameters() if p.numel() > 1 and not any(p.stride())}
-    released.discard(0)
-    for name, value in state.items():
-        if isinstance(value, Module | Optimizer):
-            continue
-        found: list[Tensor] = []
-        apply_to_collection(value, Tensor, found.append)
-        if any(t.untyped_storage().data_ptr() in released for t in found if t.device.type != "meta"):
-            raise ValueError(
-                f"`fabric.save` state {name!r} holds parameters of the stage-3 model taken outside a forward (e.g. "
-                "`model.state_dict()`): each rank holds only its shard, so their values there are placeholders, not "
-                "the weights. HINT: pass the model itself, `fabric.save(path, {'model': model}, filter={'model': "
-                "keep})`, so that every rank writes its shard, or take the state dict inside "
-                "`with fabric.strategy.gathered_parameters():` (on every rank)."
-            )
 
 
 def _on_meta(module: Module) -> bool:
