@@ -369,9 +369,10 @@ def finetune(
     return result
 
 
-def finetune_runs(stage: int, out_dir: str, precision: str = "32-true") -> list[Finetune]:
-    """[Fabric DDP, ZeRO at ``stage``]."""
-    return [finetune("ddp", out_dir, precision), finetune(ZeroFabricStrategy(stage=stage), out_dir, precision)]
+def finetune_runs(stage: int, out_dir: str, precision: str = "32-true", on_meta: bool = False) -> list[Finetune]:
+    """[Fabric DDP, ZeRO at ``stage``, built on meta when ``on_meta``]."""
+    zero = finetune(ZeroFabricStrategy(stage=stage), out_dir, precision, on_meta=on_meta)
+    return [finetune("ddp", out_dir, precision), zero]
 
 
 @dataclass

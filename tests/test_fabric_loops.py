@@ -84,6 +84,21 @@ def test_litgpt_style_lora_finetuning_loop_matches_fabric_ddp(stage, precision, 
 
 
 @pytest.mark.timeout(120)
+def test_litgpt_style_lora_finetuning_on_meta_loads_the_base_and_starts_from_it(tmp_path):
+    """LitGPT's ``empty_init=(world_size > 1)`` at stage 3: the base is built on meta, materialized, then overwritten
+    by ``load_raw(strict=False)``; the adapters get peft's initialization (Note [peft adapters on meta]), other draws
+    than DDP's, with ``lora_B`` zero: the first loss is the pretrained base's, as under DDP."""
+    for reference, run in run_distributed(
+        finetune_runs, 2, 3, str(tmp_path), "32-true", True, init_process_group=False
+    ):
+        torch.testing.assert_close(run.losses[0], reference.losses[0], rtol=1e-5, atol=1e-6)
+        frozen = [n for n in reference.weights if n not in run.trainable]
+        assert len(frozen) > 2 * len(run.trainable)
+        for name in frozen:
+            torch.testing.assert_close(run.weights[name], reference.weights[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize(("stage", "precision"), [(3, "32-true"), (1, "bf16-mixed")], ids=lambda v: str(v))
 def test_nanogpt_style_loop_with_ranks_seeded_apart_and_marked_forward_methods_matches_fabric_ddp(stage, precision):
     runs = run_distributed(nanogpt_runs, 2, stage, precision, init_process_group=False, timeout=110)
