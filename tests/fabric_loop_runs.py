@@ -460,11 +460,17 @@ def nanogpt_runs(stage: int, precision: str = "32-true") -> list[NanoGPT]:
 
 def state_dict_saves(out_dir: str) -> dict[str, Any]:
     """lit-llama's adapter save, ``fabric.save(path, {"weights": <the model's state dict>})``, at stage 3: refused
-    outside a gather (the values there are placeholders), written inside ``gathered_parameters``."""
+    outside a gather (the values there are placeholders), written inside ``gathered_parameters``. Also a method
+    that calls the model's layers, unmarked: refused as under DDP (Note [marked forward methods])."""
 
     fabric = Fabric(strategy=ZeroFabricStrategy(stage=3), accelerator="cpu", devices=2)
     fabric.launch()
-    model = fabric.setup(GPT(GPTConfig.tiny(vocab_size=VOCAB, block_size=SEQ, n_embd=32, n_head=2, bias=False)))
+    model = fabric.setup(ScoringGPT(GPTConfig.tiny(vocab_size=VOCAB, block_size=SEQ, n_embd=32, n_head=2, bias=False)))
+    unmarked = ""
+    try:
+        model.score(torch.tensor([[1, 2]]))
+    except RuntimeError as error:
+        unmarked = str(error)
     refused = ""
     try:
         fabric.save(Path(out_dir) / "outside.pth", {"weights": model.state_dict()})
@@ -475,4 +481,4 @@ def state_dict_saves(out_dir: str) -> dict[str, Any]:
     with strategy.gathered_parameters():
         weights = {k: v.clone() for k, v in model.state_dict().items()}
         fabric.save(Path(out_dir) / "gathered.pth", {"weights": model.state_dict()})
-    return {"refused": refused, "weights": weights}
+    return {"refused": refused, "weights": weights, "unmarked": unmarked}
