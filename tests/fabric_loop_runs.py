@@ -4,8 +4,8 @@ LoRA fine-tuning script, a nanoGPT-style loop), run under Fabric's DDP (the orac
 ``seed_everything``, ``init_module(empty_init=world_size > 1)``, ``setup`` then ``setup_optimizers``,
 ``setup_dataloaders``, accumulation under ``no_backward_sync``, clipping, learning rates set by hand and by a
 scheduler, validation and sampling between steps, ``all_reduce``, ``barrier``, ``log_dict``, ``save``/``load``
-mid-run, ``load_raw`` of a ``lit_model.pth`` and a filtered adapter save. Everything here runs inside a rank started
-by ``tests.harness.run_distributed`` with ``init_process_group=False``."""
+mid-run, ``load_raw`` (or ``model.load_state_dict``) of a ``lit_model.pth`` and a filtered adapter save. Everything
+here runs inside a rank started by ``tests.harness.run_distributed`` with ``init_process_group=False``."""
 
 from __future__ import annotations
 
@@ -306,11 +306,16 @@ class Finetune:
 
 
 def finetune(
-    strategy: str | ZeroFabricStrategy, out_dir: str, precision: str = "32-true", on_meta: bool = False
+    strategy: str | ZeroFabricStrategy,
+    out_dir: str,
+    precision: str = "32-true",
+    on_meta: bool = False,
+    load: str = "load_raw",
 ) -> Finetune:
     """LitGPT's LoRA fine-tuning script on a peft Llama: built under ``init_module(empty_init=world_size > 1)``,
     ``setup_module`` then an optimizer over ``model.parameters()`` (the frozen base included, as LitGPT passes them)
-    and a warm-up ``LambdaLR``, pretrained base weights from a ``lit_model.pth`` by ``load_raw(strict=False)``,
+    and a warm-up ``LambdaLR``, pretrained base weights from a ``lit_model.pth`` by ``load_raw(strict=False)`` (or,
+    ``load="load_state_dict"``, as LitGPT's ``load_checkpoint`` loads under a strategy other than FSDP's),
     accumulation, clipping by value, validation and sampling, a filtered adapter save every 2 steps."""
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2, precision=precision)  # type: ignore[arg-type]
     fabric.launch()
@@ -331,7 +336,11 @@ def finetune(
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.02))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
-    fabric.load_raw(checkpoint_path, model, strict=False)
+    if load == "load_raw":
+        fabric.load_raw(checkpoint_path, model, strict=False)
+    else:
+        state_dict = torch.load(checkpoint_path, mmap=True, weights_only=True)
+        model.load_state_dict(state_dict.get("model", state_dict), strict=False)
     from tests.third_party_models import HF_VOCAB, _token_batch
 
     result = Finetune([], [], [], [], {}, trainable)
@@ -369,10 +378,12 @@ def finetune(
     return result
 
 
-def finetune_runs(stage: int, out_dir: str, precision: str = "32-true", on_meta: bool = False) -> list[Finetune]:
-    """[Fabric DDP, ZeRO at ``stage``, built on meta when ``on_meta``]."""
-    zero = finetune(ZeroFabricStrategy(stage=stage), out_dir, precision, on_meta=on_meta)
-    return [finetune("ddp", out_dir, precision), zero]
+def finetune_runs(
+    stage: int, out_dir: str, precision: str = "32-true", on_meta: bool = False, load: str = "load_raw"
+) -> list[Finetune]:
+    """[Fabric DDP, ZeRO at ``stage``, built on meta when ``on_meta``], loading the base with ``load``."""
+    zero = finetune(ZeroFabricStrategy(stage=stage), out_dir, precision, on_meta=on_meta, load=load)
+    return [finetune("ddp", out_dir, precision, load=load), zero]
 
 
 @dataclass

@@ -67,9 +67,15 @@ def test_litgpt_style_pretraining_loop_matches_fabric_ddp_and_resumes_exactly(st
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize(("stage", "precision"), [(2, "32-true"), (3, "32-true"), (3, "bf16-true")], ids=str)
-def test_litgpt_style_lora_finetuning_loop_matches_fabric_ddp(stage, precision, tmp_path):
-    runs = run_distributed(finetune_runs, 2, stage, str(tmp_path), precision, init_process_group=False, timeout=140)
+@pytest.mark.parametrize(
+    ("stage", "precision", "load"),
+    [(2, "32-true", "load_raw"), (3, "32-true", "load_raw"), (3, "bf16-true", "load_state_dict")],
+    ids=str,
+)
+def test_litgpt_style_lora_finetuning_loop_matches_fabric_ddp(stage, precision, load, tmp_path):
+    runs = run_distributed(
+        finetune_runs, 2, stage, str(tmp_path), precision, False, load, init_process_group=False, timeout=140
+    )
     close = {"rtol": 1e-5, "atol": 1e-6} if precision == "32-true" else {"rtol": BF16_LOSS_RTOL[precision], "atol": 0.0}
     for reference, run in runs:
         assert run.trainable == reference.trainable
@@ -84,9 +90,11 @@ def test_litgpt_style_lora_finetuning_loop_matches_fabric_ddp(stage, precision, 
 
 
 @pytest.mark.timeout(120)
-def test_litgpt_style_lora_finetuning_on_meta_loads_the_base_and_starts_from_it(tmp_path):
+@pytest.mark.parametrize("load", ["load_raw", "load_state_dict"])
+def test_litgpt_style_lora_finetuning_on_meta_loads_the_base_and_starts_from_it(load, tmp_path):
     """LitGPT's ``empty_init=(world_size > 1)`` at stage 3: the base is built on meta, materialized, then overwritten
-    by ``load_raw(strict=False)``; the adapters get peft's initialization (Note [peft adapters on meta]), other draws
+    by ``load_raw(strict=False)`` or ``model.load_state_dict(strict=False)`` (Note [load_state_dict into shards]);
+    the adapters get peft's initialization (Note [peft adapters on meta]), other draws
     than DDP's, with ``lora_B`` zero: the first loss is the pretrained base's, as under DDP."""
     for reference, run in run_distributed(
         finetune_runs, 2, 3, str(tmp_path), "32-true", True, init_process_group=False

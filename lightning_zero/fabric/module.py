@@ -1,5 +1,5 @@
-"""The set-up model as Fabric holds it: ``ZeroForwardModule``, the strategy's forward module, and the check that
-keeps stage-3 placeholders out of ``fabric.save``.
+"""The set-up model as Fabric holds it: ``ZeroForwardModule``, the strategy's forward module; ``load_state_dict``
+of a stage-3 model into its shards; the check that keeps stage-3 placeholders out of ``fabric.save``.
 
 Note [marked forward methods]
 Fabric wraps what a strategy's ``setup_module`` returns (its "forward module") in a ``_FabricModule`` that runs
@@ -13,16 +13,31 @@ wrapper, as DDP's and FSDP's are, Fabric routes every method marked with ``mark_
 does, under the precision plugin, with the root module's hooks (stage 3's gather, the buffer broadcast) around
 it, and an unmarked one is refused as under DDP. The strategy maps the wrapper back to the model wherever Fabric
 hands it over (``no_backward_sync``, ``save``, ``load``, ``load_raw``).
+
+Note [load_state_dict into shards]
+Scripts written for several strategies load pretrained weights into the set-up model with
+``model.load_state_dict(state_dict, strict=...)`` unless the strategy is FSDP's (LitGPT's ``load_checkpoint``), after
+the optimizers are set up. At stages 1 and 2 the model holds its full parameters and the optimizers their views, so
+torch's copy is right. At stage 3 each parameter is a placeholder outside a forward (Note [placeholders] in
+``sharding/flat_bucket.py``), into which torch's copy fails. So the stage-3 model's ``load_state_dict`` is
+``fabric.load_raw``'s load (``load_full_state_dict``): each rank copies its ranges into its shards and their
+optimizer masters; it is collective, as ``load_state_dict`` is on every rank of such a script.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
+
+from lightning_zero.checkpoint.sharded_checkpoint import load_pretrained
+
+if TYPE_CHECKING:
+    from lightning_zero.fabric.strategy import ZeroFabricStrategy
 
 
 class ZeroForwardModule(Module):
@@ -35,6 +50,31 @@ class ZeroForwardModule(Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+
+class LoadedKeys(NamedTuple):
+    """What ``nn.Module.load_state_dict`` returns."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def load_state_dict_into_shards(
+    strategy: ZeroFabricStrategy, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+) -> LoadedKeys:
+    """``load_state_dict`` of the model set up at stage 3 (Note [load_state_dict into shards])."""
+    if assign:
+        raise ValueError(
+            "`load_state_dict(assign=True)` on a stage-3 model would replace its sharded parameters. HINT: load "
+            "with `assign=False`, or with `fabric.load_raw(path, model)`."
+        )
+    module = strategy._module
+    assert module is not None, "installed by setup_module"
+    load_pretrained(
+        module, state_dict, strategy._optimizers, strategy._gatherer, prefix="", strict=strict, tiers=strategy._tiers
+    )
+    expected = module.state_dict(keep_vars=True).keys()
+    return LoadedKeys([k for k in expected if k not in state_dict], [k for k in state_dict if k not in expected])
 
 
 def refuse_released_parameters(state: dict[str, Any], module: Module) -> None:

@@ -26,6 +26,7 @@ import sys
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -43,7 +44,7 @@ from lightning_zero.comm.fault_monitor import FaultMonitor
 from lightning_zero.compat import FabricBackwardSyncControl, FabricSharded, sync_module_states
 from lightning_zero.config import ZeroConfig
 from lightning_zero.fabric.checkpoint import CheckpointPath, load_fabric_checkpoint, load_raw, save_fabric_checkpoint
-from lightning_zero.fabric.module import ZeroForwardModule, refuse_released_parameters
+from lightning_zero.fabric.module import ZeroForwardModule, load_state_dict_into_shards, refuse_released_parameters
 from lightning_zero.fabric.precision import ZeroFabricPrecision
 from lightning_zero.lightning.engine_setup import broadcast_buffers, shard_for_stage3, wrap_optimizers
 from lightning_zero.lightning.grad_norm import hide_partial_gradients
@@ -219,6 +220,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
                 self._tiers,
             )
             broadcast_buffers(module, self.process_group)
+            # Note [load_state_dict into shards] in fabric/module.py
+            module.load_state_dict = partial(load_state_dict_into_shards, self)  # type: ignore[method-assign]
         else:
             module.to(self.root_device)
             # Parameters are broadcast again bucket by bucket when an optimizer shards them; buffers only here.
