@@ -23,7 +23,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroFabricStrategy
-from lightning_zero.models.gpt import GPTConfig
+from lightning_zero.models.gpt import GPT, GPTConfig
 from tests.fabric_loop_models import ListLogger, LoopGPT, ScoringGPT, initialize_weights, lora_filter, lora_llama
 
 VOCAB, SEQ = 64, 16
@@ -377,3 +377,29 @@ def state_dict_saves(out_dir: str) -> dict[str, Any]:
         weights = {k: v.clone() for k, v in model.state_dict().items()}
         fabric.save(Path(out_dir) / "gathered.pth", {"weights": model.state_dict()})
     return {"refused": refused, "weights": weights, "unmarked": unmarked}
+
+
+def compiled(strategy: str | ZeroFabricStrategy) -> list[float]:
+    """LitGPT's optional ``torch.compile(model)`` before ``fabric.setup``: Fabric compiles what the strategy returns
+    (``aot_eager``, to keep the test to the tracing); accumulation over two micro-batches."""
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)  # type: ignore[arg-type]
+    fabric.launch()
+    fabric.seed_everything(0)
+    model = torch.compile(GPT(GPTConfig.tiny(vocab_size=VOCAB, block_size=SEQ, bias=False)), backend="aot_eager")
+    model = fabric.setup(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    losses = []
+    for i in range(4):
+        tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(i + fabric.global_rank))
+        with fabric.no_backward_sync(model, enabled=i % 2 == 0):
+            loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+            fabric.backward(loss / 2)
+        if i % 2 == 1:
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def compiled_runs(stage: int) -> list[list[float]]:
+    return [compiled("ddp"), compiled(ZeroFabricStrategy(stage=stage))]

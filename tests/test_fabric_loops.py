@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from tests.fabric_loop_runs import Pretrain, finetune_runs, nanogpt_runs, pretrain_runs, state_dict_saves
+from tests.fabric_loop_runs import Pretrain, compiled_runs, finetune_runs, nanogpt_runs, pretrain_runs, state_dict_saves
 from tests.harness import run_distributed
 from tests.test_precision import BF16_LOSS_RTOL
 
@@ -135,3 +135,10 @@ def test_saving_a_stage3_state_dict_outside_a_gather_and_an_unmarked_method_are_
             assert torch.equal(saved[name], expected), name
             assert not saved[name].isnan().any(), name
     assert not (tmp_path / "outside.pth").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_model_compiled_before_setup_matches_fabric_ddp_at_stage_3():
+    for reference, losses in run_distributed(compiled_runs, 2, 3, init_process_group=False, timeout=290):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
