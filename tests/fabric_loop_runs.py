@@ -61,9 +61,10 @@ def validate(fabric: Fabric, model: Any, loader: Any, max_iters: int) -> Tensor:
     return torch.stack(losses).mean()
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(model: Any, prompt: Tensor, new_tokens: int) -> Tensor:
-    """Greedy decoding as LitGPT's ``generate`` calls the model: one forward per token, ``input_pos`` given."""
+    """Greedy decoding as LitGPT's ``generate`` calls the model: under inference mode, one forward per token,
+    ``input_pos`` given."""
     tokens = prompt
     for _ in range(new_tokens):
         input_pos = torch.arange(tokens.size(0), device=tokens.device)
