@@ -210,7 +210,8 @@ def finetune(
     ``setup_module`` then an optimizer over ``model.parameters()`` (the frozen base included, as LitGPT passes them)
     and a warm-up ``LambdaLR``, pretrained base weights from a ``lit_model.pth`` by ``load_raw(strict=False)`` (or,
     ``load="load_state_dict"``, as LitGPT's ``load_checkpoint`` loads under a strategy other than FSDP's),
-    accumulation, clipping by value, validation and sampling, a filtered adapter save every 2 steps."""
+    accumulation, clipping by value, validation and sampling (Hugging Face's ``generate``, marked as a forward method),
+    a filtered adapter save every 2 steps."""
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2, precision=precision)  # type: ignore[arg-type]
     fabric.launch()
     fabric.seed_everything(1337)
@@ -228,6 +229,7 @@ def finetune(
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     fabric.print(f"Number of trainable parameters: {sum(p.numel() for p in model.parameters() if p.requires_grad)}")
     model = fabric.setup_module(model)
+    model.mark_forward_method("generate")  # Hugging Face's, through the strategy's forward as under DDP
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.02))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
     if load == "load_raw":
@@ -235,7 +237,7 @@ def finetune(
     else:
         state_dict = torch.load(checkpoint_path, mmap=True, weights_only=True)
         model.load_state_dict(state_dict.get("model", state_dict), strict=False)
-    from tests.third_party_models import HF_VOCAB, _token_batch
+    from tests.third_party_models import _token_batch
 
     result = Finetune([], [], [], [], {}, trainable)
     accumulate, step_count = 2, 0
@@ -261,10 +263,9 @@ def finetune(
                 result.val.append(
                     F.cross_entropy(val[:, :-1].flatten(0, 1), _token_batch(5, 0)["labels"][:, 1:].flatten()).item()
                 )
-                tokens = torch.tensor([[1, 2, 3]])
-                for _ in range(3):
-                    tokens = torch.cat([tokens, model(input_ids=tokens).logits[:, -1:].argmax(-1) % HF_VOCAB], dim=1)
-                result.samples.append(tokens[0].tolist())
+                prompt = torch.tensor([[1, 2, 3]])
+                sample = model.generate(input_ids=prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
+                result.samples.append(sample[0].tolist())
             model.train()
             path = Path(out_dir) / type(fabric.strategy).__name__ / f"step-{step_count:06d}" / "lit_model.pth.lora"
             fabric.save(path, {"model": model}, filter={"model": lora_filter})
