@@ -3,6 +3,8 @@
 - ``strategy``: ``ZeroFabricStrategy`` (setup, sharded initialization, backward, accumulation, clipping, collectives,
   presets in Fabric's registry).
 - ``precision``: ``ZeroFabricPrecision``, ``ZeroPrecision`` under Fabric's backward and step protocol.
+- ``module``: ``ZeroForwardModule``, what ``setup_module`` returns, so that Fabric routes marked methods through the
+  model's call; the guard against saving stage-3 placeholders.
 - ``checkpoint``: ``fabric.save``/``load``/``load_raw`` in the Trainer's sharded directory format.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,

@@ -33,11 +33,13 @@ class ZeroFabricPrecision(ZeroPrecision):
 
     @override
     def convert_input(self, data: Any) -> Any:
-        return _converted(data, self.param_dtype)
+        return self._converted(data, self.param_dtype)
 
     @override
     def convert_output(self, data: Any) -> Any:
-        return _converted(data, torch.get_default_dtype())
+        # Low-precision outputs (a bf16 model's logits) come back in the default dtype, as Fabric's plugins return
+        # them, so that a loss computed outside the model is computed in fp32, as under Fabric's DDP.
+        return self._converted(data, torch.get_default_dtype())
 
     @contextmanager
     @override
@@ -66,8 +68,8 @@ class ZeroFabricPrecision(ZeroPrecision):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         return optimizer.step(**kwargs)
 
-
-def _converted(data: Any, dtype: torch.dtype) -> Any:
-    if dtype == torch.float32 and torch.get_default_dtype() == torch.float32:
-        return data
-    return apply_to_collection(data, function=convert_fp_tensor, dtype=Tensor, dst_type=dtype)
+    def _converted(self, data: Any, dtype: torch.dtype) -> Any:
+        """Floating tensors of ``data`` in ``dtype``; untouched in 32-true, as Fabric's ``Precision`` leaves them."""
+        if self.param_dtype == torch.float32 and torch.get_default_dtype() == torch.float32:
+            return data
+        return apply_to_collection(data, function=convert_fp_tensor, dtype=Tensor, dst_type=dtype)

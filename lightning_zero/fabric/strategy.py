@@ -8,7 +8,8 @@ Thin glue, in the order a Fabric loop calls it:
 - ``init_module(empty_init=True)``: at stage 3 the model is built on the meta device, as under Fabric's FSDP;
   ``setup_module`` materializes it unit by unit, initialized as the Trainer's ``configure_model`` models are
   (``stage3/sharded_init.py``). Otherwise (stages 1 and 2, or without ``empty_init``) it is DDP's.
-- ``setup_module``: stage 3 shards the model; stages 1 and 2 synchronize it from rank 0. ``setup_optimizer``: each
+- ``setup_module``: stage 3 shards the model; stages 1 and 2 synchronize it from rank 0; it returns the model in a
+  ``ZeroForwardModule`` (Note [marked forward methods] in ``fabric/module.py``). ``setup_optimizer``: each
   optimizer becomes a ``ZeroOptimizer`` over the set-up model (so ``fabric.setup(model, optimizer)`` and
   ``fabric.setup_module`` then ``fabric.setup_optimizers`` both work, at every stage: sharding keeps the parameter
   objects, Note [placeholders] in ``sharding/flat_bucket.py``).
@@ -26,6 +27,7 @@ import sys
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -49,6 +51,7 @@ from lightning_zero.fabric.checkpoint import (
     refuse_unrestorable_frozen_base,
     save_fabric_checkpoint,
 )
+from lightning_zero.fabric.module import ZeroForwardModule, load_state_dict_into_shards, refuse_released_parameters
 from lightning_zero.fabric.precision import ZeroFabricPrecision
 from lightning_zero.lightning.engine_setup import broadcast_buffers, shard_for_stage3, wrap_optimizers
 from lightning_zero.lightning.grad_norm import hide_partial_gradients
@@ -114,6 +117,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         self._param_init_fn = param_init_fn
         self._module: Module | None = None
         """The model set up (one per strategy: the checkpoint format holds one model)."""
+        self._forward_module: ZeroForwardModule | None = None
+        """What ``setup_module`` returned for it (Note [marked forward methods] in ``fabric/module.py``)."""
         self._gatherer: ParameterGatherer | None = None
         self._optimizers: list[ZeroOptimizer] = []
         self._tiers: MemoryTiers | None = None
@@ -229,13 +234,20 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
                 self._tiers,
             )
             broadcast_buffers(module, self.process_group)
+            # Note [load_state_dict into shards] in fabric/module.py
+            module.load_state_dict = partial(load_state_dict_into_shards, self)  # type: ignore[method-assign]
         else:
             module.to(self.root_device)
             # Parameters are broadcast again bucket by bucket when an optimizer shards them; buffers only here.
             sync_module_states(module)
         module.register_forward_pre_hook(self._forward_of_the_loop, prepend=True)
         self.precision.after_backward = self._hide_partial_gradients
-        return module
+        self._forward_module = ZeroForwardModule(module)
+        return self._forward_module
+
+    def _set_up_model(self, module: Any) -> Any:
+        """The model for what Fabric hands over of it (Note [marked forward methods] in ``fabric/module.py``)."""
+        return self._module if module is self._forward_module and module is not None else module
 
     def _forward_of_the_loop(self, module: Module, args: Any) -> None:
         """Broadcast rank 0's buffers where DDP would (Note [buffers follow rank 0] in ``lightning/strategy.py``):
@@ -289,7 +301,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         if self._gatherer is None:
             yield
             return
-        with self._gatherer.gathered(module, writeback=writeback):
+        with self._gatherer.gathered(self._set_up_model(module), writeback=writeback):
             yield
 
     # -- clipping over shards (Note [reduced gradients live in the optimizer] in lightning/precision.py) -------------
@@ -332,6 +344,9 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
                 f"ZeroFabricStrategy.save_checkpoint(storage_options={storage_options!r}) is not supported: sharded "
                 "checkpoints are written by every rank, not through a CheckpointIO plugin. HINT: drop storage_options."
             )
+        state = {name: self._set_up_model(value) for name, value in state.items()}
+        if self._module is not None and self._gatherer is not None:
+            refuse_released_parameters(state, self._module)
         save_fabric_checkpoint(self, self.broadcast(path), state, filter or {})
 
     @override
@@ -349,7 +364,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         """
         path = self.broadcast(path)
         if isinstance(state, Module):
-            load_raw(self, path, state, strict)
+            load_raw(self, path, self._set_up_model(state), strict)
             return {}
         if isinstance(state, Optimizer) or not state:
             raise ValueError(
@@ -357,6 +372,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
                 "state is sharded with the model. HINT: pass the objects together, "
                 "`fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`."
             )
+        for name, value in state.items():  # in place: Fabric copies the plain entries back from this dictionary
+            state[name] = self._set_up_model(value)
         return load_fabric_checkpoint(self, path, state, strict)
 
     # -- end ---------------------------------------------------------------------------------------------------------
@@ -390,7 +407,7 @@ class _ZeroBackwardSyncControl(FabricBackwardSyncControl):
         outside reduces them all (as DDP's ``no_sync``)."""
         if not enabled:
             return nullcontext()
-        if module is not self._strategy._module:
+        if self._strategy._set_up_model(module) is not self._strategy._module:
             raise TypeError(
                 f"`no_backward_sync` got a {type(module).__name__} that ZeroFabricStrategy did not set up. HINT: pass "
                 "the model `fabric.setup` returned."
