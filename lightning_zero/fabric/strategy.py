@@ -42,8 +42,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.comm.fault_monitor import FaultMonitor
-from lightning_zero.compat import FabricBackwardSyncControl, FabricSharded, sync_module_states
+from lightning_zero.compat import FabricSharded, sync_module_states
 from lightning_zero.config import ZeroConfig
+from lightning_zero.fabric.backward_sync import ZeroBackwardSyncControl
 from lightning_zero.fabric.checkpoint import (
     CheckpointPath,
     load_fabric_checkpoint,
@@ -113,7 +114,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
             timeout=timeout or timedelta(seconds=self.config.collective_timeout_s),
             start_method=start_method,
         )
-        self._backward_sync_control = _ZeroBackwardSyncControl(self)
+        self._backward_sync_control = ZeroBackwardSyncControl(self)
         self._param_init_fn = param_init_fn
         self._module: Module | None = None
         """The model set up (one per strategy: the checkpoint format holds one model)."""
@@ -395,35 +396,6 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_presets(cls, strategy_registry)
-
-
-class _ZeroBackwardSyncControl(FabricBackwardSyncControl):
-    def __init__(self, strategy: ZeroFabricStrategy) -> None:
-        self._strategy = strategy
-
-    @override
-    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager[Any]:
-        """Backward passes inside accumulate this rank's gradients without communication; the first backward
-        outside reduces them all (as DDP's ``no_sync``)."""
-        if not enabled:
-            return nullcontext()
-        if self._strategy._set_up_model(module) is not self._strategy._module:
-            raise TypeError(
-                f"`no_backward_sync` got a {type(module).__name__} that ZeroFabricStrategy did not set up. HINT: pass "
-                "the model `fabric.setup` returned."
-            )
-        return self._accumulating()
-
-    @contextmanager
-    def _accumulating(self) -> Generator[None, None, None]:
-        with ExitStack() as stack:
-            for reducer in self._strategy.reducers():
-                stack.enter_context(reducer.no_sync())
-            self._strategy._accumulating = True  # Note [buffers follow rank 0]
-            try:
-                yield
-            finally:
-                self._strategy._accumulating = False
 
 
 def _on_meta(module: Module) -> bool:

@@ -1,0 +1,47 @@
+"""``fabric.no_backward_sync``: gradient accumulation without communication, through the ``ZeroOptimizer``s'
+reducers (their ``no_sync``), as DDP's ``no_sync`` does for Fabric's DDP strategy."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_zero.compat import FabricBackwardSyncControl
+
+if TYPE_CHECKING:
+    from lightning_zero.fabric.strategy import ZeroFabricStrategy
+
+
+class ZeroBackwardSyncControl(FabricBackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: every optimizer's reducer accumulates locally inside."""
+
+    def __init__(self, strategy: ZeroFabricStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager[Any]:
+        """Backward passes inside accumulate this rank's gradients without communication; the first backward
+        outside reduces them all (as DDP's ``no_sync``)."""
+        if not enabled:
+            return nullcontext()
+        if self._strategy._set_up_model(module) is not self._strategy._module:
+            raise TypeError(
+                f"`no_backward_sync` got a {type(module).__name__} that ZeroFabricStrategy did not set up. HINT: pass "
+                "the model `fabric.setup` returned."
+            )
+        return self._accumulating()
+
+    @contextmanager
+    def _accumulating(self) -> Generator[None, None, None]:
+        with ExitStack() as stack:
+            for reducer in self._strategy.reducers():
+                stack.enter_context(reducer.no_sync())
+            self._strategy._accumulating = True  # Note [buffers follow rank 0]
+            try:
+                yield
+            finally:
+                self._strategy._accumulating = False
