@@ -296,6 +296,17 @@ class ZeroConfig:
         return self.check_rank_divergence
 
     @classmethod
+    def from_arguments(cls, config: ZeroConfig | None, kwargs: dict[str, Any]) -> ZeroConfig:
+        """The config a strategy was given (``ZeroStrategy``, ``ZeroFabricStrategy``): ``config``, or its fields as
+        keywords, not both."""
+        if config is not None and kwargs:
+            raise TypeError(
+                f"Pass either `config=ZeroConfig(...)` or ZeroConfig fields as keywords, not both (got "
+                f"{sorted(kwargs)} as well). HINT: use `dataclasses.replace(config, ...)` to change a config."
+            )
+        return config if config is not None else cls.from_kwargs(**kwargs)
+
+    @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ZeroConfig:
         """Build a config from keyword arguments, naming any unknown keyword and the known ones."""
         known = {f.name for f in fields(cls)}

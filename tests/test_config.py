@@ -66,8 +66,12 @@ def test_strategy_names_unknown_option_and_lists_valid_ones():
 
 
 def test_strategy_refuses_config_and_keywords_together():
-    with pytest.raises(TypeError, match="either `config=ZeroConfig"):
-        ZeroStrategy(ZeroConfig(), stage=1)
+    from lightning_zero.fabric.strategy import ZeroFabricStrategy
+
+    for front_door in (ZeroStrategy, ZeroFabricStrategy):
+        with pytest.raises(TypeError, match="either `config=ZeroConfig"):
+            front_door(ZeroConfig(), stage=1)
+        assert front_door(stage=2, bucket_numel=7).config == ZeroConfig(stage=2, bucket_numel=7)
 
 
 def test_strategy_refuses_unknown_start_method():

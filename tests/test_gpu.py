@@ -365,12 +365,12 @@ def _host_tier_step(offload_params: str) -> dict[str, Any]:
     """Where a stage-3 step with the host tier keeps things, what it copies, and how many gradient copies to the
     host start while backward still runs.
 
-    Not "overlap with kernels": this small model is bound by the host at stage 3 (about 4 ms of Python per block's
-    backward against 0.3 ms of kernels on an H100, 2026-11-26), so the GPU idles most of backward and a copy issued
-    as early as it can be lands in an idle gap, overlapping no kernel. What the tier controls is *when* a copy is
-    issued: as each bucket's reduction completes, not all at the end. Each block's backward therefore starts with a
-    sleep kernel that marks it on the timeline, and a copy that starts before the last block's sleep ends was issued
-    while backward had blocks to go."""
+    Not "overlap with kernels": this small model is bound by the host at stage 3 (under the profiler, about 4 ms of
+    Python per block's backward against 0.3 ms of kernels on an H100, 2026-11-26), so the GPU idles most of backward
+    and a copy issued as early as it can be lands in an idle gap, overlapping no kernel. What the tier controls is
+    *when* a copy is issued: as each bucket's reduction completes, not all at the end. Each block's backward
+    therefore starts with a sleep kernel that marks it on the timeline, and a copy that starts before the last
+    block's sleep ends was issued while backward had blocks to go."""
     from lightning_zero.offload.memory_tiers import MemoryTiers
 
     pageable = _count_pageable_copies()

@@ -98,12 +98,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         param_init_fn: ParamInitFn | None = None,
         **config_kwargs: Any,
     ) -> None:
-        if config is not None and config_kwargs:
-            raise TypeError(
-                f"Pass either `config=ZeroConfig(...)` or ZeroConfig fields as keywords, not both (got "
-                f"{sorted(config_kwargs)} as well). HINT: use `dataclasses.replace(config, ...)` to change a config."
-            )
-        self.config = config if config is not None else ZeroConfig.from_kwargs(**config_kwargs)
+        self.config = ZeroConfig.from_arguments(config, config_kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

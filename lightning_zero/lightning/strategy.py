@@ -94,12 +94,7 @@ class ZeroStrategy(RootUnitSteps):
         cpu_offload: bool | None = None,
         **config_kwargs: Any,
     ) -> None:
-        if config is not None and config_kwargs:
-            raise TypeError(
-                f"Pass either `config=ZeroConfig(...)` or ZeroConfig fields as keywords, not both (got "
-                f"{sorted(config_kwargs)} as well). HINT: use `dataclasses.replace(config, ...)` to change a config."
-            )
-        self.config = config if config is not None else ZeroConfig.from_kwargs(**config_kwargs)
+        self.config = ZeroConfig.from_arguments(config, config_kwargs)
         if cpu_offload:
             self.config = with_cpu_offload(self.config, config_kwargs if config is None else dataclasses.asdict(config))
         super().__init__(
