@@ -106,6 +106,167 @@ def gan(strategy: str | ZeroFabricStrategy, precision: str = "32-true", steps: i
     return run
 
 
-def gan_ddp_and_zero(cases: list[tuple[dict[str, Any], str]]) -> list[list[Run]]:
-    """[Fabric DDP, ZeRO] for each (ZeroConfig fields, precision)."""
-    return [[gan("ddp", precision), gan(ZeroFabricStrategy(**fields), precision)] for fields, precision in cases]
+# -- distillation from a frozen teacher; a policy and a value network set up one by one ----------------------------
+def _mlp(inputs: int, hidden: int, outputs: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(inputs, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, outputs)
+    )
+
+
+def distill(strategy: str | ZeroFabricStrategy, precision: str = "32-true", steps: int = 3, accumulate: int = 2) -> Run:
+    """A student distilled from a frozen teacher (KL to its soft targets), accumulating under ``no_backward_sync``,
+    clipped. The teacher is set up under ZeRO (at stage 3 it is sharded, never whole on a rank); Fabric's DDP cannot
+    wrap a module without trainable parameters, so there it is only moved to the device, as DDP loops do."""
+    fabric = make_fabric(strategy, precision)
+    torch.manual_seed(0)
+    teacher = _mlp(FEATURES, 32, 5).requires_grad_(False).eval()
+    student = _mlp(FEATURES, 16, 5)
+    optimizer = torch.optim.AdamW(student.parameters(), lr=3e-3)
+    student, optimizer = fabric.setup(student, optimizer)
+    teacher = fabric.setup_module(teacher) if isinstance(strategy, ZeroFabricStrategy) else teacher.to(fabric.device)
+    run = Run(extra={"norms": []})
+    for step in range(steps):
+        total = 0.0
+        for micro in range(accumulate):
+            inputs = _data(fabric.global_rank, step * accumulate + micro)[0]
+            with fabric.no_backward_sync(student, enabled=micro < accumulate - 1):
+                with torch.no_grad():
+                    soft = torch.softmax(teacher(inputs).float() / 2.0, dim=-1)
+                log_probs = torch.log_softmax(student(inputs).float() / 2.0, dim=-1)
+                loss = nn.functional.kl_div(log_probs, soft, reduction="batchmean") / accumulate
+                fabric.backward(loss)
+            total += loss.item()
+        run.extra["norms"].append(float(fabric.clip_gradients(student, optimizer, max_norm=0.05)))
+        optimizer.step()
+        optimizer.zero_grad()
+        run.losses.append(total)
+    run.weights = weights(fabric, student, teacher)
+    return run
+
+
+def policy_value(strategy: str | ZeroFabricStrategy, precision: str = "32-true", steps: int = 3) -> Run:
+    """A policy and a value network set up one by one (``setup_module`` each, then both optimizers in one
+    ``setup_optimizers``), one loss through both, accumulated over two micro-batches under both models'
+    ``no_backward_sync``, each model clipped with its optimizer and stepped."""
+    fabric = make_fabric(strategy, precision)
+    torch.manual_seed(0)
+    policy, value = _mlp(FEATURES, 16, 3), _mlp(FEATURES, 16, 1)
+    policy, value = fabric.setup_module(policy), fabric.setup_module(value)
+    optimizer_p = torch.optim.Adam(policy.parameters(), lr=3e-3)
+    optimizer_v = torch.optim.SGD(value.parameters(), lr=0.05, momentum=0.9)
+    optimizer_p, optimizer_v = fabric.setup_optimizers(optimizer_p, optimizer_v)
+    run = Run(extra={"norms": []})
+    for step in range(steps):
+        total = 0.0
+        for micro in range(2):
+            states = _data(fabric.global_rank, step * 2 + micro)[0]
+            returns = states.sum(dim=-1)
+            last = micro == 1
+            with fabric.no_backward_sync(policy, enabled=not last), fabric.no_backward_sync(value, enabled=not last):
+                log_probs = torch.log_softmax(policy(states), dim=-1)
+                advantage = returns - value(states).view(-1)
+                loss = (-(log_probs[:, 0] * advantage.detach()).mean() + advantage.pow(2).mean()) / 2
+                fabric.backward(loss)
+            total += loss.item()
+        for model, optimizer in ((policy, optimizer_p), (value, optimizer_v)):
+            run.extra["norms"].append(float(fabric.clip_gradients(model, optimizer, max_norm=0.5)))
+            optimizer.step()
+            optimizer.zero_grad()
+        run.losses.append(total)
+    run.weights = weights(fabric, policy, value)
+    return run
+
+
+LOOPS = {"gan": gan, "distill": distill, "policy_value": policy_value}
+
+
+def ddp_and_zero(cases: list[tuple[str, dict[str, Any], str]]) -> list[list[Run]]:
+    """[Fabric DDP, ZeRO] for each (loop, ZeroConfig fields, precision)."""
+    return [
+        [LOOPS[loop]("ddp", precision), LOOPS[loop](ZeroFabricStrategy(**fields), precision)]
+        for loop, fields, precision in cases
+    ]
+
+
+# -- checkpoints ------------------------------------------------------------------------------------------------------
+def _gan_state(parts: tuple[Any, Any, Any, Any], **others: Any) -> dict[str, Any]:
+    generator, discriminator, optimizer_g, optimizer_d = parts
+    return {
+        "generator": generator,
+        "discriminator": discriminator,
+        "optimizer_g": optimizer_g,
+        "optimizer_d": optimizer_d,
+        **others,
+    }
+
+
+def gan_resume(root: str, saving: dict[str, Any], loading: dict[str, Any]) -> dict[str, Any]:
+    """The GAN trained 4 steps at once, and 2 steps, saved, loaded into a fresh Fabric with ``loading``'s ZeroConfig
+    (another stage) and trained 2 more: the losses and weights of both, and the weights just after the load."""
+    fabric = make_fabric(ZeroFabricStrategy(**saving))
+    parts = gan_setup(fabric)
+    uninterrupted = gan_steps(fabric, parts, 0, 4)
+    final = weights(fabric, parts[0], parts[1])
+    fabric = make_fabric(ZeroFabricStrategy(**saving))
+    parts = gan_setup(fabric)
+    gan_steps(fabric, parts, 0, 2)
+    saved = weights(fabric, parts[0], parts[1])
+    teacher = nn.Linear(3, 2)  # a module not set up: saved as its state dict, as Fabric's DDP saves it
+    fabric.save(f"{root}/gan", _gan_state(parts, step=2, teacher=teacher))
+    fabric = make_fabric(ZeroFabricStrategy(**loading))
+    parts = gan_setup(fabric)
+    fresh_teacher = nn.Linear(3, 2)
+    state = _gan_state(parts, step=0, teacher=fresh_teacher)
+    remainder = fabric.load(f"{root}/gan", state)
+    loaded = weights(fabric, parts[0], parts[1])
+    resumed = gan_steps(fabric, parts, state["step"], 4)
+    return {
+        "losses": (uninterrupted[6:], resumed),
+        "final": (final, weights(fabric, parts[0], parts[1])),
+        "saved": saved,
+        "loaded": loaded,
+        "remainder": remainder,
+        "teacher": (teacher.state_dict(), fresh_teacher.state_dict()),
+    }
+
+
+def _one_step(fabric: Fabric, parts: tuple[Any, Any, Any, Any]) -> list[float]:
+    return gan_steps(fabric, parts, 7, 8)
+
+
+def partial_loads(strategy: str | ZeroFabricStrategy, root: str) -> dict[str, Any]:
+    """Saves and loads of parts of a GAN's state as Fabric's documentation writes them; after each load one step
+    shows what was restored (the losses depend on every weight and optimizer state). Run under Fabric's DDP and ZeRO
+    alike, the observations must agree."""
+    name = "ddp" if isinstance(strategy, str) else f"zero{strategy.config.stage}"
+    path = f"{root}/{name}"
+    seen: dict[str, Any] = {}
+    fabric = make_fabric(strategy)
+    parts = gan_setup(fabric)
+    gan_steps(fabric, parts, 0, 2)
+    teacher = nn.Linear(3, 2)
+    fabric.save(path, _gan_state(parts, step=2, teacher=teacher, note="two steps"))
+    seen["teacher"] = teacher.state_dict()
+
+    def fresh(lr: float = 2e-3) -> tuple[Any, Any, Any, Any]:
+        return gan_setup(fabric, lr)
+
+    parts = fresh()  # only one optimizer's state: the models stay as initialized
+    seen["optimizer_d"] = (fabric.load(path, {"optimizer_d": parts[3]}), _one_step(fabric, parts))
+    parts = fresh()  # only the user's objects
+    state: dict[str, Any] = {"step": 0, "note": None}
+    remainder = fabric.load(path, state)
+    seen["user"] = (remainder, state, _one_step(fabric, parts))
+    parts = fresh()  # one model, and a module that was not set up
+    teacher = nn.Linear(3, 2)
+    seen["generator"] = (fabric.load(path, {"generator": parts[0], "teacher": teacher}), _one_step(fabric, parts))
+    seen["loaded_teacher"] = teacher.state_dict()
+    parts = fresh()  # the models and their optimizers, a key the checkpoint does not hold refused, then allowed
+    state = _gan_state(parts, coconut=11)
+    try:
+        fabric.load(path, state)
+    except KeyError as error:
+        seen["strict"] = str(error)
+    seen["not_strict"] = (fabric.load(path, state, strict=False), state["coconut"], _one_step(fabric, parts))
+    seen["everything"] = sorted(fabric.load(path))  # no state: what Fabric returns of the checkpoint
+    return seen

@@ -55,7 +55,7 @@ from lightning_zero.fabric.checkpoint import (
 from lightning_zero.fabric.models import SetUpModel, SetUpModels, on_meta, set_up_model, set_up_optimizer
 from lightning_zero.fabric.module import load_state_dict_into_shards
 from lightning_zero.fabric.precision import ZeroFabricPrecision
-from lightning_zero.fabric.zero_grad import apply_zero_grad, mark, watched
+from lightning_zero.fabric.zero_grad import apply_zero_grad, engine_call, mark, watched
 from lightning_zero.lightning.engine_setup import broadcast_buffers
 from lightning_zero.lightning.grad_norm import hide_partial_gradients
 from lightning_zero.lightning.offload_setup import build_memory_tiers
@@ -276,7 +276,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         zero = self.models.optimizer(optimizer)
         if zero is not None:
             apply_zero_grad(self.models, only=zero)
-        return super().optimizer_step(optimizer, **kwargs)
+        with engine_call(self.models):
+            return super().optimizer_step(optimizer, **kwargs)
 
     def reducers(self) -> list[GradientReducer]:
         """The gradient reducers of every set-up model."""
@@ -308,7 +309,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         zero = as_zero_optimizer(optimizer)
-        norm = zero.clip_grad_norm_(float(max_norm), float(norm_type))
+        with engine_call(self.models):  # Note [model.zero_grad() reaches the shards] in fabric/zero_grad.py
+            norm = zero.clip_grad_norm_(float(max_norm), float(norm_type))
         # A step that overflowed under loss scaling is skipped by every rank: its norm is expected to be infinite.
         if error_if_nonfinite and not zero._found_inf and not bool(torch.isfinite(norm)):
             raise RuntimeError(
@@ -320,7 +322,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        as_zero_optimizer(optimizer).clip_grad_value_(float(clip_val))
+        with engine_call(self.models):
+            as_zero_optimizer(optimizer).clip_grad_value_(float(clip_val))
 
     # -- checkpoints: the Trainer's sharded directory (fabric/checkpoint.py) -----------------------------------------
     @override
