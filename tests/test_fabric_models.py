@@ -223,5 +223,6 @@ def test_a_model_holding_its_own_checkpoint_wrappers_is_warned_about_and_left_as
 
 
 def test_16_true_is_refused_naming_the_fabric_strategy():
-    with pytest.raises(ValueError, match=r"Invalid precision for ZeroFabricStrategy: '16-true'.*HINT: '16-true'"):
+    expected = r"ZeroFabricStrategy does not support the precision plugin HalfPrecision \(precision='16-true'\)"
+    with pytest.raises(ValueError, match=expected + r".*HINT: use Fabric\(precision=...\)"):
         Fabric(strategy="zero2", accelerator="cpu", devices=1, precision="16-true")

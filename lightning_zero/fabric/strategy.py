@@ -9,7 +9,8 @@ Thin glue, in the order a Fabric loop calls it:
   ``setup_module`` materializes it unit by unit, initialized as the Trainer's ``configure_model`` models are
   (``stage3/sharded_init.py``). Otherwise (stages 1 and 2, or without ``empty_init``) it is DDP's.
 - ``setup_module``: stage 3 shards the model; stages 1 and 2 synchronize it from rank 0; it returns the model in a
-  ``ZeroForwardModule`` (Note [marked forward methods] in ``fabric/module.py``). ``setup_optimizer``: each
+  ``ZeroForwardModule`` (Note [marked forward methods] in ``fabric/module.py``). Any number of models, each with its
+  own units and optimizers (Note [several models in one Fabric] in ``fabric/models.py``). ``setup_optimizer``: each
   optimizer becomes a ``ZeroOptimizer`` over the set-up model (so ``fabric.setup(model, optimizer)`` and
   ``fabric.setup_module`` then ``fabric.setup_optimizers`` both work, at every stage: sharding keeps the parameter
   objects, Note [placeholders] in ``sharding/flat_bucket.py``).

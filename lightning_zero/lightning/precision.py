@@ -362,8 +362,6 @@ def to_zero_precision(plugin: FabricPrecision | None, zero_type: type[ZeroPrecis
     if type(plugin) in _PLAIN:
         return zero_type("32-true")
     name = getattr(plugin, "precision", None)
-    if type(plugin) in _TRANSLATED and name == "16-true":
-        return zero_type("16-true")  # type: ignore[arg-type]  # refused, saying why and what to use instead
     # Exact types only: a subclass customizes what the plugin does, which the translation would silently drop.
     if type(plugin) in _TRANSLATED and name in SUPPORTED:
         scaler = getattr(plugin, "scaler", None)
