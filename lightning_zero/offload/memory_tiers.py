@@ -245,6 +245,9 @@ class MemoryTiers:
         """Stop the IO threads and (``remove``) delete this rank's tier directory."""
         for host_steps in self.host_steps:
             host_steps.close()
+        for tiers in self.optimizer_tiers:
+            if tiers.host is not None:
+                tiers.host.close()
         if self.swapper is not None:
             self.swapper.close()
         if remove and self.directory is not None:

@@ -130,6 +130,9 @@ class OptimizerTiers:
             self.on_disk = placed
         masters: list[Tensor] = []
         runs: list[MasterRun] = []
+        if self.host is not None:
+            spans = [(b, sum(s.stop - s.start for s in segments if s.bucket is b)) for b in buckets if id(b) in placed]
+            self.host.reserve([(b, n) for b, n in spans if n], fp32)
         for bucket in buckets:  # one bucket at a time: a tier keeps only that one's shard in memory
             mine = [s for s in segments if s.bucket is bucket]
             if not mine:
