@@ -26,6 +26,7 @@ first, starts a new update with nothing to publish).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -46,6 +47,8 @@ class HostSteps:
         self._pool: ThreadPoolExecutor | None = None
         self._started: dict[int, Future[None]] = {}
         self._deferred: set[int] = set()
+        self.busy_s = 0.0
+        """Seconds the worker has spent in updates so far (the GPU check's split of a step)."""
 
     def _worker(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -60,11 +63,18 @@ class HostSteps:
     def start(self, key: int, update: Callable[[], None] | None) -> TierStep:
         """Run ``update`` (a bucket's, None: nothing to step) on the worker: started, or deferred past this step."""
         if update is not None:
-            self._started[key] = self._worker().submit(update)
+            self._started[key] = self._worker().submit(self._timed, update)
         if self.delays:
             self._deferred.add(key)
             return TierStep.DEFERRED
         return TierStep.STARTED
+
+    def _timed(self, update: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        try:
+            update()
+        finally:
+            self.busy_s += time.perf_counter() - start  # one worker: no race
 
     def finish(self, key: int) -> None:
         """The bucket's update has landed (its error, if any, is raised here, on the training thread)."""
