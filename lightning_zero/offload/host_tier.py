@@ -147,7 +147,9 @@ class HostTier:
                 current = self._edit_scratch(bucket.dtype)[: d - c]
                 self._read_shard(host, c, d, current)
                 part = master[c - a : d - a]
-                torch.where(current != part.to(current.dtype), current, part, out=part)
+                edited = current != part.to(current.dtype)
+                if edited.any():  # host memory: no device wait. Edits are rare; the masters are then left alone
+                    torch.where(edited, current, part, out=part)
 
     def write_back(self, bucket: FlatBucket) -> None:
         """After the bucket's step: its masters (rounded to the parameter dtype) into the parameter shard, on the
