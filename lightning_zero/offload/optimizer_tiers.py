@@ -188,7 +188,7 @@ class OptimizerTiers:
     def _on_reduced(self, bucket: FlatBucket) -> None:
         assert self.host is not None
         if self.host_steps is not None and id(bucket) in self.host_steps.in_flight():
-            return  # its host gradient is still read by the deferred update: copied at the step (Note [delayed ...])
+            return  # still read by the deferred update: copied at the step (Note [delayed parameter update])
         self.host.on_reduced(self._opt.reducer, bucket)
 
     def start_step(self, bucket: FlatBucket) -> TierStep:
