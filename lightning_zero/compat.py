@@ -88,6 +88,7 @@ __all__ = [
     "default_process_group_backend_for_device",
     "distributed_is_initialized",
     "fabric_run_command",
+    "fused_adam_kernel",
     "get_default_store",
     "init_dist_connection",
     "layer_sync",
@@ -187,6 +188,11 @@ SWAPS_STORAGE_MEMORY = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 def swap_storage_memory(storage: torch.UntypedStorage, other: torch.UntypedStorage) -> None:
     """Exchange the memory of two storages in place (views of each keep pointing at their own storage)."""
     storage._swap_data_ptr_(other)  # type: ignore[attr-defined]
+
+
+def fused_adam_kernel(decoupled_weight_decay: bool) -> Callable[..., None]:
+    """torch's fused multi-tensor Adam step (``_fused_adamw_``, or ``_fused_adam_`` with L2 weight decay)."""
+    return torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_  # type: ignore[no-any-return]
 
 
 def non_finite_check_and_unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:

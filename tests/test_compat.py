@@ -39,6 +39,7 @@ PRIVATE = {
     "torch.autograd.Variable._execution_engine.queue_callback": "queue_autograd_callback",
     "torch.UntypedStorage._swap_data_ptr_ (newer than 2.7)": "swap_storage_memory",
     "torch._amp_foreach_non_finite_check_and_unscale_": "non_finite_check_and_unscale_",
+    "torch._fused_adamw_, torch._fused_adam_": "fused_adam_kernel",
     "torch._utils._rebuild_tensor_v2": "rebuild_tensor",
     "torch.storage.TypedStorage._pickle_storage_type": "storage_type",
     "torch._C.PyTorchFileWriter, torch.serialization._get_storage_alignment": "open_torch_save_archive",
