@@ -192,7 +192,7 @@ def swap_storage_memory(storage: torch.UntypedStorage, other: torch.UntypedStora
 
 def fused_adam_kernel(decoupled_weight_decay: bool) -> Callable[..., None]:
     """torch's fused multi-tensor Adam step (``_fused_adamw_``, or ``_fused_adam_`` with L2 weight decay)."""
-    return torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_  # type: ignore[no-any-return]
+    return torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
 
 
 def non_finite_check_and_unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
