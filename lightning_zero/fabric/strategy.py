@@ -27,7 +27,6 @@ import sys
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
-from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -52,9 +51,15 @@ from lightning_zero.fabric.checkpoint import (
     refuse_unrestorable_frozen_base,
     save_fabric_checkpoint,
 )
-from lightning_zero.fabric.module import ZeroForwardModule, load_state_dict_into_shards, refuse_released_parameters
+from lightning_zero.fabric.module import ZeroForwardModule, full_tensors, refuse_released_parameters
 from lightning_zero.fabric.precision import ZeroFabricPrecision
-from lightning_zero.lightning.engine_setup import broadcast_buffers, shard_for_stage3, wrap_optimizers
+from lightning_zero.lightning.engine_setup import (
+    broadcast_buffers,
+    install_module_state,
+    serving,
+    shard_for_stage3,
+    wrap_optimizers,
+)
 from lightning_zero.lightning.grad_norm import hide_partial_gradients
 from lightning_zero.lightning.offload_setup import build_memory_tiers
 from lightning_zero.lightning.precision import to_zero_precision
@@ -230,8 +235,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
                 self._tiers,
             )
             broadcast_buffers(module, self.process_group)
-            # Note [load_state_dict into shards] in fabric/module.py
-            module.load_state_dict = partial(load_state_dict_into_shards, self)  # type: ignore[method-assign]
+            # Note [a stage-3 model's state dict] in checkpoint/module_state.py
+            install_module_state(module, self._gatherer, lambda: self._optimizers, lambda: self._tiers)
         else:
             module.to(self.root_device)
             # Parameters are broadcast again bucket by bucket when an optimizer shards them; buffers only here.
@@ -297,8 +302,31 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         if self._gatherer is None:
             yield
             return
-        with self._gatherer.gathered(self._set_up_model(module), writeback=writeback):
-            yield
+        calls = self._gatherer.calls
+        if calls is not None:  # Note [one-rank calls]
+            calls.begin("gathered_parameters()")
+        try:
+            with self._gatherer.gathered(self._set_up_model(module), writeback=writeback):
+                yield
+        finally:
+            if calls is not None:
+                calls.end()
+
+    # -- collectives: each first serves a rank calling the model alone (Note [one-rank calls]) ---------------------
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        with serving(self._gatherer):
+            super().barrier(*args, **kwargs)
+
+    @override
+    def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor:
+        with serving(self._gatherer):
+            return super().all_reduce(tensor, group, reduce_op)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        with serving(self._gatherer):
+            return super().broadcast(obj, src)
 
     # -- clipping over shards (Note [reduced gradients live in the optimizer] in lightning/precision.py) -------------
     @override
@@ -343,6 +371,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         state = {name: self._set_up_model(value) for name, value in state.items()}
         if self._module is not None and self._gatherer is not None:
             refuse_released_parameters(state, self._module)
+            state = full_tensors(state)  # a state dict taken as DTensors is saved whole, as DDP's
         save_fabric_checkpoint(self, self.broadcast(path), state, filter or {})
 
     @override

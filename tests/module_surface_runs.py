@@ -1,0 +1,181 @@
+"""Loops for ``tests/test_module_surface.py``: a stage-3 model used through plain ``nn.Module`` calls (``state_dict``,
+``load_state_dict`` and its hooks, a forward on one rank), under ``Fabric(strategy="zero3")`` and, as the oracle,
+Fabric's DDP. Everything here runs inside a rank started by ``tests.harness.run_distributed``
+(``init_process_group=False``)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from lightning.fabric.utilities.load import _lazy_load
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_zero import ZeroFabricStrategy
+from lightning_zero.models.gpt import GPT, GPTConfig
+from tests import parity
+
+
+class Renamed(nn.Module):
+    """A layer that renames its checkpoint keys in a load pre-hook, as LitGPT's LoRA layers do (``weight`` of a
+    plain linear is ``linear.weight`` here), and counts its post-hook calls."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(features, features)
+        self.post_hook_calls = 0
+        self.register_load_state_dict_pre_hook(self._rename)
+        self.register_load_state_dict_post_hook(self._count)
+
+    @staticmethod
+    def _rename(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        for name in ("weight", "bias"):
+            if prefix + name in state_dict:
+                state_dict[prefix + "linear." + name] = state_dict.pop(prefix + name)
+
+    def _count(self, module: nn.Module, keys: Any) -> None:
+        self.post_hook_calls += 1
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.linear(x)
+        return out
+
+
+class HookedGPT(nn.Module):
+    """The tests' GPT with a renaming layer before its head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = GPT(GPTConfig.tiny(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, bias=False))
+        self.mix = Renamed(64)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        out: Tensor = self.mix(self.gpt(tokens))
+        return out
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(1234)
+    return HookedGPT()
+
+
+def _fabric(strategy: str | ZeroFabricStrategy, precision: str) -> Fabric:
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2, precision=precision)  # type: ignore[arg-type]
+    fabric.launch()
+    return fabric
+
+
+def _loss(model: Any, rank: int, step: int) -> Tensor:
+    x, y = parity.batch("gpt", rank, step, 0)
+    return nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+
+
+def _train(fabric: Fabric, model: Any, optimizer: Any, steps: int, start: int = 0) -> list[float]:
+    losses = []
+    for step in range(start, start + steps):
+        loss = _loss(model, fabric.global_rank, step)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _full(state: dict[str, Any]) -> dict[str, Tensor]:
+    """A state dict's entries whole (DTensors gathered: collective)."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().clone() for k, v in state.items()}
+
+
+def round_trip(strategy: str, precision: str, directory: str) -> dict[str, Any]:
+    """Train, take ``state_dict()`` and save it as DDP's users do (rank 0's ``torch.save`` of plain tensors, with the
+    renamed layer's keys as a plain linear names them), train on, load the file back lazily with
+    ``load_state_dict`` (Lightning's lazy loader, the renaming pre-hook, the post-hooks) and train on again."""
+    fabric = _fabric(strategy, precision)
+    model = fabric.setup_module(_model())  # built whole: the same initial weights in every precision
+    # SGD: Adam's normalized step turns bf16's rounding of tiny gradients into whole steps (tests/test_precision.py)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+    losses = _train(fabric, model, optimizer, 3)
+    state = model.state_dict()
+    kinds = sorted({type(v).__name__ for v in state.values()})
+    full = _full(state)
+    path = os.path.join(directory, f"{strategy}-{precision}.pt")
+    if fabric.global_rank == 0:
+        torch.save({k.replace("mix.linear.", "mix."): v for k, v in full.items()}, path)
+    fabric.barrier()
+    losses += _train(fabric, model, optimizer, 2, start=3)
+    keys = model.load_state_dict(_lazy_load(path), strict=True)
+    reloaded = _full(model.state_dict())
+    losses += _train(fabric, model, optimizer, 2, start=5)
+    return {
+        "losses": losses,
+        "kinds": kinds,
+        "full": full,
+        "reloaded": reloaded,
+        "keys": (list(keys.missing_keys), list(keys.unexpected_keys)),
+        "post_hooks": model.mix.post_hook_calls,
+    }
+
+
+def inside_gather(directory: str) -> dict[str, Any]:
+    """``state_dict()`` taken inside ``gathered_parameters()`` and saved after it: a file that loads, with the
+    weights."""
+    fabric = _fabric("zero3", "32-true")
+    with fabric.init_module(empty_init=True):
+        model = _model()
+    model = fabric.setup_module(model)
+    with fabric.strategy.gathered_parameters():
+        state = model.state_dict()
+        inside = {k: v.detach().clone() for k, v in state.items()}
+    path = os.path.join(directory, "inside.pt")
+    if fabric.global_rank == 0:
+        torch.save(state, path)
+    fabric.barrier()
+    loaded = torch.load(path, weights_only=True)
+    return {
+        "same": all(torch.equal(loaded[k], inside[k]) for k in inside),
+        "nbytes": sum(t.untyped_storage().nbytes() for t in state.values()),
+        "expected": sum(t.numel() * t.element_size() for t in inside.values()),
+    }
+
+
+def one_rank_forward(strategy: str, then: str) -> dict[str, Any]:
+    """Rank 0 samples alone (a forward without gradients) while rank 1 waits in ``fabric.barrier()`` (``then ==
+    "barrier"``), or goes on to train (``then == "train"``), which cannot serve it."""
+    fabric = _fabric(strategy if strategy == "ddp" else ZeroFabricStrategy(stage=3, collective_timeout_s=4.0), "32-true")
+    with fabric.init_module(empty_init=strategy != "ddp"):
+        model = _model()
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _train(fabric, model, optimizer, 1)
+    x, _ = parity.batch("gpt", 0, 7, 0)
+    with torch.no_grad():
+        everyone = model(x).clone()  # every rank: the oracle for rank 0's lone call
+    start = time.monotonic()
+    outcome: Any = None
+    if fabric.global_rank == 0:
+        try:
+            with torch.no_grad():
+                outcome = bool(torch.equal(model(x), everyone) and torch.equal(model(x), everyone))
+            state = model.state_dict()  # served too
+            outcome = outcome and len(state) > 0
+        except Exception as error:  # noqa: BLE001 - returned for the test to read
+            outcome = f"{type(error).__name__}: {error}"
+    if then == "barrier" or fabric.global_rank == 0:
+        fabric.barrier()
+    else:
+        try:
+            _train(fabric, model, optimizer, 1)
+        except Exception as error:  # noqa: BLE001
+            outcome = f"{type(error).__name__}: {error}"
+    elapsed = time.monotonic() - start
+    after = _train(fabric, model, optimizer, 1, start=2) if then == "barrier" else None
+    return {"outcome": outcome, "elapsed": elapsed, "after": after}
+
+
+def spawn_safe_rank() -> int:
+    return dist.get_rank()

@@ -1,0 +1,32 @@
+"""A stage-3 model used through plain ``nn.Module`` calls, as code we did not write uses it, against Fabric's DDP:
+``state_dict()`` (DTensors with DDP's values, not placeholders), ``load_state_dict()`` of a lazily loaded file through
+the module's own renaming hooks, a state dict taken inside ``gathered_parameters()`` saved after it, and a forward
+on one rank only (Note [a stage-3 model's state dict], Note [load_state_dict into shards], Note [one-rank calls])."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import module_surface_runs as runs
+from tests.harness import run_distributed
+
+
+def _run(fn, *args, world=2, timeout=240.0):
+    return run_distributed(fn, world, *args, init_process_group=False, timeout=timeout)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_state_dict_and_lazy_load_through_hooks_match_ddp(tmp_path, precision):
+    ddp = _run(runs.round_trip, "ddp", precision, str(tmp_path))
+    zero = _run(runs.round_trip, "zero3", precision, str(tmp_path))
+    tolerance = 1e-5 if precision == "32-true" else 2e-2
+    for d, z in zip(ddp, zero, strict=True):
+        assert z["kinds"] == ["DTensor"] and d["kinds"] == ["Tensor"]  # every entry is a parameter here
+        assert d["keys"] == z["keys"] == ([], [])
+        assert z["post_hooks"] == d["post_hooks"] == 1
+        torch.testing.assert_close(z["losses"], d["losses"], rtol=tolerance, atol=tolerance)
+        for key, value in d["full"].items():
+            torch.testing.assert_close(z["full"][key], value, rtol=tolerance, atol=tolerance, msg=key)
+            # what was loaded is what the file holds: exactly what the state dict gave
+            torch.testing.assert_close(z["reloaded"][key], z["full"][key], rtol=0, atol=0, msg=key)
