@@ -143,39 +143,38 @@ def inside_gather(directory: str) -> dict[str, Any]:
     }
 
 
-def one_rank_forward(strategy: str, then: str) -> dict[str, Any]:
-    """Rank 0 samples alone (a forward without gradients) while rank 1 waits in ``fabric.barrier()`` (``then ==
-    "barrier"``), or goes on to train (``then == "train"``), which cannot serve it."""
-    fabric = _fabric(strategy if strategy == "ddp" else ZeroFabricStrategy(stage=3, collective_timeout_s=4.0), "32-true")
-    with fabric.init_module(empty_init=strategy != "ddp"):
+def one_rank_forward(then: str) -> dict[str, Any]:
+    """Rank 0 samples alone (forwards without gradients, then ``state_dict()``) while rank 1 waits in
+    ``fabric.barrier()`` (``then == "barrier"``), as LitGPT's ``generate_example`` does, or goes on to train (``then ==
+    "train"``), which cannot serve it."""
+    fabric = _fabric(ZeroFabricStrategy(stage=3, collective_timeout_s=4.0), "32-true")
+    with fabric.init_module(empty_init=True):
         model = _model()
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     _train(fabric, model, optimizer, 1)
     x, _ = parity.batch("gpt", 0, 7, 0)
     with torch.no_grad():
-        everyone = model(x).clone()  # every rank: the oracle for rank 0's lone call
+        everyone = model(x).clone()  # on every rank: the oracle for rank 0's lone calls
+    expected = _full(model.state_dict())
     start = time.monotonic()
     outcome: Any = None
     if fabric.global_rank == 0:
         try:
             with torch.no_grad():
-                outcome = bool(torch.equal(model(x), everyone) and torch.equal(model(x), everyone))
-            state = model.state_dict()  # served too
-            outcome = outcome and len(state) > 0
-        except Exception as error:  # noqa: BLE001 - returned for the test to read
+                outcome = [bool(torch.equal(model(x), everyone)) for _ in range(2)]
+            alone = model.state_dict()  # the rows this rank holds, gathered with the waiting rank's help
+            outcome.append(all(torch.equal(alone[k].to_local(), expected[k].chunk(2)[0]) for k in expected))
+        except Exception as error:  # returned for the test to read
             outcome = f"{type(error).__name__}: {error}"
-    if then == "barrier" or fabric.global_rank == 0:
+            return {"outcome": outcome, "elapsed": time.monotonic() - start, "after": None}
+    if then == "barrier":
         fabric.barrier()
     else:
         try:
             _train(fabric, model, optimizer, 1)
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             outcome = f"{type(error).__name__}: {error}"
     elapsed = time.monotonic() - start
-    after = _train(fabric, model, optimizer, 1, start=2) if then == "barrier" else None
+    after = _train(fabric, model, optimizer, 2, start=2) if then == "barrier" else None
     return {"outcome": outcome, "elapsed": elapsed, "after": after}
-
-
-def spawn_safe_rank() -> int:
-    return dist.get_rank()

@@ -30,3 +30,23 @@ def test_state_dict_and_lazy_load_through_hooks_match_ddp(tmp_path, precision):
             torch.testing.assert_close(z["full"][key], value, rtol=tolerance, atol=tolerance, msg=key)
             # what was loaded is what the file holds: exactly what the state dict gave
             torch.testing.assert_close(z["reloaded"][key], z["full"][key], rtol=0, atol=0, msg=key)
+
+
+def test_state_dict_inside_gathered_parameters_stays_valid_after_it(tmp_path):
+    for rank in _run(runs.inside_gather, str(tmp_path)):
+        assert rank["same"], "the file saved after the context holds the values taken inside it"
+        assert rank["nbytes"] == rank["expected"], "each entry owns its memory (no view of a released buffer)"
+
+
+def test_forward_and_state_dict_on_one_rank_are_served_by_a_rank_waiting_in_barrier():
+    results = _run(runs.one_rank_forward, "barrier")
+    assert results[0]["outcome"] == [True, True, True], results[0]["outcome"]
+    assert all(len(r["after"]) == 2 for r in results), "training goes on together afterwards"
+
+
+def test_one_rank_forward_fails_within_seconds_when_the_others_do_not_wait():
+    results = _run(runs.one_rank_forward, "train")
+    outcome = results[0]["outcome"]
+    assert isinstance(outcome, str) and outcome.startswith("OneRankCallError"), outcome
+    assert "HINT" in outcome and "fabric.barrier()" in outcome, outcome
+    assert results[0]["elapsed"] < 10, results[0]["elapsed"]  # the rendezvous waits min(collective timeout, 30 s)

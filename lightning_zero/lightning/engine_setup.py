@@ -67,7 +67,7 @@ def shard_for_stage3(
     if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         module.to(device)
     # Made before sharding's first broadcast, so every rank names the same instance (Note [one-rank calls]).
-    calls = OneRankCalls(get_default_store(), group, min(config.collective_timeout_s, 30.0)) if group.size() > 1 else None
+    calls = OneRankCalls(get_default_store(), group, config.collective_timeout_s) if group.size() > 1 else None
     gatherer = shard_module(module, config, group, device, param_init_fn, tiers)
     if calls is not None:
         gatherer.attach_calls(calls)

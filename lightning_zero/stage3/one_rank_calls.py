@@ -35,7 +35,6 @@ import atexit
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -43,7 +42,6 @@ from lightning_zero.compat import PrefixStore, Store
 
 __all__ = ["OneRankCallError", "OneRankCalls"]
 
-_WAIT = timedelta(milliseconds=50)
 _MAX_POLL_S = 0.02
 
 
@@ -54,14 +52,17 @@ class OneRankCallError(RuntimeError):
 class OneRankCalls:
     """The store protocol of Note [one-rank calls] for one sharded model's process group."""
 
-    def __init__(self, store: Store, group: dist.ProcessGroup, timeout_s: float) -> None:
+    def __init__(self, store: Store, group: dist.ProcessGroup, collective_timeout_s: float) -> None:
         self.rank = group.rank()
         self.world = group.size()
         # One key space per sharded model: every rank makes its models' instances in the same order, each before
         # sharding's first collective, so the n-th instance of every rank gets the same number.
         instance = (PrefixStore("lightning_zero/calls/", store).add("instances", 1) - 1) // self.world
         self.store = PrefixStore(f"lightning_zero/calls/{instance}/", store)
-        self.timeout_s = timeout_s
+        self.collective_timeout_s = collective_timeout_s
+        """How long a serving point waits for every rank, as the collective it stands before would."""
+        self.timeout_s = min(collective_timeout_s, 30.0)
+        """How long a call waits for the other ranks to make it or to wait for it (Note [one-rank calls])."""
         self.handlers: dict[str, Callable[[int], object]] = {}
         """What a serving rank runs for a request ``(kind, index)``, mirroring the caller's collective."""
         self.epoch = 0
@@ -102,16 +103,11 @@ class OneRankCalls:
             if k > 0:
                 self.store.delete_key(f"{self.epoch}/go/{k - 1}")  # every rank is past it
             return
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                self.store.wait([f"{self.epoch}/go/{k}"], _WAIT)
-                return
-            except RuntimeError:  # not yet: is every other rank waiting at the serving point instead?
-                pass
+        deadline, poll = time.monotonic() + self.timeout_s, 0.0002
+        while not self.store.check([f"{self.epoch}/go/{k}"]):  # (a store's wait() with a timeout logs each expiry)
             waiting = self.store.add(f"{self.epoch}/wait", 0)
             here = self.store.add(key, 0) - self.world * k
-            if waiting and here + waiting == self.world:
+            if waiting and here + waiting == self.world:  # every other rank waits at the serving point instead
                 if here == 1:
                     self.served = True
                     return
@@ -120,6 +116,8 @@ class OneRankCalls:
                 self._fail(what, "a rank has ended its run")
             if time.monotonic() > deadline:
                 self._fail(what, f"they did not arrive within {self.timeout_s:g} s")
+            time.sleep(poll)
+            poll = min(poll * 2, _MAX_POLL_S)
 
     def end(self) -> None:
         self._depth -= 1
@@ -152,6 +150,7 @@ class OneRankCalls:
             return
         epoch, poll = self.epoch, 0.001
         self.store.add(f"{epoch}/wait", 1)
+        deadline = time.monotonic() + self.collective_timeout_s
         while True:
             request = f"{epoch}/req/{self._requests}"
             if self.store.check([request]):
@@ -164,6 +163,13 @@ class OneRankCalls:
                 break
             if self.store.check([f"{epoch}/abandoned"]):
                 raise OneRankCallError(self.store.get(f"{epoch}/abandoned").decode())
+            if self.store.add("ended", 0) or time.monotonic() > deadline:
+                raise OneRankCallError(
+                    f"Rank {self.rank} waited in the strategy's barrier for "
+                    f"{self.world - self.store.add(f'{epoch}/wait', 0)} rank(s) that "
+                    + ("ended their run." if self.store.add("ended", 0) else f"did not arrive in {self.collective_timeout_s:g} s.")
+                    + " HINT: every rank must reach the same barriers."
+                )
             time.sleep(poll)
             poll = min(poll * 2, _MAX_POLL_S)
         try:
