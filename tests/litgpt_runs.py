@@ -24,6 +24,23 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import Logger
 
+_CONFIG: dict[str, Any] = {
+    "name": "tiny",
+    "block_size": 64,
+    "vocab_size": 64,
+    "padded_vocab_size": 64,
+    "n_layer": 2,
+    "n_head": 2,
+    "n_embd": 32,
+    "rotary_percentage": 1.0,
+    "parallel_residual": False,
+    "bias": False,
+    "norm_class_name": "RMSNorm",
+    "mlp_class_name": "LLaMAMLP",
+    "intermediate_size": 64,
+}
+"""A 2-layer Llama-style model, 25k parameters."""
+
 WORDS = "red green blue cat dog bird runs sits sings fast slow loud small big one two three".split()
 
 
@@ -46,21 +63,7 @@ def make_checkpoint(directory: Path) -> Path:
     tokenizer.save(str(checkpoint / "tokenizer.json"))
     tokenizer_config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}
     (checkpoint / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "tokenizer_class": "Fast"}))
-    config = Config(
-        name="tiny",
-        block_size=64,
-        vocab_size=64,
-        padded_vocab_size=64,
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        rotary_percentage=1.0,
-        parallel_residual=False,
-        bias=False,
-        norm_class_name="RMSNorm",
-        mlp_class_name="LLaMAMLP",
-        intermediate_size=64,
-    )
+    config = Config(**_CONFIG)
     save_config(config, checkpoint)
     torch.manual_seed(0)
     from litgpt.lora import Config as LoRAConfig
@@ -74,6 +77,15 @@ def make_checkpoint(directory: Path) -> Path:
     state = {k.replace(".linear.", "."): v for k, v in lora.state_dict().items() if not k.endswith(("cos", "sin"))}
     torch.save(state, checkpoint / "lit_model.pth")
     return checkpoint
+
+
+def base_weights() -> dict[str, torch.Tensor]:
+    """The plain model's weights (``litgpt/finetune/full.py`` loads them strictly): the same seed as the LoRA file's."""
+    from litgpt.model import GPT, Config
+
+    torch.manual_seed(0)
+    model = GPT(Config(**_CONFIG))
+    return {k: v for k, v in model.state_dict().items() if not k.endswith(("cos", "sin"))}
 
 
 LORA = {"lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "lora_query": True, "lora_value": True}

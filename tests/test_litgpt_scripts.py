@@ -60,3 +60,27 @@ def test_litgpt_lora_script_matches_ddp(tmp_path):
     _assert_same(adapters, _files(tmp_path / "zero3", "*/lit_model.pth.lora"), 1e-5)
     merged = _files(tmp_path / "ddp", "final/lit_model.pth")
     _assert_same(merged, _files(tmp_path / "zero3", "final/lit_model.pth"), 1e-5)
+
+
+@pytest.mark.slow
+def test_litgpt_full_finetuning_script_matches_ddp(tmp_path):
+    """``finetune/full.py``: ``load_checkpoint`` with ``strict=True`` (the lazily loaded file through
+    ``model.load_state_dict``), sampling on every rank, ``fabric.save`` of the whole state at each save interval and of
+    the model at the end; zero3 writes sharded directories, consolidated here into DDP's layout."""
+    from lightning_zero.cli.consolidate import consolidate_checkpoint
+
+    checkpoint = litgpt_runs.make_checkpoint(tmp_path)
+    torch.save(litgpt_runs.base_weights(), checkpoint / "lit_model.pth")
+    data = litgpt_runs.make_data(tmp_path)
+    ddp = _finetune("full", "ddp", checkpoint, data, tmp_path / "ddp")
+    zero = _finetune("full", "zero3", checkpoint, data, tmp_path / "zero3")
+    for d, z in zip(ddp, zero, strict=True):
+        assert len([m for m in d["metrics"] if "loss" in m]) == 4
+        for dm, zm in zip(d["metrics"], z["metrics"], strict=True):
+            for key, value in dm.items():
+                assert zm[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, dm, zm)
+    for name in ("step-000002", "step-000004", "final"):
+        full = consolidate_checkpoint(tmp_path / "zero3" / name / "lit_model.pth", tmp_path / f"{name}.ckpt")
+        zero_weights = torch.load(full, weights_only=True)["state_dict"]
+        ddp_weights = torch.load(tmp_path / "ddp" / name / "lit_model.pth", weights_only=True)["model"]
+        _assert_same({name: ddp_weights}, {name: zero_weights}, 1e-5)
