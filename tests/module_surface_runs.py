@@ -9,14 +9,17 @@ import os
 import time
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from contextlib import nullcontext
 from lightning.fabric import Fabric
 from lightning.fabric.utilities.load import _lazy_load
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zero import ZeroFabricStrategy
+from lightning_zero import ZeroFabricStrategy, ZeroStrategy
 from lightning_zero.models.gpt import GPT, GPTConfig
 from tests import parity
 
@@ -178,3 +181,83 @@ def one_rank_forward(then: str) -> dict[str, Any]:
     elapsed = time.monotonic() - start
     after = _train(fabric, model, optimizer, 2, start=2) if then == "barrier" else None
     return {"outcome": outcome, "elapsed": elapsed, "after": after}
+
+
+class _Sampling(pl.LightningModule):
+    """The tests' GPT with validation; at the end of each validation epoch rank 0 samples alone (a forward without
+    gradients in a Lightning hook) and every rank then waits in the strategy's barrier, as Lightning projects do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        self.model = GPT(GPTConfig.tiny(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, bias=False))
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+        self.samples: list[Tensor] = []
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = nn.functional.cross_entropy(self.model(batch[0]).flatten(0, 1), batch[1].flatten())
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss = nn.functional.cross_entropy(self.model(batch[0]).flatten(0, 1), batch[1].flatten())
+        self.val_losses.append(float(loss))
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            return
+        if self.global_rank == 0:
+            with torch.no_grad():
+                self.samples.append(self.model(torch.arange(8).unsqueeze(0)).argmax(-1).clone())
+        self.trainer.strategy.barrier()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _loader() -> DataLoader[tuple[Tensor, ...]]:
+    g = torch.Generator().manual_seed(99)
+    tokens = torch.randint(0, 64, (32, 17), generator=g)
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+
+
+def _trainer(strategy: Any) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=3,
+        val_check_interval=3,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def fit_validate_fit(strategy: str) -> dict[str, Any]:
+    """``fit`` with one Trainer, then ``validate`` and ``fit`` again with a second one (as Lightning's FSDP tests do),
+    sampling on rank 0 alone after each validation."""
+
+    def make() -> Any:
+        return ZeroStrategy(stage=3, collective_timeout_s=20.0) if strategy == "zero3" else strategy
+
+    module = _Sampling()
+    _trainer(make()).fit(module, _loader(), _loader())
+    second = _trainer(make())
+    second.validate(module, _loader())
+    second.fit(module, _loader(), _loader())
+    context = second.strategy.gathered_parameters() if isinstance(second.strategy, ZeroStrategy) else nullcontext()
+    with context:
+        weights = {n: p.detach().clone() for n, p in module.named_parameters()}
+    return {"losses": module.losses, "val": module.val_losses, "samples": module.samples, "weights": weights}
+
+
+def spawn_fit(strategy: str) -> dict[str, Tensor]:
+    """``fit`` under Lightning's own multiprocessing launcher; the weights the main process gets back."""
+    module = _Sampling()
+    trainer = _trainer(strategy)
+    trainer.fit(module, _loader(), _loader())
+    return {n: p.detach().clone() for n, p in module.named_parameters()}

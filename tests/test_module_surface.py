@@ -50,3 +50,29 @@ def test_one_rank_forward_fails_within_seconds_when_the_others_do_not_wait():
     assert isinstance(outcome, str) and outcome.startswith("OneRankCallError"), outcome
     assert "HINT" in outcome and "fabric.barrier()" in outcome, outcome
     assert results[0]["elapsed"] < 10, results[0]["elapsed"]  # the rendezvous waits min(collective timeout, 30 s)
+
+
+def test_second_trainer_validates_and_fits_a_stage3_model_as_ddp_with_one_rank_sampling():
+    """Lightning's FSDP tests fit, then validate and fit again with a new Trainer; rank 0 samples alone after each
+    validation while the others wait in ``trainer.strategy.barrier()``."""
+    ddp = _run(runs.fit_validate_fit, "ddp")
+    zero = _run(runs.fit_validate_fit, "zero3")
+    for d, z in zip(ddp, zero, strict=True):
+        assert len(z["losses"]) == len(d["losses"]) == 6 and len(z["val"]) == len(d["val"]) > 0
+        torch.testing.assert_close(z["losses"], d["losses"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(z["val"], d["val"], rtol=1e-5, atol=1e-6)
+        assert len(z["samples"]) == len(d["samples"]) and all(map(torch.equal, z["samples"], d["samples"]))
+        for name, value in d["weights"].items():
+            torch.testing.assert_close(z["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert len(zero[0]["samples"]) == 3 and not zero[1]["samples"]  # after both fits' and the validation
+
+
+@pytest.mark.timeout(300)
+def test_zero3_spawn_returns_ddp_weights_to_the_main_process():
+    reference = runs.spawn_fit("ddp_spawn")
+    sharded = runs.spawn_fit("zero3_spawn")
+    initial = runs._Sampling()
+    for name, value in reference.items():
+        assert torch.isfinite(sharded[name]).all(), name
+        torch.testing.assert_close(sharded[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        assert not torch.equal(sharded[name], dict(initial.named_parameters())[name]), f"{name} was not trained"
