@@ -67,8 +67,8 @@ def _model() -> nn.Module:
     return HookedGPT()
 
 
-def _fabric(strategy: str | ZeroFabricStrategy, precision: str) -> Fabric:
-    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2, precision=precision)  # type: ignore[arg-type]
+def _fabric(strategy: str | ZeroFabricStrategy, precision: str, world: int = 2) -> Fabric:
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world, precision=precision)  # type: ignore[arg-type]
     fabric.launch()
     return fabric
 
@@ -94,11 +94,23 @@ def _full(state: dict[str, Any]) -> dict[str, Tensor]:
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().clone() for k, v in state.items()}
 
 
-def round_trip(strategy: str, precision: str, directory: str) -> dict[str, Any]:
+def _strategy(name: str, directory: str) -> str | ZeroFabricStrategy:
+    """``name``: a registered strategy, or ``"zeropp"`` (ZeRO++'s three switches, 4 ranks as 2 nodes x 2) or
+    ``"disk_tiers"`` (parameters and optimizer state on disk)."""
+    if name == "zeropp":
+        return ZeroFabricStrategy(
+            stage=3, ranks_per_node=2, hpz_partition_size=2, quantize_weights=True, quantize_gradients=True
+        )
+    if name == "disk_tiers":
+        return ZeroFabricStrategy(stage=3, offload_params="disk", offload_optimizer="disk", offload_dir=directory)
+    return name
+
+
+def round_trip(strategy: str, precision: str, directory: str, world: int = 2) -> dict[str, Any]:
     """Train, take ``state_dict()`` and save it as DDP's users do (rank 0's ``torch.save`` of plain tensors, with the
     renamed layer's keys as a plain linear names them), train on, load the file back lazily with
     ``load_state_dict`` (Lightning's lazy loader, the renaming pre-hook, the post-hooks) and train on again."""
-    fabric = _fabric(strategy, precision)
+    fabric = _fabric(_strategy(strategy, directory), precision, world)
     model = fabric.setup_module(_model())  # built whole: the same initial weights in every precision
     # SGD: Adam's normalized step turns bf16's rounding of tiny gradients into whole steps (tests/test_precision.py)
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
@@ -261,3 +273,63 @@ def spawn_fit(strategy: str) -> dict[str, Tensor]:
     trainer = _trainer(strategy)
     trainer.fit(module, _loader(), _loader())
     return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def peft_adapters(strategy: str | ZeroFabricStrategy, directory: str, world: int = 2) -> dict[str, Any]:
+    """peft's own adapter save and load on a LoRA Llama: ``get_peft_model_state_dict`` (``model.state_dict()``
+    filtered) saved by rank 0, training on, ``set_peft_model_state_dict`` (peft's key renames, then
+    ``model.load_state_dict(strict=False)``) of the file, training on."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    from tests import third_party_models
+
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world)  # type: ignore[arg-type]
+    fabric.launch()
+    model = fabric.setup_module(third_party_models.hf_lora().model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(trainable, lr=0.5, momentum=0.9))
+
+    def train(steps: range) -> list[float]:
+        losses = []
+        for step in steps:
+            loss = third_party_models._hf_loss(model, third_party_models._token_batch(fabric.global_rank, step))
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+        return losses
+
+    losses = train(range(2))
+    adapters = _full(get_peft_model_state_dict(model.module))
+    path = os.path.join(directory, f"adapters-{fabric.strategy.__class__.__name__}-{world}.pt")
+    if fabric.global_rank == 0:
+        torch.save(adapters, path)
+    fabric.barrier()
+    losses += train(range(2, 4))
+    result = set_peft_model_state_dict(model.module, torch.load(path, weights_only=True))
+    reloaded = _full(get_peft_model_state_dict(model.module))
+    losses += train(range(4, 6))
+    return {
+        "losses": losses,
+        "adapters": adapters,
+        "reloaded": reloaded,
+        "unexpected": list(result.unexpected_keys),
+    }
+
+
+def dcp_full_state_dict() -> dict[str, Any]:
+    """torch's ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` on the stage-3 model: rank 0 gets
+    the full weights (those ``gathered_parameters()`` shows), the others nothing."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    fabric = _fabric("zero3", "32-true")
+    model = fabric.setup_module(_model())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _train(fabric, model, optimizer, 2)
+    full = get_model_state_dict(model.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    with fabric.strategy.gathered_parameters():
+        expected = {n: p.detach().clone() for n, p in model.module.named_parameters(remove_duplicate=False)}
+    if fabric.global_rank != 0:
+        return {"equal": full == {}, "keys": sorted(full)}
+    equal = full.keys() == expected.keys() and all(torch.equal(full[k], expected[k]) for k in expected)
+    return {"equal": equal, "keys": sorted(set(full) ^ set(expected))}
