@@ -41,21 +41,21 @@ _CONFIG: dict[str, Any] = {
 }
 """A 2-layer Llama-style model, 25k parameters."""
 
-WORDS = "red green blue cat dog bird runs sits sings fast slow loud small big one two three".split()
+WORDS = "red green blue cat dog bird runs sits sings fast slow loud small big one two three".split()  # noqa: SIM905
 
 
 def make_checkpoint(directory: Path) -> Path:
     """A LitGPT checkpoint directory of a 2-layer Llama-style model with a word-level tokenizer; returns it."""
     from litgpt.config import Config
-    from litgpt.lora import GPT as LoRAGPT
+    from litgpt.lora import GPT as LoRAGPT  # noqa: N811
     from litgpt.utils import save_config
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     checkpoint = directory / "tiny"
     checkpoint.mkdir(parents=True)
-    template = (
+    template = (  # noqa: SIM905  the words of the Alpaca prompt
         "Below is an instruction that describes a task . Write a response that appropriately completes the request "
-        ". ### Instruction : ### Response : ( ) , \\n"
+        ". ### Instruction : ### Response : ( ) ,"
     ).split()
     vocab = {token: i for i, token in enumerate(dict.fromkeys(["<unk>", "<s>", "</s>", *template, *WORDS]))}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -143,8 +143,9 @@ def _arguments(script: str) -> tuple[Any, Any, Any]:
 
 def run_script(script: str, strategy: str, checkpoint: str, data_path: str, out: str, precision: str) -> dict[str, Any]:
     """One rank of ``litgpt finetune_{script}`` under ``strategy`` ("ddp" or "zero3")."""
-    import lightning_zero  # noqa: F401  registers "zero3" with Fabric
     from litgpt.data import JSON
+
+    import lightning_zero  # noqa: F401  registers "zero3" with Fabric
 
     checkpoint_dir, out_dir = Path(checkpoint), Path(out)
     lora = script == "lora"

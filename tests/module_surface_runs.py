@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
-from contextlib import nullcontext
 from lightning.fabric import Fabric
 from lightning.fabric.utilities.load import _lazy_load
 from torch import Tensor, nn

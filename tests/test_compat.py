@@ -95,6 +95,7 @@ def test_the_extension_points_of_lightning_classes_we_override_exist():
     from lightning.pytorch.strategies import ParallelStrategy, Strategy
 
     assert callable(Strategy._configure_launcher)
+    assert callable(compat.MultiProcessingLauncher._collect_rank_zero_results)  # FullWeightsLauncher's override
     assert "_launcher" in inspect.getsource(Strategy.__init__)
     assert "_precision_plugin" in inspect.getsource(Strategy.__init__)
     assert "_layer_sync" in inspect.getsource(ParallelStrategy.__init__)

@@ -46,17 +46,24 @@ def test_litgpt_lora_script_matches_ddp(tmp_path):
     ddp = _finetune("lora", "ddp", checkpoint, data, tmp_path / "ddp")
     zero = _finetune("lora", "zero3", checkpoint, data, tmp_path / "zero3")
     # generate_example samples on rank 0 alone while rank 1 waits in fabric.barrier(), at both evaluations
-    assert len(ddp[0]["samples"]) == 2 and not ddp[1]["samples"], ddp
-    assert zero[0]["samples"] == ddp[0]["samples"] and not zero[1]["samples"]
+    assert len(ddp[0]["samples"]) == 2, ddp
+    assert not ddp[1]["samples"]
+    assert zero[0]["samples"] == ddp[0]["samples"]
+    assert not zero[1]["samples"]
     for d, z in zip(ddp, zero, strict=True):
         losses = [m for m in d["metrics"] if "loss" in m]
-        assert len(losses) == 4 and sum("val_loss" in m for m in d["metrics"]) >= 2, d["metrics"]
+        assert len(losses) == 4, d["metrics"]
+        assert sum("val_loss" in m for m in d["metrics"]) >= 2, d["metrics"]
         assert [m.keys() for m in z["metrics"]] == [m.keys() for m in d["metrics"]]
         for dm, zm in zip(d["metrics"], z["metrics"], strict=True):
             for key, value in dm.items():
                 assert zm[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, dm, zm)
     adapters = _files(tmp_path / "ddp", "*/lit_model.pth.lora")
-    assert sorted(adapters) == ["final/lit_model.pth.lora", "step-000002/lit_model.pth.lora", "step-000004/lit_model.pth.lora"]
+    assert sorted(adapters) == [
+        "final/lit_model.pth.lora",
+        "step-000002/lit_model.pth.lora",
+        "step-000004/lit_model.pth.lora",
+    ]
     _assert_same(adapters, _files(tmp_path / "zero3", "*/lit_model.pth.lora"), 1e-5)
     merged = _files(tmp_path / "ddp", "final/lit_model.pth")
     _assert_same(merged, _files(tmp_path / "zero3", "final/lit_model.pth"), 1e-5)

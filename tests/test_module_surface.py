@@ -31,7 +31,8 @@ def test_state_dict_and_lazy_load_through_hooks_match_ddp(tmp_path, strategy, pr
     # qwZ/qgZ quantize what travels: the README's ZeRO++ accuracy, not DDP's bits
     tolerance = {"32-true": 1e-5, "bf16-mixed": 2e-2}[precision] if strategy != "zeropp" else 5e-2
     for d, z in zip(ddp, zero, strict=True):
-        assert z["kinds"] == ["DTensor"] and d["kinds"] == ["Tensor"]  # every entry is a parameter here
+        assert z["kinds"] == ["DTensor"]
+        assert d["kinds"] == ["Tensor"]
         assert d["keys"] == z["keys"] == ([], [])
         assert z["post_hooks"] == d["post_hooks"] == 1
         torch.testing.assert_close(z["losses"], d["losses"], rtol=tolerance, atol=tolerance)
@@ -61,8 +62,10 @@ def test_forward_and_state_dict_on_one_rank_are_served_by_a_rank_waiting_in_barr
 def test_one_rank_forward_fails_within_seconds_when_the_others_do_not_wait():
     results = _run(runs.one_rank_forward, "train")
     outcome = results[0]["outcome"]
-    assert isinstance(outcome, str) and outcome.startswith("OneRankCallError"), outcome
-    assert "HINT" in outcome and "fabric.barrier()" in outcome, outcome
+    assert isinstance(outcome, str), outcome
+    assert outcome.startswith("OneRankCallError"), outcome
+    assert "HINT" in outcome, outcome
+    assert "fabric.barrier()" in outcome, outcome
     assert results[0]["elapsed"] < 10, results[0]["elapsed"]  # the rendezvous waits min(collective timeout, 30 s)
 
 
@@ -73,13 +76,16 @@ def test_second_trainer_validates_and_fits_a_stage3_model_as_ddp_with_one_rank_s
     ddp = _run(runs.fit_validate_fit, "ddp")
     zero = _run(runs.fit_validate_fit, "zero3")
     for d, z in zip(ddp, zero, strict=True):
-        assert len(z["losses"]) == len(d["losses"]) == 6 and len(z["val"]) == len(d["val"]) > 0
+        assert len(z["losses"]) == len(d["losses"]) == 6
+        assert len(z["val"]) == len(d["val"]) > 0
         torch.testing.assert_close(z["losses"], d["losses"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(z["val"], d["val"], rtol=1e-5, atol=1e-6)
-        assert len(z["samples"]) == len(d["samples"]) and all(map(torch.equal, z["samples"], d["samples"]))
+        assert len(z["samples"]) == len(d["samples"])
+        assert all(map(torch.equal, z["samples"], d["samples"]))
         for name, value in d["weights"].items():
             torch.testing.assert_close(z["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
-    assert len(zero[0]["samples"]) == 3 and not zero[1]["samples"]  # after both fits' and the validation
+    assert len(zero[0]["samples"]) == 3
+    assert not zero[1]["samples"]
 
 
 @pytest.mark.slow
@@ -99,7 +105,8 @@ def test_peft_saves_and_loads_its_adapters_through_the_stage3_model_as_under_ddp
     ddp = _run(runs.peft_adapters, "ddp", str(tmp_path))
     zero = _run(runs.peft_adapters, "zero3", str(tmp_path))
     for d, z in zip(ddp, zero, strict=True):
-        assert z["adapters"].keys() == d["adapters"].keys() and len(d["adapters"]) == 8
+        assert z["adapters"].keys() == d["adapters"].keys()
+        assert len(d["adapters"]) == 8
         assert z["unexpected"] == d["unexpected"] == []
         torch.testing.assert_close(z["losses"], d["losses"], rtol=1e-5, atol=1e-6)
         for key, value in d["adapters"].items():

@@ -85,7 +85,9 @@ class _ShardWriter(Tensor):
     key: str
 
     @staticmethod
-    def __new__(cls, param: nn.Parameter, name: str, write: Callable[[Tensor], None]) -> _ShardWriter:
+    def __new__(
+        cls: type[_ShardWriter], param: nn.Parameter, name: str, write: Callable[[Tensor], None]
+    ) -> _ShardWriter:
         made = Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device)
         made.write = write
         made.key = name
@@ -94,7 +96,9 @@ class _ShardWriter(Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         if func is torch.ops.aten.copy_.default and isinstance(args[0], _ShardWriter):
             args[0].write(args[1])
             return args[0]
@@ -311,9 +315,7 @@ class ModuleState:
         if any(u.gather_comm.secondary_bytes() for u in self.gatherer.units):
             self.gatherer.invalidate_secondaries()
 
-    def bind(
-        self, optimizers: Callable[[], Sequence[ZeroOptimizer]], tiers: Callable[[], TierStorage | None]
-    ) -> None:
+    def bind(self, optimizers: Callable[[], Sequence[ZeroOptimizer]], tiers: Callable[[], TierStorage | None]) -> None:
         """Read the masters and tiers of another strategy from now on (a later Trainer took the model over)."""
         self._optimizers, self._tiers = optimizers, tiers
 
@@ -321,4 +323,3 @@ class ModuleState:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-

@@ -53,8 +53,8 @@ def full_tensors(state: dict[str, Any]) -> dict[str, Any]:
 
 def refuse_released_parameters(state: dict[str, Any], module: Module) -> None:
     """Refuse a state whose plain entries hold stage-3 parameters outside a gather (the parameters themselves, e.g.
-    ``model.state_dict(keep_vars=True)``; ``model.state_dict()`` gives their values): their values are placeholders (Note [placeholders] in
-    ``sharding/flat_bucket.py``), and the file would hold NaN where the weights should be."""
+    ``model.state_dict(keep_vars=True)``; ``model.state_dict()`` gives their values): their values are placeholders
+    (Note [placeholders] in ``sharding/flat_bucket.py``), and the file would hold NaN where the weights should be."""
     released = {p.untyped_storage().data_ptr() for p in module.parameters() if p.numel() > 1 and not any(p.stride())}
     released.discard(0)
     for name, value in state.items():

@@ -87,7 +87,9 @@ def adopt_sharded(
     group: dist.ProcessGroup,
     tiers: MemoryTiers | None,
 ) -> ParameterGatherer:
-    """Note [a model sharded by an earlier Trainer]
+    """A model another strategy of this process sharded: take its sharding over, or refuse.
+
+    Note [a model sharded by an earlier Trainer]
     Lightning's own strategy tests fit a model with one ``Trainer``, then validate and fit it again with a new one, as
     users do when they change a Trainer argument between phases. At stage 3 the first strategy left the model sharded
     (Note [teardown keeps the model sharded]): its parameters are placeholders and its shards live in that

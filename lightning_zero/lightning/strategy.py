@@ -41,10 +41,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint.module_state import ModuleState
 from lightning_zero.comm.topology import Link
 from lightning_zero.compat import sync_module_states
 from lightning_zero.config import ZeroConfig
-from lightning_zero.checkpoint.module_state import ModuleState
 from lightning_zero.lightning.engine_setup import install_module_state, shard_for_stage3, wrap_optimizers
 from lightning_zero.lightning.grad_norm import hide_partial_gradients
 from lightning_zero.lightning.memory import ModelStateBytes, host_tier_bytes, model_state_bytes

@@ -32,6 +32,7 @@ which cannot tell its validation from its sampling) and a few per serving point.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -167,7 +168,11 @@ class OneRankCalls:
                 raise OneRankCallError(
                     f"Rank {self.rank} waited in the strategy's barrier for "
                     f"{self.world - self.store.add(f'{epoch}/wait', 0)} rank(s) that "
-                    + ("ended their run." if self.store.add("ended", 0) else f"did not arrive in {self.collective_timeout_s:g} s.")
+                    + (
+                        "ended their run."
+                        if self.store.add("ended", 0)
+                        else f"did not arrive in {self.collective_timeout_s:g} s."
+                    )
                     + " HINT: every rank must reach the same barriers."
                 )
             time.sleep(poll)
@@ -187,7 +192,5 @@ class OneRankCalls:
     def close(self) -> None:
         """This rank's run has ended: a call waiting for it fails at once."""
         atexit.unregister(self.close)
-        try:
+        with contextlib.suppress(Exception):  # the store's host may be gone already at exit
             self.store.add("ended", 1)
-        except Exception:  # the store's host may be gone already at exit
-            pass
