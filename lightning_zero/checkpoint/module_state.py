@@ -61,6 +61,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_zero.checkpoint.slices import OwnedSlice, owned_parameter_slices
 from lightning_zero.checkpoint.tiered import TierStorage, chunk_of
 from lightning_zero.comm.collectives import all_gather
+from lightning_zero.compat import disabled_torch_function_impl
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.one_rank_calls import OneRankCalls
@@ -93,7 +94,7 @@ class _ShardWriter(Tensor):
         made.key = name
         return made
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    __torch_function__ = disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
