@@ -156,7 +156,7 @@ class ModuleState:
                 module_.register_load_state_dict_post_hook(self._load_post_hook),
             ]
         if self.calls is not None:
-            self.calls.handlers["state"] = lambda index: self._gather_values(self.buckets[index])
+            self.calls.handlers["state"] = self._serve_values
 
     # -- state_dict -------------------------------------------------------------------------------------------------
     @contextmanager
@@ -192,6 +192,7 @@ class ModuleState:
         finally:
             if not self._keep_vars:  # the outermost call is over
                 self._values.clear()
+                self._slices = None
                 if not keep_vars and self.calls is not None:
                     self.calls.end()
 
@@ -222,6 +223,13 @@ class ModuleState:
         all_gather(flat, shard, self.gatherer.group).wait()
         return flat
 
+    def _serve_values(self, index: int) -> None:
+        """A waiting rank's part in a lone caller's ``state_dict()`` (Note [one-rank calls])."""
+        try:
+            self._gather_values(self.buckets[index])
+        finally:
+            self._slices = None
+
     def _entry(self, full: Tensor) -> Tensor | None:
         group = self.gatherer.group
         if self._full is not None:
@@ -240,9 +248,10 @@ class ModuleState:
         )
 
     def _owned(self) -> dict[int, OwnedSlice]:
+        """This rank's ranges of every parameter, computed once per ``state_dict``/``load_state_dict`` call."""
         if self._slices is None:
             slices = owned_parameter_slices(self._optimizers(), self.gatherer)
-            return {id(s.param): s for s in slices}
+            self._slices = {id(s.param): s for s in slices}
         return self._slices
 
     # -- load_state_dict --------------------------------------------------------------------------------------------
@@ -256,7 +265,7 @@ class ModuleState:
     ) -> None:
         if self._loading == 0:
             self._put_back()  # a load that raised half-way left stand-ins
-            self._slices = {id(s.param): s for s in owned_parameter_slices(self._optimizers(), self.gatherer)}
+            self._slices = None
         if local_metadata.get("assign_to_params_buffers"):
             self._loading = 0
             raise ValueError(
@@ -287,10 +296,9 @@ class ModuleState:
         """Torch's copy of ``source`` into the stand-in of ``param`` (Note [load_state_dict into shards])."""
         self._standing_in.pop((id(module), name), None)
         module._parameters[name] = param
-        assert self._slices is not None, "set by the first load pre-hook"
         bucket = self._bucket_of[id(param)]
         source = source.detach()
-        s = self._slices[id(param)]
+        s = self._owned()[id(param)]
         with torch.no_grad():
             if s.stop > s.start:
                 values, master = s.values_span, s.master_span

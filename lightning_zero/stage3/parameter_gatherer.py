@@ -186,7 +186,9 @@ class ParameterGatherer(OutsideStep):
         return self.units[self.exchange.merged_into.get(unit.index, unit.index)]
 
     def pre_forward(self, unit: ShardedUnit) -> None:
-        if self.calls is not None and self._call_pre_forward(unit):  # Note [one-rank calls]
+        # Note [one-rank calls]: a training forward (gradients on, no call begun) pays two checks here, nothing more.
+        calls_here = self.calls is not None and (self._call_depth > 0 or not torch.is_grad_enabled())
+        if calls_here and self._call_pre_forward(unit):
             return
         owner = self._owner(unit)
         if owner is not unit:  # gathered with its owner, whose forward encloses this one
@@ -210,7 +212,7 @@ class ParameterGatherer(OutsideStep):
         self._prefetch(unit, self._forward_order)
 
     def post_forward(self, unit: ShardedUnit, output: Any) -> None:
-        if self.calls is not None and self._call_post_forward(unit):  # Note [one-rank calls]
+        if self._call_depth > 0 and self._call_post_forward(unit):  # Note [one-rank calls]
             return
         if _in_backward() or self._owner(unit) is not unit:  # Note [recomputation]; a merged unit
             return
