@@ -62,7 +62,8 @@ def refuse_released_parameters(state: dict[str, Any], module: Module) -> None:
             continue
         found: list[Tensor] = []
         apply_to_collection(value, Tensor, found.append)
-        if any(t.untyped_storage().data_ptr() in released for t in found if t.device.type != "meta"):
+        plain = [t for t in found if t.device.type != "meta" and not isinstance(t, DTensor)]  # DTensors: made whole
+        if any(t.untyped_storage().data_ptr() in released for t in plain):
             raise ValueError(
                 f"`fabric.save` state {name!r} holds parameters of the stage-3 model taken outside a forward (e.g. "
                 "`model.state_dict(keep_vars=True)`, `model.parameters()`): each rank holds only its shard, so their "
