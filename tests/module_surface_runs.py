@@ -158,7 +158,8 @@ def inside_gather(directory: str) -> dict[str, Any]:
 
 
 def one_rank_forward(then: str) -> dict[str, Any]:
-    """Rank 0 samples alone (forwards without gradients, then ``state_dict()``) while rank 1 waits in
+    """Rank 0 samples alone (forwards without gradients, ``state_dict()``, ``gathered_parameters()``,
+    ``load_state_dict()``) while rank 1 waits in
     ``fabric.barrier()`` (``then == "barrier"``), as LitGPT's ``generate_example`` does, or goes on to train (``then ==
     "train"``), which cannot serve it."""
     fabric = _fabric(ZeroFabricStrategy(stage=3, collective_timeout_s=4.0), "32-true")
@@ -179,6 +180,11 @@ def one_rank_forward(then: str) -> dict[str, Any]:
                 outcome = [bool(torch.equal(model(x), everyone)) for _ in range(2)]
             alone = model.state_dict()  # the rows this rank holds, gathered with the waiting rank's help
             outcome.append(all(torch.equal(alone[k].to_local(), expected[k].chunk(2)[0]) for k in expected))
+            with fabric.strategy.gathered_parameters():  # served too
+                gathered = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+            outcome.append(all(torch.equal(gathered[k], expected[k]) for k in gathered))
+            keys = model.load_state_dict(expected)  # no gather at all: as DDP's load on one rank
+            outcome.append(not keys.missing_keys and not keys.unexpected_keys)
         except Exception as error:  # returned for the test to read
             outcome = f"{type(error).__name__}: {error}"
             return {"outcome": outcome, "elapsed": time.monotonic() - start, "after": None}
