@@ -8,13 +8,14 @@
 - ``broadcast_buffers``: rank 0's buffers to every rank, in one coalesced broadcast as DDP's.
 - ``install_module_state``: a stage-3 model's own ``state_dict``/``load_state_dict`` made true (Note [a stage-3
   model's state dict] in ``checkpoint/module_state.py``).
-- ``serving``: the strategy collectives that serve a rank calling the model alone (Note [one-rank calls]).
+- ``serving``, ``calling``: the strategy collectives that serve a rank calling a model alone, and the calls that meet
+  the other ranks first (Note [one-rank calls]).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -34,6 +35,7 @@ from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.library_init import ParamInitFn
 from lightning_zero.stage3.one_rank_calls import OneRankCalls
+from lightning_zero.stage3.one_rank_calls import serving as serve_calls
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 from lightning_zero.stage3.sharded_init import shard_module
 from lightning_zero.stage3.zeropp import metering_topology
@@ -67,7 +69,11 @@ def shard_for_stage3(
     if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         module.to(device)
     # Made before sharding's first broadcast, so every rank names the same instance (Note [one-rank calls]).
-    calls = OneRankCalls(get_default_store(), group, config.collective_timeout_s) if group.size() > 1 else None
+    # A model with nothing to train (a frozen teacher called in every training step) is not met in the store: its
+    # forwards without gradients are collective, as a training step's are.
+    trainable = any(p.requires_grad for p in module.parameters())
+    several = group.size() > 1 and trainable
+    calls = OneRankCalls(get_default_store(), group, config.collective_timeout_s) if several else None
     gatherer = shard_module(module, config, group, device, param_init_fn, tiers)
     if calls is not None:
         gatherer.attach_calls(calls)
@@ -139,14 +145,26 @@ _MODULE_STATE = "_lightning_zero_module_state"
 
 
 @contextmanager
-def serving(gatherer: ParameterGatherer | None) -> Iterator[None]:
+def serving(gatherers: Iterable[ParameterGatherer | None]) -> Iterator[None]:
     """Around a strategy collective every rank reaches (``barrier``, Fabric's ``all_reduce``...): first serve a rank
-    that calls the stage-3 model alone (Note [one-rank calls] in ``stage3/one_rank_calls.py``)."""
-    if gatherer is None or gatherer.calls is None:
+    that calls one of these stage-3 models alone (Note [one-rank calls] in ``stage3/one_rank_calls.py``)."""
+    with serve_calls([g.calls for g in gatherers if g is not None and g.calls is not None]):
         yield
-        return
-    with gatherer.calls.serving():
+
+
+@contextmanager
+def calling(gatherers: Iterable[ParameterGatherer | None], what: str) -> Iterator[None]:
+    """A call outside a step (``gathered_parameters()``): meet the other ranks first (Note [one-rank calls])."""
+    began: list[OneRankCalls] = []
+    try:
+        for gatherer in gatherers:
+            if gatherer is not None and gatherer.calls is not None:
+                gatherer.calls.begin(what)
+                began.append(gatherer.calls)
         yield
+    finally:
+        for calls in began:
+            calls.end()
 
 
 def wrap_optimizers(

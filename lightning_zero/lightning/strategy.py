@@ -45,7 +45,7 @@ from lightning_zero.checkpoint.module_state import ModuleState
 from lightning_zero.comm.topology import Link
 from lightning_zero.compat import sync_module_states
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.engine_setup import install_module_state, shard_for_stage3, wrap_optimizers
+from lightning_zero.lightning.engine_setup import calling, install_module_state, shard_for_stage3, wrap_optimizers
 from lightning_zero.lightning.grad_norm import hide_partial_gradients
 from lightning_zero.lightning.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
 from lightning_zero.lightning.offload_setup import build_memory_tiers
@@ -244,15 +244,8 @@ class ZeroStrategy(RootUnitSteps):
         if self._gatherer is None:
             yield
             return
-        calls = self._gatherer.calls
-        if calls is not None:  # Note [one-rank calls]
-            calls.begin("gathered_parameters()")
-        try:
-            with self._gatherer.gathered(module, writeback=writeback):
-                yield
-        finally:
-            if calls is not None:
-                calls.end()
+        with calling([self._gatherer], "gathered_parameters()"), self._gatherer.gathered(module, writeback=writeback):
+            yield  # Note [one-rank calls]
 
     @contextmanager
     def full_state_dict(self, offload_to_cpu: bool = True, rank0_only: bool = False) -> Generator[None, None, None]:
@@ -275,6 +268,7 @@ class ZeroStrategy(RootUnitSteps):
         if self._tiers is None:
             yield
             return
+        self.settle_optimizers()
         self._tiers.load_all()
         try:
             yield
@@ -295,6 +289,8 @@ class ZeroStrategy(RootUnitSteps):
         **kwargs: Any,
     ) -> Any:
         zero_optimizer = as_zero_optimizer(optimizer)
+        if self._tiers is not None and self.lightning_module is not None:
+            self._tiers.set_step_number(self.lightning_module.trainer.global_step)  # Note [delayed parameter update]
 
         def closure_then_reduce() -> Any:
             result = closure()
@@ -375,6 +371,7 @@ class ZeroStrategy(RootUnitSteps):
         """
         self._stop_fault_monitor()
         if self._tiers is not None:
+            self.settle_optimizers()  # the last delayed update reaches the model
             self._tiers.restore()
         self._close_tiers()
         module = self.lightning_module

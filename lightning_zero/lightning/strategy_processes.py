@@ -217,7 +217,7 @@ class ProcessPerDevice(ParallelStrategy):
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not distributed_is_initialized():
             return
-        with serving(getattr(self, "_gatherer", None)):  # Note [one-rank calls]
+        with serving([getattr(self, "_gatherer", None)]):  # Note [one-rank calls]
             if dist.get_backend() == "nccl":
                 dist.barrier(device_ids=[self.root_device.index])
             else:
@@ -228,7 +228,7 @@ class ProcessPerDevice(ParallelStrategy):
         if not distributed_is_initialized():
             return obj
         container = [obj]
-        with serving(getattr(self, "_gatherer", None)):  # Note [one-rank calls]
+        with serving([getattr(self, "_gatherer", None)]):  # Note [one-rank calls]
             dist.broadcast_object_list(container, src)
         return container[0]
 

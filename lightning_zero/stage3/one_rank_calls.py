@@ -26,7 +26,9 @@ ranks and the fix, and the training step is untouched:
   fail too instead of waiting out the collective timeout.
 
 Cost: nothing in a training step; one store round trip per call outside a step (a validation forward under Fabric,
-which cannot tell its validation from its sampling) and a few per serving point.
+which cannot tell its validation from its sampling) and a few per serving point. A model with no trainable parameter
+(a frozen teacher, whose forwards without gradients run inside every training step of a distillation loop) is not
+met in the store: its calls are collective, as under DDP.
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch.distributed as dist
 
 from lightning_zero.compat import PrefixStore, Store
 
-__all__ = ["OneRankCallError", "OneRankCalls"]
+__all__ = ["OneRankCallError", "OneRankCalls", "serving"]
 
 _MAX_POLL_S = 0.02
 
@@ -71,6 +73,7 @@ class OneRankCalls:
         self._depth = 0  # nesting of the current call
         self._steps = 0  # nesting of step() contexts
         self._requests = 0  # requests posted (served) or served (waiting) in this epoch
+        self._deadline = 0.0  # when a serving point stops waiting
         self.served = False
         """This rank calls alone for the rest of the epoch, served by the waiting ranks."""
         atexit.register(self.close)
@@ -141,50 +144,42 @@ class OneRankCalls:
         self.store.set(f"{self.epoch}/abandoned", message)
         raise OneRankCallError(message)
 
-    # -- the waiting side ---------------------------------------------------------------------------------------------
-    @contextmanager
-    def serving(self) -> Iterator[None]:
-        """A serving point: wait in the store for every rank, serving a lone caller's requests, then run the body
-        (the real collective) and start the next epoch."""
-        if self.world == 1 or self.active:
-            yield
-            return
-        epoch, poll = self.epoch, 0.001
-        self.store.add(f"{epoch}/wait", 1)
-        deadline = time.monotonic() + self.collective_timeout_s
-        while True:
-            request = f"{epoch}/req/{self._requests}"
-            if self.store.check([request]):
-                kind, index = self.store.get(request).decode().split(":")
-                self.handlers[kind](int(index))
-                self._requests += 1
-                poll = 0.001
-                continue
-            if self.store.add(f"{epoch}/wait", 0) == self.world:
-                break
-            if self.store.check([f"{epoch}/abandoned"]):
-                raise OneRankCallError(self.store.get(f"{epoch}/abandoned").decode())
-            if self.store.add("ended", 0) or time.monotonic() > deadline:
-                raise OneRankCallError(
-                    f"Rank {self.rank} waited in the strategy's barrier for "
-                    f"{self.world - self.store.add(f'{epoch}/wait', 0)} rank(s) that "
-                    + (
-                        "ended their run."
-                        if self.store.add("ended", 0)
-                        else f"did not arrive in {self.collective_timeout_s:g} s."
-                    )
-                    + " HINT: every rank must reach the same barriers."
-                )
-            time.sleep(poll)
-            poll = min(poll * 2, _MAX_POLL_S)
-        try:
-            yield
-        finally:
-            requests, calls = self._requests, self._calls
-            self.epoch += 1
-            self._calls = self._requests = 0
-            self.served = False
-        if self.rank == 0:  # every rank has left the epoch's serving loop: the body was collective
+    # -- the waiting side (``serving``) ---------------------------------------------------------------------------
+    def _arrive(self) -> None:
+        self.store.add(f"{self.epoch}/wait", 1)
+        self._deadline = time.monotonic() + self.collective_timeout_s
+
+    def _serve_one(self) -> bool:
+        """Serve the next request of a lone caller, if one is posted."""
+        request = f"{self.epoch}/req/{self._requests}"
+        if not self.store.check([request]):
+            return False
+        kind, index = self.store.get(request).decode().split(":")
+        self.handlers[kind](int(index))
+        self._requests += 1
+        return True
+
+    def _everyone_here(self) -> bool:
+        if self.store.add(f"{self.epoch}/wait", 0) == self.world:
+            return True
+        if self.store.check([f"{self.epoch}/abandoned"]):
+            raise OneRankCallError(self.store.get(f"{self.epoch}/abandoned").decode())
+        ended = self.store.add("ended", 0)
+        if ended or time.monotonic() > self._deadline:
+            missing = self.world - self.store.add(f"{self.epoch}/wait", 0)
+            why = "ended their run" if ended else f"did not arrive in {self.collective_timeout_s:g} s"
+            raise OneRankCallError(
+                f"Rank {self.rank} waited in the strategy's barrier for {missing} rank(s) that {why}. HINT: every "
+                "rank must reach the same barriers."
+            )
+        return False
+
+    def _leave(self) -> None:
+        epoch, requests, calls = self.epoch, self._requests, self._calls
+        self.epoch += 1
+        self._calls = self._requests = 0
+        self.served = False
+        if self.rank == 0:  # every rank has left the epoch's serving loop: the collective after it completed
             keys = [f"{epoch}/calls", f"{epoch}/wait"] + [f"{epoch}/req/{i}" for i in range(requests)]
             for key in keys + ([f"{epoch}/go/{calls - 1}"] if calls else []):
                 self.store.delete_key(key)
@@ -194,3 +189,30 @@ class OneRankCalls:
         atexit.unregister(self.close)
         with contextlib.suppress(Exception):  # the store's host may be gone already at exit
             self.store.add("ended", 1)
+
+
+@contextmanager
+def serving(every: Sequence[OneRankCalls]) -> Iterator[None]:
+    """A serving point of the sharded models ``every`` (Note [one-rank calls]): count this rank as waiting, serve a
+    lone caller's requests of any of them until every rank is there, then run the body (the real collective) and
+    start the next epoch."""
+    waiting = [calls for calls in every if calls.world > 1 and not calls.active]
+    if not waiting:
+        yield
+        return
+    for calls in waiting:
+        calls._arrive()
+    poll = 0.001
+    while True:
+        if any(calls._serve_one() for calls in waiting):
+            poll = 0.001
+            continue
+        if all(calls._everyone_here() for calls in waiting):
+            break
+        time.sleep(poll)
+        poll = min(poll * 2, _MAX_POLL_S)
+    try:
+        yield
+    finally:
+        for calls in waiting:
+            calls._leave()
