@@ -239,12 +239,12 @@ def _loader() -> DataLoader[tuple[Tensor, ...]]:
     return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
 
 
-def _trainer(strategy: Any) -> pl.Trainer:
+def _trainer(strategy: Any, max_steps: int = 3) -> pl.Trainer:
     return pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
-        max_steps=3,
+        max_steps=max_steps,
         val_check_interval=3,
         limit_val_batches=2,
         logger=False,
@@ -338,3 +338,24 @@ def dcp_full_state_dict() -> dict[str, Any]:
         return {"equal": full == {}, "keys": sorted(full)}
     equal = full.keys() == expected.keys() and all(torch.equal(full[k], expected[k]) for k in expected)
     return {"equal": equal, "keys": sorted(set(full) ^ set(expected))}
+
+
+class _SamplingWithoutBarrier(_Sampling):
+    """Rank 0 samples alone after validation, and the other ranks do not wait for it: they train on."""
+
+    def on_validation_epoch_end(self) -> None:
+        if self.global_rank == 0 and not self.trainer.sanity_checking:
+            with torch.no_grad():
+                self.model(torch.arange(8).unsqueeze(0))
+
+
+def one_rank_trainer_unserved() -> dict[str, Any]:
+    """Under the Trainer, a forward on rank 0 alone that no rank waits for: it fails within seconds."""
+    trainer = _trainer(ZeroStrategy(stage=3, collective_timeout_s=4.0), max_steps=6)
+    start = time.monotonic()
+    try:
+        trainer.fit(_SamplingWithoutBarrier(), _loader(), _loader())
+        outcome = "finished"
+    except Exception as error:
+        outcome = f"{type(error).__name__}: {error}"
+    return {"outcome": outcome, "elapsed": time.monotonic() - start}

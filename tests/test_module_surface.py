@@ -112,3 +112,12 @@ def test_peft_saves_and_loads_its_adapters_through_the_stage3_model_as_under_ddp
         for key, value in d["adapters"].items():
             torch.testing.assert_close(z["adapters"][key], value, rtol=1e-5, atol=1e-6, msg=key)
             torch.testing.assert_close(z["reloaded"][key], z["adapters"][key], rtol=0, atol=0, msg=key)
+
+
+def test_one_rank_forward_under_the_trainer_fails_within_seconds_when_the_others_train_on():
+    results = _run(runs.one_rank_trainer_unserved)
+    outcome = results[0]["outcome"]
+    assert outcome.startswith("OneRankCallError"), outcome
+    assert "trainer.strategy.barrier()" in outcome, outcome
+    assert results[0]["elapsed"] < 30, results[0]["elapsed"]  # the fit included; the call waits 4 s
+    assert results[1]["outcome"] != "finished"  # rank 1's next gather fails too, instead of waiting on
