@@ -46,6 +46,7 @@ from lightning_zero.compat import PrefixStore, Store
 __all__ = ["OneRankCallError", "OneRankCalls", "serving"]
 
 _MAX_POLL_S = 0.02
+_CLOSE_POLL_S = 0.001
 
 
 class OneRankCallError(RuntimeError):
@@ -107,7 +108,8 @@ class OneRankCalls:
             if k > 0:
                 self.store.delete_key(f"{self.epoch}/go/{k - 1}")  # every rank is past it
             return
-        deadline, poll = time.monotonic() + self.timeout_s, 0.0002
+        deadline, poll = time.monotonic() + self.timeout_s, 0.0001
+        first_poll_until = time.monotonic() + 0.1
         while not self.store.check([f"{self.epoch}/go/{k}"]):  # (a store's wait() with a timeout logs each expiry)
             waiting = self.store.add(f"{self.epoch}/wait", 0)
             here = self.store.add(key, 0) - self.world * k
@@ -121,7 +123,8 @@ class OneRankCalls:
             if time.monotonic() > deadline:
                 self._fail(what, f"they did not arrive within {self.timeout_s:g} s")
             time.sleep(poll)
-            poll = min(poll * 2, _MAX_POLL_S)
+            # Ranks making the same call arrive within a few milliseconds: poll closely at first, then back off.
+            poll = min(poll * 2, _MAX_POLL_S if time.monotonic() > first_poll_until else _CLOSE_POLL_S)
 
     def end(self) -> None:
         self._depth -= 1
