@@ -42,6 +42,7 @@ def test_state_dict_and_lazy_load_through_hooks_match_ddp(tmp_path, strategy, pr
             torch.testing.assert_close(z["reloaded"][key], z["full"][key], rtol=0, atol=0, msg=key)
 
 
+@pytest.mark.slow
 def test_state_dict_is_what_torch_distributed_checkpoint_reads():
     for rank in _run(runs.dcp_full_state_dict):
         assert rank["equal"], rank["keys"]  # get_model_state_dict(full_state_dict=True, cpu_offload=True)
@@ -114,6 +115,7 @@ def test_peft_saves_and_loads_its_adapters_through_the_stage3_model_as_under_ddp
             torch.testing.assert_close(z["reloaded"][key], z["adapters"][key], rtol=0, atol=0, msg=key)
 
 
+@pytest.mark.slow
 def test_one_rank_forward_under_the_trainer_fails_within_seconds_when_the_others_train_on():
     results = _run(runs.one_rank_trainer_unserved)
     outcome = results[0]["outcome"]
