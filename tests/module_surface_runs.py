@@ -110,13 +110,17 @@ def round_trip(strategy: str, precision: str, directory: str, world: int = 2) ->
     renamed layer's keys as a plain linear names them), train on, load the file back lazily with
     ``load_state_dict`` (Lightning's lazy loader, the renaming pre-hook, the post-hooks) and train on again."""
     fabric = _fabric(_strategy(strategy, directory), precision, world)
+    zero = isinstance(fabric.strategy, ZeroFabricStrategy)
     model = fabric.setup_module(_model())  # built whole: the same initial weights in every precision
     # SGD: Adam's normalized step turns bf16's rounding of tiny gradients into whole steps (tests/test_precision.py)
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
     losses = _train(fabric, model, optimizer, 3)
     state = model.state_dict()
     kinds = sorted({type(v).__name__ for v in state.values()})
+    local = sum(v.to_local().numel() if isinstance(v, DTensor) else v.numel() for v in state.values())
     full = _full(state)
+    with fabric.strategy.full_state_dict() if zero else nullcontext():  # type: ignore[attr-defined]
+        whole = {k: v.detach().clone() for k, v in model.state_dict().items()}
     path = os.path.join(directory, f"{strategy}-{precision}.pt")
     if fabric.global_rank == 0:
         torch.save({k.replace("mix.linear.", "mix."): v for k, v in full.items()}, path)
@@ -129,6 +133,8 @@ def round_trip(strategy: str, precision: str, directory: str, world: int = 2) ->
         "losses": losses,
         "kinds": kinds,
         "full": full,
+        "whole": whole,
+        "local": local,
         "reloaded": reloaded,
         "keys": (list(keys.missing_keys), list(keys.unexpected_keys)),
         "post_hooks": model.mix.post_hook_calls,

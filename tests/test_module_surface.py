@@ -35,6 +35,9 @@ def test_state_dict_and_lazy_load_through_hooks_match_ddp(tmp_path, strategy, pr
         assert d["kinds"] == ["Tensor"]
         assert d["keys"] == z["keys"] == ([], [])
         assert z["post_hooks"] == d["post_hooks"] == 1
+        full_numel = sum(v.numel() for v in z["full"].values())
+        assert z["local"] <= full_numel / world + 64 * len(z["full"]), "each rank holds its rows (a row of padding)"
+        assert all(torch.equal(z["whole"][k], v) for k, v in z["full"].items())  # full_state_dict(): the same
         torch.testing.assert_close(z["losses"], d["losses"], rtol=tolerance, atol=tolerance)
         for key, value in d["full"].items():
             torch.testing.assert_close(z["full"][key], value, rtol=tolerance, atol=tolerance, msg=key)

@@ -57,7 +57,13 @@ from lightning_zero.fabric.models import SetUpModel, SetUpModels, on_meta, set_u
 from lightning_zero.fabric.module import full_tensors
 from lightning_zero.fabric.precision import ZeroFabricPrecision
 from lightning_zero.fabric.zero_grad import apply_zero_grad, engine_call, mark, watched
-from lightning_zero.lightning.engine_setup import broadcast_buffers, calling, install_module_state, serving
+from lightning_zero.lightning.engine_setup import (
+    broadcast_buffers,
+    calling,
+    install_module_state,
+    module_state_of,
+    serving,
+)
 from lightning_zero.lightning.grad_norm import hide_partial_gradients
 from lightning_zero.lightning.offload_setup import build_memory_tiers
 from lightning_zero.lightning.precision import to_zero_precision
@@ -306,21 +312,23 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
                 stack.enter_context(model.gatherer.gathered(target, writeback=writeback))
             yield
 
-    # -- collectives: each first serves a rank calling a model alone (Note [one-rank calls]) -----------------------
+    @contextmanager
+    def full_state_dict(self, offload_to_cpu: bool = True, rank0_only: bool = False) -> Generator[None, None, None]:
+        """Inside the context a stage-3 model's ``state_dict()`` gives full tensors instead of DTensors (on the CPU
+        with ``offload_to_cpu``, only on rank 0 with ``rank0_only``): Note [a stage-3 model's state dict]. Call it on
+        every rank. Stages 1 and 2 give full tensors always."""
+        with ExitStack() as stack:
+            for model in self.models:
+                state = module_state_of(model.module)
+                if state is not None:
+                    stack.enter_context(state.full_state_dict(offload_to_cpu, rank0_only))
+            yield
+
+    # -- the barrier first serves a rank calling a model alone (Note [one-rank calls]) ------------------------------
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         with serving(m.gatherer for m in self.models):
             super().barrier(*args, **kwargs)
-
-    @override
-    def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor:
-        with serving(m.gatherer for m in self.models):
-            return super().all_reduce(tensor, group, reduce_op)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        with serving(m.gatherer for m in self.models):
-            return super().broadcast(obj, src)
 
     # -- clipping over shards (Note [reduced gradients live in the optimizer] in lightning/precision.py) -------------
     @override

@@ -144,6 +144,12 @@ def install_module_state(
 _MODULE_STATE = "_lightning_zero_module_state"
 
 
+def module_state_of(module: nn.Module) -> ModuleState | None:
+    """The ``ModuleState`` ``install_module_state`` gave ``module``, if any."""
+    installed = getattr(module, _MODULE_STATE, None)
+    return installed if isinstance(installed, ModuleState) else None
+
+
 @contextmanager
 def serving(gatherers: Iterable[ParameterGatherer | None]) -> Iterator[None]:
     """Around a strategy collective every rank reaches (``barrier``, Fabric's ``all_reduce``...): first serve a rank

@@ -228,8 +228,7 @@ class ProcessPerDevice(ParallelStrategy):
         if not distributed_is_initialized():
             return obj
         container = [obj]
-        with serving([getattr(self, "_gatherer", None)]):  # Note [one-rank calls]
-            dist.broadcast_object_list(container, src)
+        dist.broadcast_object_list(container, src)
         return container[0]
 
     @override

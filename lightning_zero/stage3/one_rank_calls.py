@@ -12,9 +12,11 @@ ranks and the fix, and the training step is untouched:
   and waits until every rank has made the same call (the counter reaches ``world * (k + 1)`` for the k-th call of
   the epoch), and then gathers as usual, collectively. Steps (training, validation, the strategy's own checkpoint
   IO) and forwards with gradients never touch the store: they are collective by contract, as under DDP.
-- *Serving points.* The strategy's ``barrier()`` (and Fabric's ``all_reduce``/``broadcast``) first count the rank in
-  the store as waiting, then poll it until every rank is there, serving in the meantime the requests of a rank that
-  calls the model alone; only then does the real collective run. An *epoch* is the time between two serving points:
+- *Serving points.* The strategy's ``barrier()`` first counts the rank in the store as waiting, then polls it until
+  every rank is there, serving in the meantime the requests of a rank that calls the model alone; only then does the
+  real barrier run. Only the barrier: Lightning's and users' loops call ``broadcast`` and ``all_reduce`` inside
+  training steps (Lightning's ``Timer`` broadcasts after every batch), which must not touch the store, and a barrier
+  is where a rank waits for another on purpose. An *epoch* is the time between two serving points:
   every rank passes the same serving points in the same order, so epochs agree.
 - *Served calls.* A rank whose call finds every other rank waiting at this epoch's serving point serves itself the
   rest of the epoch (the others cannot leave before it arrives): before each collective of its calls it posts
