@@ -312,6 +312,12 @@ def peft_adapters(strategy: str | ZeroFabricStrategy, directory: str, world: int
 
     losses = train(range(2))
     adapters = _full(get_peft_model_state_dict(model.module))
+    # peft's save_pretrained (safetensors, written by the main process) with full tensors on every rank
+    saved = os.path.join(directory, f"pretrained-{type(fabric.strategy).__name__}-{world}")
+    zero = isinstance(fabric.strategy, ZeroFabricStrategy)
+    with fabric.strategy.full_state_dict() if zero else nullcontext():  # type: ignore[attr-defined]
+        model.module.save_pretrained(saved, is_main_process=fabric.global_rank == 0)
+    fabric.barrier()
     path = os.path.join(directory, f"adapters-{fabric.strategy.__class__.__name__}-{world}.pt")
     if fabric.global_rank == 0:
         torch.save(adapters, path)
@@ -320,9 +326,12 @@ def peft_adapters(strategy: str | ZeroFabricStrategy, directory: str, world: int
     result = set_peft_model_state_dict(model.module, torch.load(path, weights_only=True))
     reloaded = _full(get_peft_model_state_dict(model.module))
     losses += train(range(4, 6))
+    from safetensors.torch import load_file
+
     return {
         "losses": losses,
         "adapters": adapters,
+        "pretrained": load_file(os.path.join(saved, "adapter_model.safetensors")),
         "reloaded": reloaded,
         "unexpected": list(result.unexpected_keys),
     }

@@ -113,6 +113,10 @@ def test_peft_saves_and_loads_its_adapters_through_the_stage3_model_as_under_ddp
         assert len(d["adapters"]) == 8
         assert z["unexpected"] == d["unexpected"] == []
         torch.testing.assert_close(z["losses"], d["losses"], rtol=1e-5, atol=1e-6)
+        assert d["pretrained"]
+        assert z["pretrained"].keys() == d["pretrained"].keys()
+        for key, value in d["pretrained"].items():  # peft's save_pretrained inside full_state_dict()
+            torch.testing.assert_close(z["pretrained"][key], value, rtol=1e-5, atol=1e-6, msg=key)
         for key, value in d["adapters"].items():
             torch.testing.assert_close(z["adapters"][key], value, rtol=1e-5, atol=1e-6, msg=key)
             torch.testing.assert_close(z["reloaded"][key], z["adapters"][key], rtol=0, atol=0, msg=key)
