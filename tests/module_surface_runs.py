@@ -156,7 +156,19 @@ def inside_gather(directory: str) -> dict[str, Any]:
         torch.save(state, path)
     fabric.barrier()
     loaded = torch.load(path, weights_only=True)
+    errors = []
+    wrong = {**inside, "gpt.wte.weight": torch.zeros(3, 3)}
+    for bad in ({"state_dict": wrong}, {"state_dict": inside, "assign": True}):
+        try:
+            model.load_state_dict(**bad)
+        except (RuntimeError, ValueError) as error:
+            errors.append(f"{type(error).__name__}: {error}")
+    x, _ = parity.batch("gpt", 0, 7, 0)
+    with torch.no_grad():  # every parameter is back in place after the failed loads
+        usable = bool(torch.isfinite(model(x)).all())
     return {
+        "errors": errors,
+        "usable": usable,
         "same": all(torch.equal(loaded[k], inside[k]) for k in inside),
         "nbytes": sum(t.untyped_storage().nbytes() for t in state.values()),
         "expected": sum(t.numel() * t.element_size() for t in inside.values()),

@@ -51,10 +51,15 @@ def test_state_dict_is_what_torch_distributed_checkpoint_reads():
         assert rank["equal"], rank["keys"]  # get_model_state_dict(full_state_dict=True, cpu_offload=True)
 
 
-def test_state_dict_inside_gathered_parameters_stays_valid_after_it(tmp_path):
+def test_state_dict_inside_gathered_parameters_stays_valid_after_it_and_bad_loads_leave_the_model_whole(tmp_path):
     for rank in _run(runs.inside_gather, str(tmp_path)):
         assert rank["same"], "the file saved after the context holds the values taken inside it"
         assert rank["nbytes"] == rank["expected"], "each entry owns its memory (no view of a released buffer)"
+        size, assign = rank["errors"]
+        assert "size mismatch for gpt.wte.weight" in size, size  # torch's own message
+        assert assign.startswith("ValueError"), assign
+        assert "assign=False" in assign, assign
+        assert rank["usable"]
 
 
 def test_forward_and_state_dict_on_one_rank_are_served_by_a_rank_waiting_in_barrier():
