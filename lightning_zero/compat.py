@@ -86,6 +86,7 @@ __all__ = [
     "current_graph_task_id",
     "dcp_load",
     "default_process_group_backend_for_device",
+    "disabled_torch_function_impl",
     "distributed_is_initialized",
     "fabric_run_command",
     "fused_adam_kernel",
@@ -151,6 +152,10 @@ def dcp_load(
 # -- torch.distributed -----------------------------------------------------------------------------------------------
 # PrefixStore, Store, TCPStore: c10d's stores (torch.distributed re-exports them without declaring it to type checkers).
 get_default_store: Callable[[], Store] = _get_default_store
+
+# -- tensor subclasses -------------------------------------------------------------------------------------------------
+# What a wrapper subclass sets as its __torch_function__ so that only __torch_dispatch__ sees its operations.
+disabled_torch_function_impl: Any = torch._C._disabled_torch_function_impl
 """The c10d store of the default process group."""
 
 

@@ -24,6 +24,7 @@ PRIVATE = {
     "torch.distributed.checkpoint.filesystem._write_item": "write_dcp_item",
     "torch.distributed.checkpoint.filesystem.SerializationFormat (torch >= 2.8)": "writes_torch_save",
     "torch.distributed.distributed_c10d._get_default_store": "get_default_store",
+    "torch._C._disabled_torch_function_impl": "disabled_torch_function_impl",
     "torch._C._distributed_c10d.PrefixStore": "PrefixStore",
     "torch._C._distributed_c10d.Store": "Store",
     "torch._C._distributed_c10d.TCPStore": "TCPStore",
@@ -96,6 +97,7 @@ def test_the_extension_points_of_lightning_classes_we_override_exist():
     from lightning.pytorch.strategies import ParallelStrategy, Strategy
 
     assert callable(Strategy._configure_launcher)
+    assert callable(compat.MultiProcessingLauncher._collect_rank_zero_results)  # FullWeightsLauncher's override
     assert "_launcher" in inspect.getsource(Strategy.__init__)
     assert "_precision_plugin" in inspect.getsource(Strategy.__init__)
     assert "_layer_sync" in inspect.getsource(ParallelStrategy.__init__)

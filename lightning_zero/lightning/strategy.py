@@ -41,10 +41,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint.module_state import ModuleState
 from lightning_zero.comm.topology import Link
 from lightning_zero.compat import sync_module_states
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.engine_setup import shard_for_stage3, wrap_optimizers
+from lightning_zero.lightning.engine_setup import calling, install_module_state, shard_for_stage3, wrap_optimizers
 from lightning_zero.lightning.grad_norm import hide_partial_gradients
 from lightning_zero.lightning.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
 from lightning_zero.lightning.offload_setup import build_memory_tiers
@@ -113,6 +114,8 @@ class ZeroStrategy(RootUnitSteps):
         self._accumulating = False  # inside block_backward_sync
         self._tiers: MemoryTiers | None = None
         """This rank's memory tiers (``ZeroConfig.offload_*``), built in ``setup``."""
+        self._module_state: ModuleState | None = None
+        """Stage 3: the model's own ``state_dict``/``load_state_dict`` (Note [a stage-3 model's state dict])."""
 
     # -- precision: ZeRO's own mixed precision (see ``precision.py``) -----------------------------------------------
     @property
@@ -181,6 +184,12 @@ class ZeroStrategy(RootUnitSteps):
             self._param_init_fn,
             self._tiers,
         )
+        self._module_state = install_module_state(
+            self.lightning_module,
+            self._gatherer,
+            lambda: list(iter_zero_optimizers(self.optimizers)),
+            lambda: self._tiers,
+        )
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -235,7 +244,18 @@ class ZeroStrategy(RootUnitSteps):
         if self._gatherer is None:
             yield
             return
-        with self._gatherer.gathered(module, writeback=writeback):
+        with calling([self._gatherer], "gathered_parameters()"), self._gatherer.gathered(module, writeback=writeback):
+            yield  # Note [one-rank calls]
+
+    @contextmanager
+    def full_state_dict(self, offload_to_cpu: bool = True, rank0_only: bool = False) -> Generator[None, None, None]:
+        """Inside the context a stage-3 model's ``state_dict()`` gives full tensors instead of DTensors (on the CPU
+        with ``offload_to_cpu``, only on rank 0 with ``rank0_only``): Note [a stage-3 model's state dict]. Call it on
+        every rank. Stages 1 and 2 give full tensors always."""
+        if self._module_state is None:
+            yield
+            return
+        with self._module_state.full_state_dict(offload_to_cpu, rank0_only):
             yield
 
     @contextmanager
