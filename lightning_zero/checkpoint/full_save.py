@@ -39,6 +39,7 @@ from lightning_zero.checkpoint.slices import OwnedSlice, owned_parameter_slices
 from lightning_zero.checkpoint.storage import locate
 from lightning_zero.checkpoint.tiered import Span, TierStorage
 from lightning_zero.compat import open_torch_save_archive, rebuild_tensor, storage_type
+from lightning_zero.sharding.activation_checkpointing import parameter_names
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.sharded_optimizer import ShardedParameters, ZeroOptimizer
 
@@ -277,7 +278,7 @@ def _torch_optimizer_states(
     records: _Records,
 ) -> list[dict[str, Any]]:
     """Each optimizer's ``state_dict()`` as torch builds it under DDP: state by position in its param groups."""
-    names = {id(p): n for n, p in module.named_parameters()}
+    names = parameter_names(module)  # as the slices name them: Note [checkpoint wrappers keep the names]
     states = []
     for i, (zero, saved) in enumerate(zip(zero_optimizers, sharded, strict=True)):
         state: dict[int, dict[str, Any]] = {}
