@@ -31,7 +31,6 @@ from lightning_zero.compat import (
 from lightning_zero.config import CheckpointingPolicy
 from lightning_zero.config_checks import check_classes_exist, class_matches
 
-
 _WRAPPED_SEGMENT = CHECKPOINT_WRAPPER_PREFIX.rstrip(".")
 
 
