@@ -43,6 +43,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from torch import Tensor
@@ -59,18 +60,22 @@ from torch.distributed.checkpoint.planner import LoadPlanner, WriteItem
 from torch.distributed.checkpoint.state_dict_loader import load, load_state_dict
 from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.distributed.distributed_c10d import _get_default_store
+from torch.utils._device import DeviceContext as _DeviceContext
+from torch.utils._device import _device_constructors
 
 __all__ = [
     "CHECKPOINT_WRAPPER_PREFIX",
     "DCP_WRITER_HAS_WRITE_DATA",
     "SWAPS_STORAGE_MEMORY",
     "CheckpointWrapper",
+    "DeviceContext",
     "DtypeContextManager",
     "FabricBackwardSyncControl",
     "FabricSharded",
     "FabricStateful",
     "FsspecReader",
     "FsspecWriter",
+    "MockOptimizer",
     "MultiProcessingLauncher",
     "PrefixStore",
     "StorageInfo",
@@ -86,6 +91,7 @@ __all__ = [
     "current_graph_task_id",
     "dcp_load",
     "default_process_group_backend_for_device",
+    "device_constructors",
     "distributed_is_initialized",
     "fabric_run_command",
     "get_default_store",
@@ -150,6 +156,11 @@ def dcp_load(
 # -- torch.distributed -----------------------------------------------------------------------------------------------
 # PrefixStore, Store, TCPStore: c10d's stores (torch.distributed re-exports them without declaring it to type checkers).
 get_default_store: Callable[[], Store] = _get_default_store
+
+# What ``with torch.device(...)`` pushes: a mode that gives tensor factories a default device, and the factories it
+# covers; stage 3 builds on meta with a subclass of it (Note [metrics stay off meta] in ``stage3/library_init.py``).
+DeviceContext = _DeviceContext
+device_constructors: Callable[[], set[Callable[..., Any]]] = _device_constructors
 """The c10d store of the default process group."""
 
 
@@ -228,6 +239,8 @@ convert_fp_tensor = _convert_fp_tensor
 DtypeContextManager = _DtypeContextManager
 MultiProcessingLauncher = _MultiProcessingLauncher
 SubprocessScriptLauncher = _SubprocessScriptLauncher
+MockOptimizer = _MockOptimizer
+"""What Lightning puts in ``trainer.optimizers`` when ``configure_optimizers`` returns None (it trains without one)."""
 distributed_is_initialized = _distributed_is_initialized
 default_process_group_backend_for_device = _get_default_process_group_backend_for_device
 init_dist_connection = _init_dist_connection

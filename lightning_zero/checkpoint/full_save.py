@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_zero.checkpoint.files import CheckpointError
+from lightning_zero.checkpoint.files import CheckpointError, refuse_replacing_other_files
 from lightning_zero.checkpoint.format import FlatChunk
 from lightning_zero.checkpoint.local_commit import commit, partial_sibling, remove_stale_siblings
 from lightning_zero.checkpoint.slices import OwnedSlice, owned_parameter_slices
@@ -150,6 +150,7 @@ def save_full_checkpoint(
             "state_dict_type='sharded' (the default) for remote storage and `python -m lightning_zero consolidate` "
             "for one file."
         )
+    refuse_replacing_other_files(target, process_group)  # Note [what a save may replace]
     rank = 0 if process_group is None else process_group.rank()
     slices = owned_parameter_slices(zero_optimizers, gatherer)
     by_param = {id(s.param): s for s in slices}

@@ -65,7 +65,7 @@ from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.activation_checkpointing import apply_activation_checkpointing_policy
 from lightning_zero.sharding.gradient_reducer import GradientReducer
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
-from lightning_zero.stage3.library_init import ParamInitFn, pretrained_on_meta_hint
+from lightning_zero.stage3.library_init import MetaDeviceExceptMetrics, ParamInitFn, pretrained_on_meta_hint
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 
 
@@ -178,14 +178,14 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         if self.config.stage != 3 or not empty_init:
             return super().module_init_context(empty_init)
         stack = ExitStack()
-        stack.enter_context(torch.device("meta"))  # materialized unit by unit in setup_module
+        stack.enter_context(MetaDeviceExceptMetrics())  # materialized unit by unit in setup_module
         stack.enter_context(self.precision.module_init_context())
         stack.enter_context(pretrained_on_meta_hint("`fabric.init_module(empty_init=True)`"))
         return stack
 
     @override
     def module_sharded_context(self) -> AbstractContextManager[Any]:
-        return torch.device("meta") if self.config.stage == 3 else nullcontext()
+        return MetaDeviceExceptMetrics() if self.config.stage == 3 else nullcontext()
 
     @override
     def module_to_device(self, module: Module) -> None:

@@ -25,6 +25,7 @@ from lightning_zero.lightning.grad_norm import refuse_released_placeholders
 from lightning_zero.lightning.offload_setup import check_optimizer_space
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.offload.memory_tiers import MemoryTiers
+from lightning_zero.sharding.activation_checkpointing import parameter_names
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.library_init import ParamInitFn
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
@@ -71,6 +72,8 @@ def wrap_optimizers(
     """Wrap each of the model's ``optimizers`` (all of them, every time: one loss scaler per optimizer, Note [one
     loss scale per optimizer] in ``sharding/loss_scaler.py``). An optimizer that is a ``ZeroOptimizer`` already is
     kept, with its scaler replaced by the one of its place."""
+    if gatherer is None:
+        refuse_parameters_in_two_optimizers(module, optimizers)
     scalers = precision.loss_scalers_for(len(optimizers))
     wrapped: list[ZeroOptimizer] = []
     fresh: list[ZeroOptimizer] = []
@@ -99,6 +102,32 @@ def wrap_optimizers(
         for zero in fresh:
             zero.ledger.topology = topology
     return wrapped
+
+
+def refuse_parameters_in_two_optimizers(module: nn.Module, optimizers: Sequence[Optimizer]) -> None:
+    """Stages 1 and 2: refuse a trainable parameter that two optimizers step, before either is sharded.
+
+    Each ``ZeroOptimizer`` there lays its parameters out in flat buckets of its own (``FlatBucket``), and a parameter
+    is a view into one bucket only: the second optimizer would take it from the first, whose step would then update
+    a copy nobody reads (stage 1 trained silently wrong weights; stage 2 failed in backward). Stage 3's buckets belong
+    to the sharded model, which every optimizer shares, so there it trains as DDP does."""
+    owner: dict[int, int] = {}
+    for i, optimizer in enumerate(optimizers):
+        if isinstance(optimizer, ZeroOptimizer):
+            params = [p for bucket in optimizer.buckets for p in bucket.params]
+        else:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+        for p in params:
+            if not p.requires_grad or owner.setdefault(id(p), i) == i:
+                continue
+            first = owner[id(p)]
+            name = parameter_names(module).get(id(p), f"of shape {tuple(p.shape)}")
+            raise ValueError(
+                f"Parameter {name!r} is stepped by two optimizers, #{first} ({type(optimizers[first]).__name__}) and "
+                f"#{i} ({type(optimizer).__name__}). At ZeRO stages 1 and 2 each optimizer shards its parameters "
+                "into flat buckets of its own, and a parameter lives in one bucket only. HINT: give each parameter "
+                "to one optimizer, or use ZeroStrategy(stage=3), whose sharded parameters every optimizer shares."
+            )
 
 
 def broadcast_buffers(module: nn.Module, group: dist.ProcessGroup) -> None:
