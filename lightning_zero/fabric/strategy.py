@@ -175,8 +175,10 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
     # -- model and optimizers ----------------------------------------------------------------------------------------
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[Any]:
-        if self.config.stage != 3 or not empty_init:
+        if self.config.stage != 3:
             return super().module_init_context(empty_init)
+        if not empty_init:  # on the CPU, as under Fabric's FSDP: sharded onto the device unit by unit
+            return self.precision.module_init_context()
         stack = ExitStack()
         stack.enter_context(MetaDeviceExceptMetrics())  # materialized unit by unit in setup_module
         stack.enter_context(self.precision.module_init_context())
@@ -189,7 +191,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
 
     @override
     def module_to_device(self, module: Module) -> None:
-        if not _on_meta(module):  # a model on meta is allocated on the device by setup_module
+        # At stage 3 setup_module moves (or allocates) each unit as it shards it: Note [partly meta models].
+        if self.config.stage != 3 and not _on_meta(module):
             module.to(self.root_device)
 
     @override

@@ -49,11 +49,9 @@ def shard_for_stage3(
     param_init_fn: ParamInitFn | None,
     tiers: MemoryTiers | None,
 ) -> ParameterGatherer:
-    """Shard ``module`` for stage 3: one built on meta is materialized unit by unit (``stage3/sharded_init.py``),
-    one built normally is moved to ``device`` first."""
+    """Shard ``module`` for stage 3 unit by unit (``stage3/sharded_init.py``): one built on meta is materialized
+    there, one built normally is moved to ``device`` a unit at a time (Note [partly meta models]), never whole."""
     refuse_released_placeholders(module)
-    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-        module.to(device)
     # ZeRO++ and the metering by link need the ranks per node; Lightning knows them when the environment does not.
     config = dataclasses.replace(config, ranks_per_node=ranks_per_node(config, num_processes, group.size()))
     return shard_module(module, config, group, device, param_init_fn, tiers)

@@ -220,12 +220,17 @@ class ZeroStrategy(RootUnitSteps):
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``trainer.init_module(empty_init=True)`` at stage 3 builds on the meta device, as FSDP's strategy does, and
         ``setup`` materializes the model unit by unit with ``configure_model``'s initialization rules (``stage3/
-        sharded_init.py``): no rank ever holds the whole model. Stages 1 and 2, and stage 3 without ``empty_init``,
-        behave as DDP: every rank builds the whole model on its device (uninitialized memory with ``empty_init=True``,
-        which the broadcast from rank 0 in ``setup`` makes equal on every rank)."""
+        sharded_init.py``): no rank ever holds the whole model. Stage 3 without ``empty_init`` builds it on the CPU,
+        as FSDP's strategy does, and ``setup`` moves it to the device unit by unit as it shards (Note [partly meta
+        models]). Stages 1 and 2 behave as DDP: every rank builds the whole model on its device (uninitialized memory
+        with ``empty_init=True``, which the broadcast from rank 0 in ``setup`` makes equal on every rank)."""
         if self.config.stage == 3 and empty_init:
             hint = pretrained_on_meta_hint("`trainer.init_module(empty_init=True)`")
             with MetaDeviceExceptMetrics(), self.precision_plugin.tensor_init_context(), hint:
+                yield
+            return
+        if self.config.stage == 3:
+            with self.precision_plugin.tensor_init_context():
                 yield
             return
         with super().tensor_init_context(empty_init=empty_init):
