@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.distributed.distributed_c10d import _get_default_store
 from torch.utils._device import DeviceContext as _DeviceContext
 from torch.utils._device import _device_constructors
+from torch.utils._pytree import tree_map as _tree_map
 
 __all__ = [
     "CHECKPOINT_WRAPPER_PREFIX",
@@ -97,6 +98,7 @@ __all__ = [
     "get_default_store",
     "init_dist_connection",
     "layer_sync",
+    "make_wrapper_subclass",
     "non_finite_check_and_unscale_",
     "open_torch_save_archive",
     "queue_autograd_callback",
@@ -105,6 +107,7 @@ __all__ = [
     "swap_storage_memory",
     "sync_ddp_if_available",
     "sync_module_states",
+    "tree_map",
     "validate_keys_for_strict_loading",
     "write_dcp_item",
     "writes_torch_save",
@@ -161,6 +164,17 @@ get_default_store: Callable[[], Store] = _get_default_store
 # covers; stage 3 builds on meta with a subclass of it (Note [metrics stay off meta] in ``stage3/library_init.py``).
 DeviceContext = _DeviceContext
 device_constructors: Callable[[], set[Callable[..., Any]]] = _device_constructors
+
+# A tensor subclass without storage of its own, whose ops run in its ``__torch_dispatch__`` (DTensor's mechanism;
+# Note [gradients visible to hooks] in ``lightning/grad_norm.py``), and the pytree map over an op's arguments.
+tree_map: Callable[..., Any] = _tree_map
+
+
+def make_wrapper_subclass(cls: type[Tensor], like: Tensor) -> Tensor:
+    """An instance of ``cls`` with ``like``'s shape, dtype and device and no storage."""
+    return Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+
+
 """The c10d store of the default process group."""
 
 
