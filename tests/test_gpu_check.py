@@ -22,6 +22,7 @@ SECTIONS = [
     "gpt_stage3_vs_fsdp2",
     "full_save_nccl",
     "offload_largest_model",
+    "offload_speed",
 ]
 
 

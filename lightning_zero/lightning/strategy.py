@@ -259,6 +259,7 @@ class ZeroStrategy(RootUnitSteps):
         if self._tiers is None:
             yield
             return
+        self.settle_optimizers()
         self._tiers.load_all()
         try:
             yield
@@ -281,6 +282,8 @@ class ZeroStrategy(RootUnitSteps):
         if isinstance(optimizer, MockOptimizer):  # no optimizer: Lightning's stand-in only runs the closure
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         zero_optimizer = as_zero_optimizer(optimizer)
+        if self._tiers is not None and self.lightning_module is not None:
+            self._tiers.set_step_number(self.lightning_module.trainer.global_step)  # Note [delayed parameter update]
 
         def closure_then_reduce() -> Any:
             result = closure()
@@ -361,6 +364,7 @@ class ZeroStrategy(RootUnitSteps):
         """
         self._stop_fault_monitor()
         if self._tiers is not None:
+            self.settle_optimizers()  # the last delayed update reaches the model
             self._tiers.restore()
         self._close_tiers()
         module = self.lightning_module
