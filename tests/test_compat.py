@@ -49,6 +49,11 @@ PRIVATE = {
     "lightning.fabric.plugins.precision.utils._DtypeContextManager": "DtypeContextManager",
     "lightning.pytorch.strategies.launchers._MultiProcessingLauncher": "MultiProcessingLauncher",
     "lightning.pytorch.strategies.launchers._SubprocessScriptLauncher": "SubprocessScriptLauncher",
+    "lightning.pytorch.core.optimizer._MockOptimizer": "MockOptimizer",
+    "torch.utils._device.DeviceContext": "DeviceContext",
+    "torch.utils._device._device_constructors": "device_constructors",
+    "torch.utils._pytree.tree_map": "tree_map",
+    "torch.Tensor._make_wrapper_subclass": "make_wrapper_subclass",
     "lightning.fabric.utilities.distributed._distributed_is_initialized": "distributed_is_initialized",
     "lightning.fabric.utilities.distributed._get_default_process_group_backend_for_device": (
         "default_process_group_backend_for_device"

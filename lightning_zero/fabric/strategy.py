@@ -73,7 +73,7 @@ from lightning_zero.lightning.strategy_processes import StartMethod
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.gradient_reducer import GradientReducer
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
-from lightning_zero.stage3.library_init import ParamInitFn, pretrained_on_meta_hint
+from lightning_zero.stage3.library_init import MetaDeviceExceptMetrics, ParamInitFn, pretrained_on_meta_hint
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 
 
@@ -200,21 +200,24 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
     # -- model and optimizers ----------------------------------------------------------------------------------------
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[Any]:
-        if self.config.stage != 3 or not empty_init:
+        if self.config.stage != 3:
             return super().module_init_context(empty_init)
+        if not empty_init:  # on the CPU, as under Fabric's FSDP: sharded onto the device unit by unit
+            return self.precision.module_init_context()
         stack = ExitStack()
-        stack.enter_context(torch.device("meta"))  # materialized unit by unit in setup_module
+        stack.enter_context(MetaDeviceExceptMetrics())  # materialized unit by unit in setup_module
         stack.enter_context(self.precision.module_init_context())
         stack.enter_context(pretrained_on_meta_hint("`fabric.init_module(empty_init=True)`"))
         return stack
 
     @override
     def module_sharded_context(self) -> AbstractContextManager[Any]:
-        return torch.device("meta") if self.config.stage == 3 else nullcontext()
+        return MetaDeviceExceptMetrics() if self.config.stage == 3 else nullcontext()
 
     @override
     def module_to_device(self, module: Module) -> None:
-        if not on_meta(module):  # a model on meta is allocated on the device by setup_module
+        # At stage 3 setup_module moves (or allocates) each unit as it shards it: Note [partly meta models].
+        if self.config.stage != 3 and not on_meta(module):
             module.to(self.root_device)
 
     @override

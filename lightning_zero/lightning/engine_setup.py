@@ -32,6 +32,7 @@ from lightning_zero.lightning.grad_norm import refuse_released_placeholders
 from lightning_zero.lightning.offload_setup import check_optimizer_space
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.offload.memory_tiers import MemoryTiers
+from lightning_zero.sharding.activation_checkpointing import parameter_names
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.library_init import ParamInitFn
 from lightning_zero.stage3.one_rank_calls import OneRankCalls
@@ -57,17 +58,16 @@ def shard_for_stage3(
     param_init_fn: ParamInitFn | None,
     tiers: MemoryTiers | None,
 ) -> ParameterGatherer:
-    """Shard ``module`` for stage 3: one built on meta is materialized unit by unit (``stage3/sharded_init.py``),
-    one built normally is moved to ``device`` first. A model another strategy of this process sharded with the same
-    config (an earlier ``Trainer``) keeps its shards: Note [a model sharded by an earlier Trainer]."""
+    """Shard ``module`` for stage 3 unit by unit (``stage3/sharded_init.py``): one built on meta is materialized
+    there, one built normally is moved to ``device`` a unit at a time (Note [partly meta models]), never whole.
+    A model another strategy of this process sharded with the same config (an earlier ``Trainer``) keeps its shards:
+    Note [a model sharded by an earlier Trainer]."""
     # ZeRO++ and the metering by link need the ranks per node; Lightning knows them when the environment does not.
     config = dataclasses.replace(config, ranks_per_node=ranks_per_node(config, num_processes, group.size()))
     earlier = getattr(module, _SHARDED_BY, None)
     if isinstance(earlier, ParameterGatherer):
         return adopt_sharded(earlier, module, config, group, tiers)
     refuse_released_placeholders(module)
-    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-        module.to(device)
     # Made before sharding's first broadcast, so every rank names the same instance (Note [one-rank calls]).
     # A model with nothing to train (a frozen teacher called in every training step) is not met in the store: its
     # forwards without gradients are collective, as a training step's are.
@@ -186,6 +186,8 @@ def wrap_optimizers(
     """Wrap each of the model's ``optimizers`` (all of them, every time: one loss scaler per optimizer, Note [one
     loss scale per optimizer] in ``sharding/loss_scaler.py``). An optimizer that is a ``ZeroOptimizer`` already is
     kept, with its scaler replaced by the one of its place."""
+    if gatherer is None:
+        refuse_parameters_in_two_optimizers(module, optimizers)
     scalers = precision.loss_scalers_for(len(optimizers))
     wrapped: list[ZeroOptimizer] = []
     fresh: list[ZeroOptimizer] = []
@@ -214,6 +216,32 @@ def wrap_optimizers(
         for zero in fresh:
             zero.ledger.topology = topology
     return wrapped
+
+
+def refuse_parameters_in_two_optimizers(module: nn.Module, optimizers: Sequence[Optimizer]) -> None:
+    """Stages 1 and 2: refuse a trainable parameter that two optimizers step, before either is sharded.
+
+    Each ``ZeroOptimizer`` there lays its parameters out in flat buckets of its own (``FlatBucket``), and a parameter
+    is a view into one bucket only: the second optimizer would take it from the first, whose step would then update
+    a copy nobody reads (stage 1 trained silently wrong weights; stage 2 failed in backward). Stage 3's buckets belong
+    to the sharded model, which every optimizer shares, so there it trains as DDP does."""
+    owner: dict[int, int] = {}
+    for i, optimizer in enumerate(optimizers):
+        if isinstance(optimizer, ZeroOptimizer):
+            params = [p for bucket in optimizer.buckets for p in bucket.params]
+        else:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+        for p in params:
+            if not p.requires_grad or owner.setdefault(id(p), i) == i:
+                continue
+            first = owner[id(p)]
+            name = parameter_names(module).get(id(p), f"of shape {tuple(p.shape)}")
+            raise ValueError(
+                f"Parameter {name!r} is stepped by two optimizers, #{first} ({type(optimizers[first]).__name__}) and "
+                f"#{i} ({type(optimizer).__name__}). At ZeRO stages 1 and 2 each optimizer shards its parameters "
+                "into flat buckets of its own, and a parameter lives in one bucket only. HINT: give each parameter "
+                "to one optimizer, or use ZeroStrategy(stage=3), whose sharded parameters every optimizer shares."
+            )
 
 
 def broadcast_buffers(module: nn.Module, group: dist.ProcessGroup) -> None:
