@@ -155,6 +155,15 @@ class OptimizerTiers:
             reducer.check_finite = True  # Note [gradients on disk]
         if self.host is not None:
             optimizer.reducer.reduced_hooks.append(self._on_reduced)
+        for bucket in optimizer.buckets:  # Note [edits reach the masters]: the shards written from host masters
+            if self.host is not None and bucket in self.host:
+                optimizer.edits.watch(bucket, digestible=not self.host.held(bucket))
+            elif (
+                self.swapper is not None
+                and param_key(bucket) in self.swapper
+                and any(r.bucket is bucket for r in optimizer.master_runs)
+            ):
+                optimizer.edits.watch(bucket, digestible=False)  # the shard is in a tier between steps
         if self.host is not None or self.steps_tiers:
             choose_step_kernels(optimizer.optimizer, multi_tensor=self.host is not None)
         if self.host_steps is not None:
@@ -284,7 +293,8 @@ class OptimizerTiers:
             self._join()  # an update of the masters' own state outside the step: Note [delayed parameter update]
         if chunk is not None and self.host is not None and bucket in self.host:
             if step:  # outside a step (an EMA update) the host masters are all there is to load
-                self.host.adopt_edits(bucket)
+                if self._opt.edits.edited(bucket):
+                    self.host.adopt_edits(bucket)
                 self._set_gradients(bucket, chunk, *self._tiered_gradient(bucket))
             return
         if chunk is None or self.swapper is None:
