@@ -71,6 +71,8 @@ def choose_step_kernels(optimizer: torch.optim.Optimizer, multi_tensor: bool) ->
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _AMSGRAD = "max_exp_avg_sq"
+MOMENT_NAMES = (*_MOMENTS, _AMSGRAD)
+"""Every per-element state entry ``HostAdam`` keeps in flat tensors."""
 
 
 def covers_optimizer(optimizer: Optimizer) -> bool:
@@ -88,6 +90,7 @@ def covers_group(group: dict[str, Any]) -> bool:
 
 @dataclass(eq=False)
 class _Bucket:
+    key: int
     segments: list[int]
     """Indices of the bucket's segments (into the optimizer's segment and master lists)."""
     starts: list[int]
@@ -104,8 +107,11 @@ class HostAdam:
     def __init__(self, optimizer: Optimizer) -> None:
         self.optimizer = optimizer
         self._buckets: dict[int, _Bucket] = {}
-        self.allocate: Callable[[int, torch.dtype], Tensor] = lambda n, dtype: torch.zeros(n, dtype=dtype)
-        """Where a bucket's flat moments come from (zeros); the tiers may place them elsewhere."""
+        self.allocate: Callable[[int, str, int, torch.dtype], Tensor] = lambda _, __, n, dtype: torch.zeros(
+            n, dtype=dtype
+        )
+        """Where a bucket's flat moments come from, given the bucket's key, the moment's name, its size and dtype
+        (zeros); the tiers may place them elsewhere (Note [moments on disk] in ``host_moments.py``)."""
 
     def covers(self, groups: Sequence[int]) -> bool:
         """Whether every param group in ``groups`` (indices) is stepped here."""
@@ -115,7 +121,18 @@ class HostAdam:
     def add_bucket(self, key: int, segments: list[int], starts: list[int], stops: list[int]) -> None:
         """Register a bucket: its segments' indices and their ``[start, stop)`` in shard coordinates."""
         first = min(starts, default=0)
-        self._buckets[key] = _Bucket(segments, [s - first for s in starts], max(stops, default=0) - first)
+        self._buckets[key] = _Bucket(key, segments, [s - first for s in starts], max(stops, default=0) - first)
+
+    def owner(self, segment: int) -> int | None:
+        """The key of the bucket holding ``segment`` (an index into the optimizer's segments), if any."""
+        return next((key for key, b in self._buckets.items() if segment in b.segments), None)
+
+    def state_view(self, key: int, segment: int, name: str, masters: Sequence[Tensor]) -> Tensor:
+        """Segment ``segment``'s view of the bucket's flat ``name`` (created if need be): where a checkpoint loads
+        that state entry."""
+        bucket = self._buckets[key]
+        self._ensure_flats(bucket, masters, (name,))
+        return bucket.views[name][bucket.segments.index(segment)]
 
     def flat_state(self, key: int) -> dict[str, Tensor]:
         """The bucket's flat moments (empty before its first step)."""
@@ -168,12 +185,7 @@ class HostAdam:
         step, adopted after a load)."""
         state = self.optimizer.state
         names = (*_MOMENTS, _AMSGRAD) if amsgrad else _MOMENTS
-        dtype = masters[bucket.segments[0]].dtype
-        for name in names:
-            if name not in bucket.flats:
-                flat = bucket.flats[name] = self.allocate(bucket.numel, dtype)
-                sizes = [masters[i].numel() for i in bucket.segments]
-                bucket.views[name] = [flat[a : a + n] for a, n in zip(bucket.starts, sizes, strict=True)]
+        self._ensure_flats(bucket, masters, names)
         for k in positions:
             master = masters[bucket.segments[k]]
             entry = state[master]
@@ -195,3 +207,11 @@ class HostAdam:
             step = entry["step"]
             if step.dtype != torch.float32 or step.device.type != "cpu":
                 entry["step"] = step.to(device="cpu", dtype=torch.float32)
+
+    def _ensure_flats(self, bucket: _Bucket, masters: Sequence[Tensor], names: Sequence[str]) -> None:
+        dtype = masters[bucket.segments[0]].dtype
+        for name in names:
+            if name not in bucket.flats:
+                flat = bucket.flats[name] = self.allocate(bucket.key, name, bucket.numel, dtype)
+                sizes = [masters[i].numel() for i in bucket.segments]
+                bucket.views[name] = [flat[a : a + n] for a, n in zip(bucket.starts, sizes, strict=True)]

@@ -45,7 +45,8 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
 
-from lightning_zero.offload.host_adam import HostAdam, choose_step_kernels
+from lightning_zero.offload.host_adam import MOMENT_NAMES, HostAdam, choose_step_kernels
+from lightning_zero.offload.host_moments import DiskMoments
 from lightning_zero.offload.host_steps import HostSteps
 from lightning_zero.offload.host_tier import HostTier
 from lightning_zero.offload.tensor_swapper import TensorSwapper
@@ -89,8 +90,11 @@ class OptimizerTiers:
         host: HostTier | None = None,
         steps_tiers: bool = False,
         host_steps: HostSteps | None = None,
+        moments: DiskMoments | None = None,
     ) -> None:
         self.swapper = swapper
+        self.moments = moments
+        """The moments of the buckets ``HostAdam`` steps, on disk (Note [moments on disk]); None: in memory."""
         self.steps_tiers = steps_tiers
         """Whether the optimizer's tier is on (``offload_optimizer``): its step takes the kernels of Note [tier step
         kernels] even where the tier moves nothing (the host tier on a CPU device)."""
@@ -193,6 +197,18 @@ class OptimizerTiers:
             adam.add_bucket(id(bucket), indices, [s.start for s in segments], [s.stop for s in segments])
             self._own.add(id(bucket))
         self._adam = adam if self._own else None
+        if self.moments is None:
+            return
+        adam.allocate = self.moments.allocate
+        stepped = [b for b in optimizer.buckets if self.host is None or id(b) in self.placed]
+        if any(id(b) not in self._own for b in stepped):
+            kinds = ", ".join(f"{k}: fused={g.get('fused')!r}" for k, g in enumerate(optimizer.optimizer.param_groups))
+            raise ValueError(
+                f"ZeroConfig.offload_optimizer_state='disk' with {type(optimizer.optimizer).__name__} ({kinds}): "
+                "only torch's Adam and AdamW stepped by the host tier's fused kernels keep their moments on disk "
+                "(Note [moments on disk]). HINT: use torch.optim.AdamW or Adam and leave `fused`/`foreach` unset, "
+                "or offload_optimizer_state='with_masters'."
+            )
 
     def _on_reduced(self, bucket: FlatBucket) -> None:
         assert self.host is not None
@@ -291,6 +307,8 @@ class OptimizerTiers:
         step = self._in_step and only is None
         if not step:
             self._join()  # an update of the masters' own state outside the step: Note [delayed parameter update]
+        if self.moments is not None and (only is None or any(n in only for n in MOMENT_NAMES)):
+            self.moments.load(id(bucket), in_order=step)
         if chunk is not None and self.host is not None and bucket in self.host:
             if step:  # outside a step (an EMA update) the host masters are all there is to load
                 if self._opt.edits.edited(bucket):
@@ -343,6 +361,8 @@ class OptimizerTiers:
 
     def unload(self, bucket: FlatBucket) -> None:
         chunk = self._chunks.get(id(bucket))
+        if self.moments is not None:
+            self.moments.unload(id(bucket), stepped=self._in_step)
         if chunk is not None and self.host is not None and bucket in self.host:
             if chunk.grad_loaded:
                 for i in chunk.segments:
@@ -394,12 +414,19 @@ class OptimizerTiers:
             self.host.end_step()
         if self.swapper is not None:
             self.swapper.end_step()
+        if self.moments is not None:
+            self.moments.end_step()
 
     def new_state(self, master: Tensor, name: str) -> Tensor | None:
-        if self.swapper is None:
-            return None
         opt = self._opt
         i = next(k for k, m in enumerate(opt.masters) if m is master)
+        owner = self._adam.owner(i) if self._adam is not None and self.moments is not None else None
+        if owner is not None and self.moments is not None and self._adam is not None:
+            view = self._adam.state_view(owner, i, name, opt.masters)  # Note [moments on disk]
+            self.moments.unload(owner, stepped=False)  # a new flat: written (zeros), freed; the load fills the file
+            return view
+        if self.swapper is None:
+            return None
         if id(opt.segments[i].bucket) not in self.on_disk:
             return None
         state = torch.empty(master.shape, dtype=master.dtype, device=master.device)
@@ -424,7 +451,7 @@ class OptimizerTiers:
             return
         opt = self._opt
         for bucket_id, chunk in self._chunks.items():
-            if bucket_id in self.on_disk:
+            if bucket_id in self.on_disk or (self.moments is not None and bucket_id in self.moments):
                 for i in chunk.segments:
                     opt.optimizer.state.pop(opt.masters[i], None)
 
