@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/host_step.py --rounds 15 --threads 1,2 \\
         --deepspeed-python /path/to/deepspeed-venv/bin/python --out benchmarks/results/host_step.json
 
-The tiers step on host memory (Note [tier step kernels] in ``lightning_zero/offload/optimizer_tiers.py``), where an
+The tiers step on host memory (Note [tier step kernels] in ``lightning_zero/offload/host_adam.py``), where an
 Adam step is as fast as its memory traffic. Every variant updates the same number of fp32 parameters (``--params``)
 with AdamW, at each of ``--threads`` (torch's intra-op threads; DeepSpeed's OpenMP threads), and is timed from the
 call to the end of the step:

@@ -82,9 +82,7 @@ def check_offload(config: ZeroConfig) -> None:
 def check_offload_optimizer_state(config: ZeroConfig) -> None:
     state = config.offload_optimizer_state
     if state not in ("with_masters", "disk"):
-        raise ValueError(
-            f"Invalid ZeroConfig.offload_optimizer_state: {state!r}. Expected 'with_masters' or 'disk'."
-        )
+        raise ValueError(f"Invalid ZeroConfig.offload_optimizer_state: {state!r}. Expected 'with_masters' or 'disk'.")
     if state == "with_masters":
         return
     if config.offload_optimizer != "cpu":

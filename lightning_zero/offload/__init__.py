@@ -7,6 +7,8 @@ tier around its use. Configured by ``ZeroConfig.offload_optimizer``, ``offload_p
 - ``memory_tiers``: ``MemoryTiers``, one rank's tiers built from the config: placement, the parameter tier of
   stage-3 units, the reducer and optimizer hooks, bytes per tier.
 - ``optimizer_tiers``: ``OptimizerTiers``, the masters and optimizer state loaded around each bucket's step.
+- ``tiered_gradients``: ``TieredGradients``, the tiered buckets' gradients as the step reads them (unscaled,
+  clipped).
 - ``tiered_grad_reducer``: stage 3's gradient shards written to disk as their reduce-scatter completes.
 - ``tensor_swapper``: ``TensorSwapper``, tensors whose storage is swapped to a file, read ahead and written behind.
 - ``swap_file``: ``SwapFile``, one rank's tier file: regions, ``preadv``/``pwritev`` into tensor memory.

@@ -25,6 +25,27 @@ same arithmetic with none of that:
 It covers the groups for which the tiers chose (or the user set) torch's fused kernels on an unmodified
 ``torch.optim.Adam`` or ``AdamW`` (Note [tier step kernels]); any other optimizer or group keeps the generic path,
 ``optimizer.step()`` on the bucket's narrowed param groups.
+
+Note [tier step kernels]
+The tiers' step runs on host memory (the host tier, the disk tier, the CPU device), where its speed is the memory
+traffic of the update. torch's multi-tensor (``foreach``) Adam makes one pass over memory per elementary operation,
+about 80 bytes per fp32 parameter; its fused CPU kernels (``fused=True``: Adam, AdamW, SGD, Adagrad) read and write
+each parameter, gradient and moment once, as DeepSpeed's ``DeepSpeedCPUAdam`` does, and run at that kernel's speed
+(``benchmarks/host_step.py``). So with ``offload_optimizer`` on, every param group whose ``foreach`` and ``fused``
+the user left to torch (``None``), and whose tensors are all floating-point on the host, steps fused; a group of
+another optimizer, or with device tensors (the masters of buckets ``offload_ratio`` leaves on a GPU), takes the
+multi-tensor kernels in the host tier and torch's default elsewhere. An explicit ``foreach=`` or ``fused=`` in the
+optimizer's defaults or a param group is kept. The fused kernels round differently from the single-tensor and
+multi-tensor ones (a few ULPs per step): a tiered run matches DDP within the parity tests' 1e-5, not bit for bit;
+the host tier with and without its copy path chooses the same kernels and agrees exactly.
+
+The fused kernels write the parameters and moments without moving their version counters (torch 2.13: after
+``AdamW(fused=True).step()`` ``p._version`` and ``exp_avg._version`` are unchanged), which is how the swapper tells
+a modified entry from a clean one (Note [swap lifecycle]): unmarked, a stepped master, moment or fp32 parameter shard
+on disk would be freed without being written, and the next step would read the old values. So after each tiered
+bucket's step the tiers bump the counters of the masters and element-wise state of its fused groups' stepped
+segments (``OptimizerTiers._mark_stepped`` in ``optimizer_tiers.py``; ``DiskMoments.unload`` for the
+moments on disk).
 """
 
 from __future__ import annotations

@@ -157,9 +157,7 @@ class MemoryTiers:
             host_steps = HostSteps(self.config.offload_overlap_warmup if delayed else None)
             self.host_steps.append(host_steps)
         moments = DiskMoments(self.moment_swapper) if self.moment_swapper is not None else None
-        tiers = OptimizerTiers(
-            swapper, self._place, host, self.config.offload_optimizer != "none", host_steps, moments
-        )
+        tiers = OptimizerTiers(swapper, self._place, host, self.config.offload_optimizer != "none", host_steps, moments)
         self.optimizer_tiers.append(tiers)
         return tiers
 
