@@ -139,12 +139,11 @@ class OptimizerTiers:
         for bucket in optimizer.buckets:  # Note [edits reach the masters]: the shards written from host masters
             if self.host is not None and bucket in self.host:
                 optimizer.edits.watch(bucket, digestible=not self.host.held(bucket))
-            elif (
-                self.swapper is not None
-                and param_key(bucket) in self.swapper
-                and any(r.bucket is bucket for r in optimizer.master_runs)
-            ):
-                optimizer.edits.watch(bucket, digestible=False)  # the shard is in a tier between steps
+            elif any(r.bucket is bucket for r in optimizer.master_runs) and (
+                id(bucket) in self.on_disk or (self.swapper is not None and param_key(bucket) in self.swapper)
+            ):  # masters on disk: digested, or compared every step where the shard is in a tier too
+                held = self.swapper is not None and param_key(bucket) in self.swapper
+                optimizer.edits.watch(bucket, digestible=not held)
         if self.host is not None or self.steps_tiers:
             choose_step_kernels(optimizer.optimizer, multi_tensor=self.host is not None)
         if self.host_steps is not None:

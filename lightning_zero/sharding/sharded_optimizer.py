@@ -172,8 +172,8 @@ class ZeroOptimizer(Optimizer):
         self._raw_step = without_step_hooks(type(optimizer).step)  # Note [step hooks]
         self.edits = ParamEdits(self.buckets)
         """Which shards were edited between steps (Note [edits reach the masters])."""
-        for run in self._runs:
-            self.edits.watch(run.bucket)
+        for bucket in {id(run.bucket): run.bucket for run in self._runs}.values():
+            self.edits.watch(bucket, runs=[run for run in self._runs if run.bucket is bucket])
         if tiers is not None:
             tiers.attach(self)  # watches its own buckets
 
