@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ["environment", "gloo_cuda_probe", "gpu_tests", "host_syncs", "gpt_stage3_vs_fsdp2", "offload_largest_model"]
+SECTIONS = [
+    "environment",
+    "gloo_cuda_probe",
+    "gpu_tests",
+    "host_syncs",
+    "gpt_stage3_vs_fsdp2",
+    "offload_largest_model",
+    "offload_speed",
+]
 
 
 def _check(out: Path, *args: str, timeout: float) -> tuple[dict, float]:
@@ -47,6 +55,11 @@ def test_dry_run_reports_every_section_and_goes_on_after_a_failing_one(tmp_path)
     assert set(sections["gpt_stage3_vs_fsdp2"]["result"]["runs"]) == {"zero3", "fsdp2"}
     largest = sections["offload_largest_model"]["result"]["largest_trained_parameters"]
     assert all(largest.values()), largest
+    speed = sections["offload_speed"]["result"]["runs"]  # every mode, each trained or skipped for time
+    assert {(r["overlap"], r["batch"]) for r in speed} == {
+        (m, b) for m in ("exact", "delayed", "disk_moments") for b in (1, 8)
+    }
+    assert all(r.get("trained") or "skipped" in r for r in speed), speed
     markdown = (tmp_path / "summary.md").read_text()
     assert all(f"| {name} |" in markdown for name in SECTIONS)
     print(f"dry run: {seconds:.1f} s")

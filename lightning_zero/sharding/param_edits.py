@@ -67,8 +67,9 @@ def digest(shard: Tensor, weights: Tensor) -> Tensor:
     for first in range(0, rows, _BLOCK_ROWS):
         last = min(rows, first + _BLOCK_ROWS)
         a, b = first * _ROW, min(n, last * _ROW)
-        block = torch.zeros((last - first) * _ROW, dtype=torch.float64, device=shard.device)
+        block = torch.empty((last - first) * _ROW, dtype=torch.float64, device=shard.device)
         block[: b - a].copy_(words[a:b])
+        block[b - a :].zero_()  # the last row's padding
         torch.mm(block.view(last - first, _ROW), weights, out=out[first:last])
     return out
 
