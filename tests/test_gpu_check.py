@@ -20,6 +20,7 @@ SECTIONS = [
     "gpu_tests",
     "host_syncs",
     "gpt_stage3_vs_fsdp2",
+    "full_save_nccl",
     "offload_largest_model",
     "offload_speed",
 ]
@@ -53,6 +54,7 @@ def test_dry_run_reports_every_section_and_goes_on_after_a_failing_one(tmp_path)
     assert syncs["stage1 32-true"]["syncs_per_step"] == 1, syncs  # the README's budget, counted on the CPU
     assert syncs["stage3 bf16-mixed"]["syncs_per_step"] == 2, syncs
     assert set(sections["gpt_stage3_vs_fsdp2"]["result"]["runs"]) == {"zero3", "fsdp2"}
+    assert len(sections["full_save_nccl"]["result"]["per_rank"]) == 2  # the dry run: two gloo ranks
     largest = sections["offload_largest_model"]["result"]["largest_trained_parameters"]
     assert all(largest.values()), largest
     speed = sections["offload_speed"]["result"]["runs"]  # every mode, each trained or skipped for time
