@@ -17,6 +17,7 @@ from lightning_zero.config_checks import (
     check_class_names,
     check_non_negative_int,
     check_offload,
+    check_offload_optimizer_state,
     check_offload_overlap,
     check_positive_int,
     check_zeropp,
@@ -207,6 +208,13 @@ class ZeroConfig:
     """The fraction (0 < r <= 1) of the optimizer state (masters and moments) that ``offload_optimizer`` moves, by
     elements, bucket by bucket in step order (ZeRO-Offload++); the rest stays on the device."""
 
+    offload_optimizer_state: Literal["with_masters", "disk"] = "with_masters"
+    """Where the host step's optimizer state (Adam's moments, 8 of the 16 bytes per parameter) lives between steps.
+    ``"with_masters"``: where ``offload_optimizer`` puts the masters. ``"disk"``: with ``offload_optimizer="cpu"``,
+    in files under ``offload_dir`` beside the host masters, read ahead of each bucket's host step and written behind
+    it, so that host memory and disk add up (Note [moments on disk] in ``offload/host_moments.py``). Needs torch's
+    Adam or AdamW with the fused kernels the host tier chooses; refused with ``offload_overlap="delayed"``."""
+
     offload_overlap: Literal["exact", "delayed"] = "exact"
     """How the host tier's step (``offload_optimizer="cpu"`` on an accelerator) meets the device's work.
     ``"exact"``: every step's update is applied before the next forward, as without offloading. ``"delayed"``:
@@ -287,6 +295,7 @@ class ZeroConfig:
         check_zeropp(self)
         check_offload(self)
         check_offload_overlap(self)
+        check_offload_optimizer_state(self)
 
     @property
     def uses_zeropp(self) -> bool:
@@ -296,7 +305,7 @@ class ZeroConfig:
     @property
     def offloads_to_disk(self) -> bool:
         """Whether any tier lives in files under ``offload_dir``."""
-        return "disk" in (self.offload_optimizer, self.offload_params)
+        return "disk" in (self.offload_optimizer, self.offload_params, self.offload_optimizer_state)
 
     @property
     def keeps_reduce_buffers(self) -> bool:

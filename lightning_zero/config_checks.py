@@ -79,6 +79,32 @@ def check_offload(config: ZeroConfig) -> None:
         )
 
 
+def check_offload_optimizer_state(config: ZeroConfig) -> None:
+    state = config.offload_optimizer_state
+    if state not in ("with_masters", "disk"):
+        raise ValueError(f"Invalid ZeroConfig.offload_optimizer_state: {state!r}. Expected 'with_masters' or 'disk'.")
+    if state == "with_masters":
+        return
+    if config.offload_optimizer != "cpu":
+        raise ValueError(
+            f"Invalid ZeroConfig: offload_optimizer_state='disk' with offload_optimizer={config.offload_optimizer!r}. "
+            "Expected offload_optimizer='cpu': the moments go to disk beside host masters, stepped by the host. "
+            "HINT: offload_optimizer='disk' puts masters and moments on disk; 'cpu' with "
+            "offload_optimizer_state='disk' keeps the masters in host memory."
+        )
+    if config.offload_overlap == "delayed":
+        raise ValueError(
+            "Invalid ZeroConfig: offload_optimizer_state='disk' with offload_overlap='delayed'. The delayed update "
+            "would hold every bucket's moments in memory through the next forward and backward. HINT: use "
+            "offload_overlap='exact' with moments on disk, or offload_optimizer_state='with_masters'."
+        )
+    if config.offload_dir is None:
+        raise ValueError(
+            "Invalid ZeroConfig.offload_dir: None with offload_optimizer_state='disk'. Expected a directory for the "
+            "disk tier. HINT: ZeroStrategy(offload_dir='/path/on/a/fast/disk')."
+        )
+
+
 def check_offload_overlap(config: ZeroConfig) -> None:
     check_non_negative_int("offload_overlap_warmup", config.offload_overlap_warmup)
     if config.offload_overlap not in ("exact", "delayed"):

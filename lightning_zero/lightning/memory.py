@@ -130,6 +130,8 @@ def host_tier_bytes(
                     continue
                 own = master.untyped_storage().data_ptr() != seg.bucket.param_shard.untyped_storage().data_ptr()
                 total += master.numel() * master.element_size() if own else 0
+                if config.offload_optimizer_state == "disk":
+                    continue  # the moments are in the tier file beside the host masters (Note [moments on disk])
                 entries = opt.state.get(master, {}).values()
                 total += sum(v.numel() * v.element_size() for v in entries if isinstance(v, Tensor) and v.dim() > 0)
     if config.offload_params == "cpu" and gatherer is not None:
