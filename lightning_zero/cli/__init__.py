@@ -8,5 +8,5 @@
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,
 lightning_zero.offload, lightning_zero.checkpoint, lightning_zero.lightning, lightning_zero.fabric,
-lightning_zero.hydra, lightning_zero.models
+lightning_zero.hydra, lightning_zero.models, lightning_zero.planning
 """

@@ -9,21 +9,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from lightning_zero.lightning.memory import model_state_by_tier
+from lightning_zero.planning.layout import (
+    ALL_REDUCE,
+    GATHER_AFTER_STEP,
+    GATHER_BACKWARD,
+    GATHER_FORWARD,
+    GATHER_PERSISTENT,
+    REDUCE_SCATTER,
+)
+from lightning_zero.planning.model_state import model_state_by_tier
 
 if TYPE_CHECKING:
-    from lightning_zero.cli.estimate import StageEstimate, UnitSize
+    from lightning_zero.planning.layout import StageEstimate, UnitSize
+
+__all__ = [
+    "ALL_REDUCE",
+    "GATHER_AFTER_STEP",
+    "GATHER_BACKWARD",
+    "GATHER_FORWARD",
+    "GATHER_PERSISTENT",
+    "REDUCE_SCATTER",
+    "format_estimates",
+    "format_tiers",
+    "format_traffic",
+    "format_units",
+]
 
 STAGE_LABELS = {0: "DDP", 1: "1", 2: "2", 3: "3"}
 FORMULAS = {0: "(2+2+K)Ψ", 1: "(2+2)Ψ + KΨ/N", 2: "2Ψ + (2+K)Ψ/N", 3: "(2+2+K)Ψ/N"}
 
-# The collectives of one optimizer step, and the paper's elements each rank sends in them.
-ALL_REDUCE = "all-reduce of the gradients"
-REDUCE_SCATTER = "reduce-scatter of the gradients"
-GATHER_AFTER_STEP = "all-gather of the parameters after the step"
-GATHER_FORWARD = "all-gather of each unit before its forward"
-GATHER_BACKWARD = "all-gather of each unit before its backward"
-GATHER_PERSISTENT = "all-gather of the persistent parameters after the step"
 TRAFFIC_FORMULAS = {ALL_REDUCE: "2Ψ(N-1)/N", GATHER_PERSISTENT: "-"}  # every other one: Ψ(N-1)/N
 
 

@@ -13,5 +13,5 @@
 - ``report``: ``MemoryReport``, the per-rank memory and communication table at the end of a run.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,
-lightning_zero.offload, lightning_zero.checkpoint
+lightning_zero.offload, lightning_zero.checkpoint, lightning_zero.planning
 """
