@@ -79,11 +79,26 @@ class Traffic(NamedTuple):
     """The paper's bytes for the same collective (0 where the paper has none)."""
 
 
+class BucketSize(NamedTuple):
+    """One flat bucket as the strategy lays it out: which parameters, how many elements in full and per shard."""
+
+    params: tuple[str, ...]
+    """The names of its parameters, as ``state_dict()`` gives them."""
+    padded_numel: int
+    shard_numel: int
+    trainable: bool
+    """Whether it gets gradients (every parameter of a bucket shares ``requires_grad``)."""
+    stepped: bool
+    """Whether the optimizer steps it (it holds parameters of a param group): it has masters and optimizer state."""
+
+
 class UnitSize(NamedTuple):
     """A stage-3 gather unit and the elements gathered on every rank while it is in use, padding included."""
 
     name: str
     numel: int
+    buckets: tuple[BucketSize, ...] = ()
+    """Its sharded buckets; persistent parameters (``persistence_threshold``) are in none."""
 
 
 class StageEstimate(NamedTuple):
@@ -103,6 +118,9 @@ class StageEstimate(NamedTuple):
     """Elements of padding in the full flat buffers (each bucket is padded to a multiple of N, < N elements)."""
     units: tuple[UnitSize, ...] = ()
     """Stage 3 in ``--model`` mode: every gather unit, the root unit first."""
+    bucket_sizes: tuple[BucketSize, ...] = ()
+    """Stages 1 and 2 in ``--model`` mode: the buckets in launch order (Note [bucket order]); stage 3: the
+    persistent buckets."""
 
     @property
     def sent(self) -> int:
@@ -136,6 +154,12 @@ def paper_estimates(num_params: int, world_size: int, precisions: Precisions) ->
 
 
 # -- the strategy's own layout -----------------------------------------------------------------------------------------
+def _sizes(bucket: FlatBucket, group_of: dict[int, int]) -> BucketSize:
+    stepped = bucket.trainable and any(id(t) in group_of for t in bucket.params)
+    names = tuple(slot.fqn for slot in bucket.slots)
+    return BucketSize(names, bucket.padded_numel, bucket.shard_numel, bucket.trainable, stepped)
+
+
 def _master_numel(buckets: Sequence[FlatBucket], group_of: dict[int, int]) -> int:
     """Elements of this rank's shards that get a master weight and optimizer state, as ``ZeroOptimizer`` cuts them."""
     return sum(seg.stop - seg.start for b in buckets for seg in segments_of(b, group_of))
@@ -179,7 +203,10 @@ def layout_estimates(
     padding = sum(b.padded_numel - b.numel for b in buckets)
     for stage, state in ((1, stage1), (2, stage2)):
         traffic = _traffic(stage, sent, num_params, n, p)
-        out.append(StageEstimate(stage, state, _formula(num_params, n, stage, p), traffic, len(buckets), padding))
+        sizes = tuple(_sizes(b, group_of) for b in buckets)
+        out.append(
+            StageEstimate(stage, state, _formula(num_params, n, stage, p), traffic, len(buckets), padding, (), sizes)
+        )
     out.append(_stage3(module, group_of, num_params, n, p, config))
     return out
 
@@ -199,7 +226,7 @@ def _stage3(
         for resident, members in unit_bucket_layout(named, config):
             (persistent if resident else mine).append(FlatBucket(-1, -1, members, RANK, n))
         sharded += mine
-        units.append(UnitSize(name, sum(b.padded_numel for b in mine)))
+        units.append(UnitSize(name, sum(b.padded_numel for b in mine), tuple(_sizes(b, group_of) for b in mine)))
     trainable = [b for b in sharded + persistent if b.trainable]  # the gradient reducer's buckets
     stepped = [b for b in trainable if any(id(t) in group_of for t in b.params)]  # the optimizer's
     masters = _master_numel(stepped, group_of)
@@ -212,4 +239,5 @@ def _stage3(
     every = sharded + persistent
     padding = sum(b.padded_numel - b.numel for b in every)
     traffic = _traffic(3, sent, num_params, n, p)
-    return StageEstimate(3, state, _formula(num_params, n, 3, p), traffic, len(every), padding, tuple(units))
+    resident = tuple(_sizes(b, group_of) for b in persistent)
+    return StageEstimate(3, state, _formula(num_params, n, 3, p), traffic, len(every), padding, tuple(units), resident)
