@@ -71,6 +71,7 @@ class LlamaModule(pl.LightningModule):
             num_key_value_heads=4,
             max_position_embeddings=h.seq_len,
             attn_implementation="eager",
+            use_cache=False,  # training: a cache would append the keys again when a checkpointed layer recomputes
         )
         model = LlamaForCausalLM(config)
         if h.lora:
@@ -98,6 +99,13 @@ MODELS: dict[str, tuple[type[pl.LightningModule], dict[str, Any]]] = {
     "lora": (LlamaModule, {"lora": True}),
 }
 """The three models of the prediction's checks, by name: class and init args."""
+
+TINY: dict[str, dict[str, Any]] = {
+    "gpt": {"n_layer": 1, "n_embd": 32, "batch_size": 2},
+    "llama": {"hidden": 32, "layers": 1, "vocab": 64, "batch_size": 2},
+    "lora": {"hidden": 32, "layers": 1, "vocab": 64, "batch_size": 2, "lora": True},
+}
+"""Each model's class at a tiny size: a process runs it once before measuring (``tests/peak_runs.py``)."""
 
 CHECKPOINTED = {"gpt": ("Block",), "llama": ("LlamaDecoderLayer",), "lora": ("LlamaDecoderLayer",)}
 """The layer class each model checkpoints with ``activation_checkpointing_policy``."""

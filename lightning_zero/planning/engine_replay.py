@@ -72,12 +72,24 @@ class _Reductions:
         self.live.add("gradients", nbytes)
         self.held += nbytes
 
+    def pooled(self, buckets: list[BucketSize], in_place: bool) -> int:
+        """Receive buffers the pool keeps between steps (``ZeroConfig.keep_reduce_buffers``): as many of the largest
+        as are in flight at once (Note [size classes] in ``comm/buffer_pool.py``); 0 when the pool is emptied."""
+        if not self.config.keeps_reduce_buffers or not buckets:
+            return 0
+        largest = max(buckets, key=lambda b: b.shard_numel)
+        inflight = 1 if in_place else min(self.config.max_inflight_buckets, len(buckets))
+        return inflight * self.scratch(largest, in_place)
+
+    def _transient_scratch(self, bucket: BucketSize) -> int:
+        return 0 if self.config.keeps_reduce_buffers else self.scratch(bucket, in_place=False)
+
     def launch(self, bucket: BucketSize) -> None:
         """A bucket's reduce-scatter starts: its shard exists from the first one, its gradients wait for the end."""
         if id(bucket) not in self.reduced:
             self.reduced.add(id(bucket))
             self.allocate(bucket.shard_numel * self.param_bytes)
-        self.live.add("gradients", self.scratch(bucket, in_place=False))
+        self.live.add("gradients", self._transient_scratch(bucket))
         self.inflight.append(bucket)
         while len(self.inflight) > self.config.max_inflight_buckets:
             self._complete(self.inflight.pop(0))
@@ -87,7 +99,7 @@ class _Reductions:
             param = self.params.get(name)
             if param is not None:
                 param.grad = None  # the reduced shard is all that is left of it
-        self.live.remove("gradients", self.scratch(bucket, in_place=False))
+        self.live.remove("gradients", self._transient_scratch(bucket))
 
     def flush(self) -> None:
         while self.inflight:
@@ -132,6 +144,11 @@ class EngineReplay:
         if self.estimate.stage == 1:
             return sum(b.padded_numel for b in unique) * self.param_bytes
         return sum(b.shard_numel for b in unique) * self.param_bytes
+
+    def pooled_bytes(self) -> int:
+        """The reduction's receive buffers kept between steps (``ZeroConfig.keep_reduce_buffers``)."""
+        buckets = list({id(b): b for b in self.bucket_of.values()}.values())
+        return self.reductions.pooled(buckets, in_place=self.estimate.stage == 1)
 
     # -- gradients -------------------------------------------------------------------------------------------------
     def _on_gradient(self, name: str, param: Tensor) -> None:
@@ -232,7 +249,7 @@ class EngineReplay:
         if self.estimate.stage == 3:
             for index in range(len(self.units)):
                 self._reduce_unit(index)
-        if self.estimate.stage == 1 and self.estimate.bucket_sizes:
+        if self.estimate.stage == 1 and self.estimate.bucket_sizes and not self.config.keeps_reduce_buffers:
             # Stage 1 reduces each full buffer in place, receiving the peers' chunks beside it, one bucket at a time.
             largest = max(self.estimate.bucket_sizes, key=lambda b: b.shard_numel)
             scratch = self.reductions.scratch(largest, in_place=True)

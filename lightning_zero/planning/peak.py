@@ -132,7 +132,7 @@ def predict_peak(
     meta = meta_copy(module)
     apply_activation_checkpointing_policy(meta, config.activation_checkpointing_policy)
     mode = fake_mode()
-    fake = fake_copy(meta, mode, device, param_dtype)
+    fake = fake_copy(meta, mode, device, param_dtype).train()  # a training step: dropout on, no KV cache
     optimizer = make_optimizer(meta)
     master_dtype = torch.float32 if fp32_masters else param_dtype
     profile = profile_optimizer(optimizer, master_dtype, True if device.type == "cuda" else None)
@@ -151,6 +151,8 @@ def predict_peak(
     live = LiveBytes(base)
     live.exclude([*fake.parameters(), *fake.buffers()])
     replay = EngineReplay(estimate, config, fake, live, world_size, param_bytes, device)
+    pooled = replay.pooled_bytes()  # held between steps, so through both phases
+    live.add("gradients", pooled)
     fakes = fake_batch(batch, mode, device)
     previous = replay.gradient_state_bytes() if zero_grad_before_backward else 0
     with mode, logging_off(fake), replay.installed(), live:
@@ -162,7 +164,7 @@ def predict_peak(
     backward_peak = live.peak
     held_grads = replay.reductions.held
     chunk = _largest_step_call(estimate, config)
-    stepping = base._replace(gradients=held_grads)
+    stepping = base._replace(gradients=held_grads + pooled)
     stepping = stepping._replace(optimizer_state=stepping.optimizer_state + round(profile.step_bytes * chunk))
     if backward_peak.total >= stepping.total:
         peak, phase = backward_peak, "forward and backward"
