@@ -16,6 +16,7 @@ from lightning_zero.config_checks import (
     check_checkpointing_policy,
     check_class_names,
     check_non_negative_int,
+    check_auto,
     check_offload,
     check_positive_int,
     check_zeropp,
@@ -46,7 +47,29 @@ class ZeroConfig:
     stage: Literal[1, 2, 3] = 2
     """Which model state is sharded across data-parallel ranks. 1: optimizer state and fp32 master weights.
     2: also gradients, reduce-scattered in buckets during backward. 3: also parameters, gathered unit by unit just
-    before use and freed right after."""
+    before use and freed right after. ``stage="auto"`` (``ZeroStrategy``, ``from_kwargs``) sets ``auto`` instead."""
+
+    auto: bool = False
+    """Choose the stage and the memory tiers when fit starts, from the peak memory per rank predicted for the model's
+    own training step and the memory there is (``strategy="zero_auto"``, ``ZeroStrategy(stage="auto")``): the first
+    of stage 1, stage 2, stage 3, stage 3 with host tiers and (with ``offload_dir``) with disk tiers whose predicted
+    peak fits, with ZeRO++'s hpZ and qwZ at stage 3 when the ranks span nodes (Note [automatic configuration] in
+    ``planning/auto_config.py``). ``stage`` and the tier fields are then replaced by the choice; every other field is
+    kept. The choice is printed with every candidate considered, logged, and recorded in checkpoints."""
+
+    auto_device_budget: int | None = None
+    """With ``auto``: bytes of device memory one rank may use. None: the device's free memory when fit starts (on a
+    CPU, the host's available memory shared by the node's ranks), the smallest over all ranks."""
+
+    auto_host_budget: int | None = None
+    """With ``auto``: bytes of host memory one rank may give the host tier. None: the host's available memory shared
+    by the node's ranks. On a CPU device the host tier is the device's memory and counts against
+    ``auto_device_budget`` instead."""
+
+    auto_headroom: float = 0.1
+    """With ``auto``: the fraction of the device budget kept free for what the prediction does not count (the
+    allocator's caching and fragmentation, the CUDA context, libraries); the prediction is within 10% of measured
+    peaks on the CPU (``benchmarks/README.md``)."""
 
     bucket_numel: int = 4_000_000
     """Elements per communication bucket. Parameters are packed into flat buckets of about this size (a parameter is
@@ -222,7 +245,8 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
-            raise ValueError(f"Invalid ZeroConfig.stage: {self.stage!r}. Expected 1, 2 or 3.")
+            raise ValueError(f"Invalid ZeroConfig.stage: {self.stage!r}. Expected 1, 2, 3 or 'auto'.")
+        check_auto(self)
         if isinstance(self.collective_timeout_s, bool) or not (
             isinstance(self.collective_timeout_s, (int, float)) and self.collective_timeout_s > 0
         ):
@@ -310,6 +334,8 @@ class ZeroConfig:
     def from_kwargs(cls, **kwargs: Any) -> ZeroConfig:
         """Build a config from keyword arguments, naming any unknown keyword and the known ones."""
         known = {f.name for f in fields(cls)}
+        if kwargs.get("stage") == "auto":  # ZeroStrategy(stage="auto"): the stage is chosen when fit starts
+            kwargs = {**kwargs, "stage": 3, "auto": True}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(

@@ -48,6 +48,17 @@ def check_zeropp(config: ZeroConfig) -> None:
             )
 
 
+def check_auto(config: ZeroConfig) -> None:
+    if not isinstance(config.auto, bool):
+        raise TypeError(f"Invalid ZeroConfig.auto: {config.auto!r}. Expected True or False.")
+    for name in ("auto_device_budget", "auto_host_budget"):
+        if getattr(config, name) is not None:
+            check_positive_int(name, getattr(config, name))
+    headroom = config.auto_headroom
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+        raise ValueError(f"Invalid ZeroConfig.auto_headroom: {headroom!r}. Expected a fraction, 0 <= f < 1.")
+
+
 def check_offload(config: ZeroConfig) -> None:
     for name in ("offload_optimizer", "offload_params"):
         if getattr(config, name) not in TIERS:

@@ -31,7 +31,22 @@ from pathlib import Path
 import torch
 from torch.optim import Optimizer
 
-from lightning_zero.cli.estimate_tables import format_estimates, format_tiers, format_traffic, format_units
+from lightning_zero.cli.estimate_module import (
+    init_args,
+    instantiate,
+    is_class_path,
+    micro_batch,
+    predict_stages,
+    unknown_arguments,
+)
+from lightning_zero.cli.estimate_tables import (
+    format_estimates,
+    format_peaks,
+    format_tiers,
+    format_traffic,
+    format_units,
+    peak_intro,
+)
 from lightning_zero.cli.estimate_zeropp import format_zeropp
 from lightning_zero.config import ZeroConfig
 from lightning_zero.models.lightning_gpt import LitGPT
@@ -45,6 +60,8 @@ from lightning_zero.planning.layout import (
     layout_estimates,
     paper_estimates,
 )
+from lightning_zero.planning.module_step import first_optimizer
+from lightning_zero.planning.peak import PeakPrediction
 
 __all__ = [
     "Precision",
@@ -117,7 +134,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=_parse_count, help="number of parameters Ψ, e.g. 7.5e9 (the formula)")
-    what.add_argument("--model", help="a config name from conf/model/, e.g. gpt7b (the strategy's own layout)")
+    what.add_argument(
+        "--model",
+        help="a config name from conf/model/ (gpt7b), or a LightningModule class path (my_project.LitLlama) with its "
+        "init args as --model.KEY=VALUE: the strategy's own layout, and the peak per rank of a training step",
+    )
     parser.add_argument("--gpus", type=_parse_count, required=True, help="data-parallel ranks N")
     parser.add_argument(
         "--precision", choices=sorted(PARAM_BYTES), default="bf16", help="parameters and gradients (default: bf16)"
@@ -145,13 +166,29 @@ def _parser() -> argparse.ArgumentParser:
         )
     parser.add_argument("--offload-ratio", type=float, default=1.0, help="ZeroConfig.offload_ratio")
     parser.add_argument("--config-dir", type=Path, default=DEFAULT_CONF_DIR, help="the conf/ directory")
+    peak = parser.add_argument_group(
+        "peak per rank in a training step (--model): the step run on fake tensors, activations included"
+    )
+    peak.add_argument("--data", default=None, help="a LightningDataModule class path whose first batch is used")
+    peak.add_argument("--micro-batch", type=int, default=None, help="samples per micro-batch (default: the loader's)")
+    peak.add_argument(
+        "--activation-checkpointing",
+        nargs="+",
+        metavar="CLASS",
+        default=None,
+        help="ZeroConfig.activation_checkpointing_policy: the layer classes that recompute their activations",
+    )
     parser.add_argument("--plot", type=Path, default=None, help="also write a PNG bar chart (needs matplotlib)")
     return parser
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    args, extra = _parser().parse_known_args(argv)
+    unknown = unknown_arguments(extra)
+    if unknown:
+        _parser().error(f"unrecognized arguments: {' '.join(unknown)}")
     n = args.gpus
+    peaks: list[PeakPrediction] = []
     try:
         precisions = Precisions.of(args.precision, args.optimizer_bytes)
         if args.model is None:
@@ -161,13 +198,25 @@ def main(argv: list[str]) -> int:
         else:
             classes = None if args.wrap_module_classes is None else tuple(args.wrap_module_classes)
             sizes = {f: getattr(args, f) for f in ("bucket_numel", "wrap_min_numel", "persistence_threshold")}
-            config = ZeroConfig(stage=3, wrap_module_classes=classes, **sizes)
-            module = load_model(args.model, args.config_dir)
-            optimizer = build_on_meta(module)
+            tiers = {f: getattr(args, f) for f in ("offload_optimizer", "offload_params", "offload_ratio")}
+            policy = None if args.activation_checkpointing is None else tuple(args.activation_checkpointing)
+            config = ZeroConfig(
+                stage=3, wrap_module_classes=classes, activation_checkpointing_policy=policy, **sizes, **tiers
+            )
+            if is_class_path(args.model):
+                module = instantiate(args.model, init_args(extra, "model"))
+            else:
+                module = load_model(args.model, args.config_dir)
+            if is_class_path(args.model) or args.micro_batch is not None:
+                batch = micro_batch(module, args.data, init_args(extra, "data"), args.micro_batch)
+                peaks = predict_stages(module, batch, config, n, args.precision)  # before the layout uses it up
+            with torch.device("meta"):
+                module.configure_model()
+            optimizer = first_optimizer(module.configure_optimizers())
             num_params = sum(t.numel() for t in module.parameters())
             estimates = layout_estimates(module, optimizer, n, precisions, config)
             title = f"{args.model}: Ψ = {num_params:,} parameters"
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     exact = args.model is not None
@@ -197,6 +246,9 @@ def main(argv: list[str]) -> int:
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
+    if peaks:
+        print("\n" + textwrap.fill(peak_intro(peaks, args.precision), width=WIDTH), end="\n\n")
+        print(format_peaks(peaks))
     if args.plot is not None:
         from lightning_zero.lightning.report import plot_memory_by_stage
 

@@ -44,6 +44,7 @@ from typing_extensions import override
 from lightning_zero.comm.topology import Link
 from lightning_zero.compat import sync_module_states
 from lightning_zero.config import ZeroConfig
+from lightning_zero.lightning.auto_setup import choose_configuration
 from lightning_zero.lightning.engine_setup import shard_for_stage3, wrap_optimizers
 from lightning_zero.lightning.grad_norm import hide_partial_gradients
 from lightning_zero.lightning.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
@@ -54,6 +55,7 @@ from lightning_zero.lightning.root_unit_steps import RootUnitSteps
 from lightning_zero.lightning.strategy_checkpoint import as_zero_optimizer, iter_zero_optimizers
 from lightning_zero.lightning.strategy_processes import StartMethod
 from lightning_zero.offload.memory_tiers import MemoryTiers, TierBytes
+from lightning_zero.planning.auto_config import Decision
 from lightning_zero.sharding.activation_checkpointing import apply_activation_checkpointing_policy
 from lightning_zero.stage3.library_init import ParamInitFn, pretrained_on_meta_hint
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
@@ -113,6 +115,8 @@ class ZeroStrategy(RootUnitSteps):
         self._accumulating = False  # inside block_backward_sync
         self._tiers: MemoryTiers | None = None
         """This rank's memory tiers (``ZeroConfig.offload_*``), built in ``setup``."""
+        self.auto_decision: Decision | None = None
+        """``stage="auto"``: the configuration chosen when fit started, and the candidates considered."""
 
     # -- precision: ZeRO's own mixed precision (see ``precision.py``) -----------------------------------------------
     @property
@@ -130,10 +134,19 @@ class ZeroStrategy(RootUnitSteps):
         self._precision_plugin = self._zero_precision if plugin is not None else None
 
     # -- model and optimizers ------------------------------------------------------------------------------------
+    def _choose_configuration(self, trainer: pl.Trainer, build_model: bool) -> None:
+        """``stage="auto"``: replace the config by the chosen one (Note [automatic configuration])."""
+        if not self.config.auto:
+            return
+        assert self.lightning_module is not None
+        self.auto_decision = choose_configuration(self, trainer, self.lightning_module, build_model)
+        self.config = self.auto_decision.config
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         assert self.model is not None
+        self._choose_configuration(trainer, build_model=False)
         self.accelerator.setup(trainer)
         # A sharded model keeps its layers: Note [teardown keeps the model sharded].
         self.sync_layers(trainer, sharded=self._gatherer is not None)
@@ -203,6 +216,8 @@ class ZeroStrategy(RootUnitSteps):
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Stage 3: ``configure_model`` builds on the meta device; ``setup`` then materializes unit by unit."""
+        if self.lightning_module is not None:
+            self._choose_configuration(self.lightning_module.trainer, build_model=True)
         if self.config.stage != 3:
             yield
             return

@@ -40,6 +40,7 @@ from lightning_zero.checkpoint.sharded_checkpoint import (
     sharded_optimizer_state,
 )
 from lightning_zero.config import ZeroConfig
+from lightning_zero.lightning.auto_setup import AUTO_KEY
 from lightning_zero.lightning.strategy_processes import ProcessPerDevice
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
@@ -101,6 +102,9 @@ class ShardedCheckpointing(ProcessPerDevice):
                 "checkpoints are written by every rank, not through a CheckpointIO plugin. HINT: drop storage_options."
             )
         saved_with = {"world_size": self.world_size, "stage": self.config.stage}
+        decision = getattr(self, "auto_decision", None)
+        if decision is not None:  # stage="auto": what was chosen, and from what (Note [automatic configuration])
+            checkpoint[AUTO_KEY] = decision.record()
         if self.config.exclude_frozen_parameters:  # Note [frozen base restored from its source]
             assert self.lightning_module is not None
             checkpoint[FROZEN_KEY] = frozen_record(self.lightning_module, self.pretrained_source)

@@ -194,9 +194,7 @@ class EngineReplay:
         with ExitStack() as stack:
             for name, param in self.params.items():
                 if param.requires_grad:
-                    handle = param.register_post_accumulate_grad_hook(
-                        lambda p, name=name: self._on_gradient(name, p)
-                    )
+                    handle = param.register_post_accumulate_grad_hook(lambda p, name=name: self._on_gradient(name, p))
                     stack.callback(handle.remove)
             if self.estimate.stage == 3:
                 tracker = ModTracker()

@@ -145,7 +145,9 @@ def predict_peak(
     )
     on_device = _on_device(estimate.state, config, tiers.device)
     buffers = sum(b.numel() * b.element_size() for b in meta.buffers())
-    base = PeakBytes(on_device.parameters, 0, on_device.master_weights + on_device.optimizer_state, 0, buffers)
+    optimizer_bytes = on_device.master_weights + on_device.optimizer_state
+    optimizer_bytes += _disk_io_bytes(estimate, config, precisions, tiers.disk)
+    base = PeakBytes(on_device.parameters, 0, optimizer_bytes, 0, buffers)
     base = base._replace(activations=tensor_bytes(batch))
 
     live = LiveBytes(base)
@@ -171,7 +173,14 @@ def predict_peak(
     else:
         peak, phase = stepping, "optimizer step"
     return PeakPrediction(
-        config, world_size, peak, phase, tiers.host, tiers.disk, estimate.state, estimate.sent  # type: ignore[arg-type]
+        config,
+        world_size,
+        peak,
+        phase,
+        tiers.host,
+        tiers.disk,
+        estimate.state,
+        estimate.sent,  # type: ignore[arg-type]
     )
 
 
@@ -183,6 +192,25 @@ def _on_device(state: ModelStateBytes, config: ZeroConfig, device_total: int) ->
     both = state.master_weights + state.optimizer_state
     masters = optimizer * state.master_weights // both if both else 0
     return ModelStateBytes(params, 0, masters, optimizer - masters, state.secondary_shards)
+
+
+DISK_IO_ENTRIES = 4
+"""The disk tier's read-ahead and write-behind budgets, each in entries of the largest size
+(``lightning/offload_setup.py``)."""
+
+
+def _disk_io_bytes(estimate: StageEstimate, config: ZeroConfig, p: Precisions, disk: int) -> int:
+    """What the disk tier holds in memory at once: the entries it reads ahead and writes behind (Note [tier IO]), and
+    the bucket being stepped (its masters, optimizer state and gradient shard); at most everything it holds."""
+    if not config.offloads_to_disk:
+        return 0
+    buckets = [b for u in estimate.units for b in u.buckets] or list(estimate.bucket_sizes)
+    if not buckets:
+        return 0
+    largest = max(b.shard_numel for b in buckets)
+    entry = largest * max(p.param, 4 if p.master else p.param)  # a parameter shard, a master or one moment
+    stepped = largest * (p.master + p.optimizer + p.param)
+    return min(disk, 2 * DISK_IO_ENTRIES * entry + stepped)
 
 
 def _largest_step_call(estimate: StageEstimate, config: ZeroConfig) -> int:
