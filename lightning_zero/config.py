@@ -13,10 +13,10 @@ import torch
 
 from lightning_zero.config_checks import (
     ZEROPP_OFF,
+    check_auto,
     check_checkpointing_policy,
     check_class_names,
     check_non_negative_int,
-    check_auto,
     check_offload,
     check_positive_int,
     check_zeropp,
@@ -245,7 +245,10 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
-            raise ValueError(f"Invalid ZeroConfig.stage: {self.stage!r}. Expected 1, 2, 3 or 'auto'.")
+            raise ValueError(
+                f"Invalid ZeroConfig.stage: {self.stage!r}. Expected 1, 2 or 3. HINT: to have it chosen when fit "
+                "starts, set auto=True (ZeroStrategy(stage='auto'), strategy='zero_auto')."
+            )
         check_auto(self)
         if isinstance(self.collective_timeout_s, bool) or not (
             isinstance(self.collective_timeout_s, (int, float)) and self.collective_timeout_s > 0

@@ -49,7 +49,12 @@ class LlamaModule(pl.LightningModule):
     trained with AdamW on fixed random tokens."""
 
     def __init__(
-        self, hidden: int = 256, layers: int = 4, vocab: int = 2048, seq_len: int = 128, batch_size: int = 8,
+        self,
+        hidden: int = 256,
+        layers: int = 4,
+        vocab: int = 2048,
+        seq_len: int = 128,
+        batch_size: int = 8,
         lora: bool = False,
     ) -> None:
         super().__init__()

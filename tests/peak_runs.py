@@ -1,9 +1,10 @@
 """A predicted peak and the measured one, for the same LightningModule, configuration and micro-batch.
 
 ``predicted_and_measured`` runs inside a rank started by ``tests.harness.run_distributed(...,
-init_process_group=False)``: it fits the module with a Trainer, measures the peak of the training steps as resident memory above the
-process's memory before the model was built (``PeakProbe``, glibc told to return freed memory: ``memory_probe``), and predicts rank 0's peak for the same
-configuration and micro-batch (``predict_lightning_module``, from a fresh module built on meta).
+init_process_group=False)``: it fits the module with a Trainer, measures the peak of the training steps as resident
+memory above the process's memory before the model was built (``PeakProbe``, glibc told to return freed memory:
+``memory_probe``), and predicts rank 0's peak for the same configuration and micro-batch
+(``predict_lightning_module``, from a fresh module built on meta).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_zero.cli.estimate_module import (
+    auto_decision,
     init_args,
     instantiate,
     is_class_path,
@@ -172,6 +173,14 @@ def _parser() -> argparse.ArgumentParser:
     peak.add_argument("--data", default=None, help="a LightningDataModule class path whose first batch is used")
     peak.add_argument("--micro-batch", type=int, default=None, help="samples per micro-batch (default: the loader's)")
     peak.add_argument(
+        "--auto",
+        action="store_true",
+        help="print the configuration stage='auto' would choose (Note [automatic configuration]) and stop",
+    )
+    peak.add_argument("--device-budget", type=float, default=None, help="--auto: device bytes per rank (1e10)")
+    peak.add_argument("--host-budget", type=float, default=None, help="--auto: host-tier bytes per rank")
+    peak.add_argument("--offload-dir", default=None, help="--auto: ZeroConfig.offload_dir, for the disk tier")
+    peak.add_argument(
         "--activation-checkpointing",
         nargs="+",
         metavar="CLASS",
@@ -207,6 +216,10 @@ def main(argv: list[str]) -> int:
                 module = instantiate(args.model, init_args(extra, "model"))
             else:
                 module = load_model(args.model, args.config_dir)
+            if args.auto:
+                batch = micro_batch(module, args.data, init_args(extra, "data"), args.micro_batch)
+                print(auto_decision(module, batch, config, args))
+                return 0
             if is_class_path(args.model) or args.micro_batch is not None:
                 batch = micro_batch(module, args.data, init_args(extra, "data"), args.micro_batch)
                 peaks = predict_stages(module, batch, config, n, args.precision)  # before the layout uses it up

@@ -12,6 +12,7 @@ training loader: the data module's (``--data``, after its ``setup("fit")``) or t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -26,6 +27,7 @@ from lightning_zero.compat import tree_map_only
 from lightning_zero.config import ZeroConfig
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.models.lightning_gpt import LitGPT
+from lightning_zero.planning.auto_config import candidates, decide, format_decision, local_budget
 from lightning_zero.planning.module_step import predict_lightning_module
 from lightning_zero.planning.peak import PeakPrediction
 
@@ -114,7 +116,7 @@ def micro_batch(module: pl.LightningModule, data_path: str | None, data_args: di
             f"{type(module).__name__} has no train_dataloader() to take a micro-batch from. HINT: pass the data "
             "module with --data package.module.DataModule (and its --data.KEY=VALUE init args)."
         )
-    batch = next(iter(loader))  # type: ignore[call-overload]
+    batch = next(iter(loader))
     if size is None:
         return batch
     return tree_map_only(Tensor, lambda t: _resize(t, size), batch)
@@ -162,10 +164,41 @@ def predict_stages(
     return predictions
 
 
+def auto_decision(module: pl.LightningModule, batch: Any, config: ZeroConfig, args: Any) -> str:
+    """``estimate --auto``: the decision ``stage="auto"`` makes for this model on ``--gpus`` ranks, printed."""
+    config = dataclasses.replace(
+        config,
+        auto=True,
+        offload_optimizer="none",
+        offload_params="none",
+        offload_dir=args.offload_dir,
+        auto_device_budget=None if args.device_budget is None else int(args.device_budget),
+        auto_host_budget=None if args.host_budget is None else int(args.host_budget),
+    )
+    plugin = ZeroPrecision(TRAINING_PRECISION[args.precision])
+    with torch.device("meta"):
+        module.configure_model()
+
+    def context() -> AbstractContextManager[Any]:
+        return plugin.forward_context() if plugin.param_dtype != torch.float32 else nullcontext()
+
+    def predict(candidate: ZeroConfig) -> PeakPrediction:
+        device = torch.device("cpu")
+        return predict_lightning_module(
+            module, batch, candidate, args.gpus, device, plugin.param_dtype, plugin.fp32_masters, context
+        )
+
+    ranks_per_node = args.ranks_per_node or args.gpus
+    budget = local_budget(config, torch.device("cpu"), ranks_per_node, args.offload_dir)
+    if args.device_budget is not None:  # a GPU's memory: the host tier is then memory of its own
+        budget = budget._replace(host_is_device=False)
+    decision = decide(predict, candidates(config, ranks_per_node, args.gpus), budget, config.auto_headroom)
+    verdict = decision.refusal() if decision.chosen < 0 else format_decision(decision)
+    return verdict
+
+
 def _for_stage(config: ZeroConfig, stage: int) -> ZeroConfig | None:
     """``config`` at ``stage``, or None where it cannot be (parameters in a tier below stage 3)."""
-    import dataclasses
-
     if stage < 3 and config.offload_params != "none":
         return None
     return dataclasses.replace(config, stage=stage)  # type: ignore[arg-type]

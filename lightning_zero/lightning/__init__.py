@@ -10,6 +10,7 @@
 - ``precision``: ``ZeroPrecision``, ZeRO's mixed precision (low-precision parameters, fp32 masters).
 - ``memory``: per-rank model-state bytes, counted and as the ZeRO paper's formula.
 - ``ema``: ``ShardedEMA``, the moving average of the weights kept on each rank's fp32 shard.
+- ``auto_setup``: ``stage="auto"`` when fit starts: the choice, printed, logged and kept for checkpoints.
 - ``report``: ``MemoryReport``, the per-rank memory and communication table at the end of a run.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,

@@ -36,9 +36,7 @@ AUTO_KEY = "zero_auto"
 """Where a checkpoint keeps the decision (``Decision.record``), and the loggers' prefix for it."""
 
 
-def choose_configuration(
-    strategy: Any, trainer: pl.Trainer, module: pl.LightningModule, build_model: bool
-) -> Decision:
+def choose_configuration(strategy: Any, trainer: pl.Trainer, module: pl.LightningModule, build_model: bool) -> Decision:
     """Predict, decide and report the configuration for ``strategy.config`` (which has ``auto``) on every rank.
 
     ``build_model``: ``configure_model`` has not run yet; it runs on a meta copy for the prediction.
@@ -47,7 +45,7 @@ def choose_configuration(
     probe = meta_copy(module)
     if build_model:
         with torch.device("meta"):
-            probe.configure_model()
+            probe.configure_model()  # type: ignore[operator]
     batch = _first_batch(trainer)
     precision: ZeroPrecision = strategy.precision_plugin
 

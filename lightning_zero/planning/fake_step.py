@@ -50,7 +50,7 @@ class PeakBytes(NamedTuple):
     def total(self) -> int:
         return sum(self)
 
-    def __add__(self, other: object) -> PeakBytes:  # type: ignore[override]
+    def __add__(self, other: object) -> PeakBytes:
         assert isinstance(other, PeakBytes)
         return PeakBytes(*(a + b for a, b in zip(self, other, strict=True)))
 

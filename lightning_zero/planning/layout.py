@@ -239,5 +239,5 @@ def _stage3(
     every = sharded + persistent
     padding = sum(b.padded_numel - b.numel for b in every)
     traffic = _traffic(3, sent, num_params, n, p)
-    resident = tuple(_sizes(b, group_of) for b in persistent)
-    return StageEstimate(3, state, _formula(num_params, n, 3, p), traffic, len(every), padding, tuple(units), resident)
+    kept = tuple(_sizes(b, group_of) for b in persistent)
+    return StageEstimate(3, state, _formula(num_params, n, 3, p), traffic, len(every), padding, tuple(units), kept)

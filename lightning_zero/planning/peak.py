@@ -51,6 +51,9 @@ PROFILE_NUMEL = 1 << 14
 """Elements of the real tensor the user's optimizer is stepped on to measure its state and temporaries."""
 
 
+Phase = Literal["forward and backward", "optimizer step"]
+
+
 class OptimizerProfile(NamedTuple):
     """What the user's optimizer allocates per element it steps (Note [predicted peak])."""
 
@@ -67,7 +70,7 @@ class PeakPrediction(NamedTuple):
     world_size: int
     peak: PeakBytes
     """Device memory at the step's peak, by kind."""
-    phase: Literal["forward and backward", "optimizer step"]
+    phase: Phase
     """Where the peak is."""
     host: int
     """Model state in the host tier (``offload_*="cpu"``), in host memory the whole step."""
@@ -168,20 +171,9 @@ def predict_peak(
     chunk = _largest_step_call(estimate, config)
     stepping = base._replace(gradients=held_grads + pooled)
     stepping = stepping._replace(optimizer_state=stepping.optimizer_state + round(profile.step_bytes * chunk))
-    if backward_peak.total >= stepping.total:
-        peak, phase = backward_peak, "forward and backward"
-    else:
-        peak, phase = stepping, "optimizer step"
-    return PeakPrediction(
-        config,
-        world_size,
-        peak,
-        phase,
-        tiers.host,
-        tiers.disk,
-        estimate.state,
-        estimate.sent,  # type: ignore[arg-type]
-    )
+    phase: Phase = "forward and backward" if backward_peak.total >= stepping.total else "optimizer step"
+    peak = backward_peak if phase == "forward and backward" else stepping
+    return PeakPrediction(config, world_size, peak, phase, tiers.host, tiers.disk, estimate.state, estimate.sent)
 
 
 def _on_device(state: ModelStateBytes, config: ZeroConfig, device_total: int) -> ModelStateBytes:
