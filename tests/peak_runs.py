@@ -10,6 +10,7 @@ memory above the process's memory before the model was built (``PeakProbe``, gli
 from __future__ import annotations
 
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,9 +18,11 @@ import torch
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.config import ZeroConfig
+from lightning_zero.lightning.auto_setup import AUTO_KEY
+from lightning_zero.planning.auto_config import Budget, Decision, candidates, decide
 from lightning_zero.planning.module_step import predict_lightning_module
 from tests import memory_probe
-from tests.peak_models import CHECKPOINTED, MODELS, TINY
+from tests.peak_models import CHECKPOINTED, MODELS, TINY, GPTModule, LlamaModule
 
 
 class PeakProbe(pl.Callback):
@@ -91,3 +94,91 @@ def predicted_and_measured(name: str, stage: int, checkpointing: bool, steps: in
     _fit(build(name), config, steps, [probe])
     prediction = predict(name, config, 2)  # after the fit, so that the measurement starts from a fresh heap
     return prediction.total, probe.peak, prediction.peak._asdict()
+
+
+# -- stage="auto" ---------------------------------------------------------------------------------------------------
+AUTO_MODELS: dict[str, tuple[type[pl.LightningModule], dict[str, Any]]] = {
+    "gpt": (GPTModule, {"n_layer": 12, "batch_size": 2}),
+    "llama": (LlamaModule, {"layers": 8, "batch_size": 1}),
+    "lora": (LlamaModule, {"layers": 8, "batch_size": 1, "lora": True}),
+}
+"""The models ``stage="auto"`` is checked on: deeper and with smaller micro-batches than ``MODELS``, so that model
+state weighs against activations and each step of sharding changes the peak (and the disk tier's entries are small
+next to the state it moves)."""
+
+DISTINCT = 0.10
+"""A candidate can be forced by a budget when it needs this much less than every candidate before it: closer than
+that, the prediction's error (Note [predicted peak]) and what the decision itself leaves in the process (about 4 MB:
+the fake copies' Python objects, the optimizer probe) could make either fit."""
+
+
+def auto_decision(name: str, offload_dir: str, budget: Budget, world_size: int = 2) -> Decision:
+    """What ``stage="auto"`` decides for the model ``name`` on a CPU with ``budget`` (predictions only)."""
+    cls, args = AUTO_MODELS[name]
+    module = cls(**args)
+    with torch.device("meta"):
+        module.configure_model()
+    batch = next(iter(module.train_dataloader()))
+    config = ZeroConfig(auto=True, offload_dir=offload_dir)
+
+    def predict(candidate: ZeroConfig) -> Any:
+        device = torch.device("cpu")
+        return predict_lightning_module(module, batch, candidate, world_size, device, torch.float32, False, nullcontext)
+
+    return decide(predict, candidates(config, world_size, world_size), budget, config.auto_headroom)
+
+
+def auto_options(name: str, offload_dir: str) -> list[tuple[str, int]]:
+    """Each candidate ``stage="auto"`` can be made to choose for the model ``name``, with a device budget that
+    forces it: between what it needs and the least any earlier candidate needs, once the headroom is taken off."""
+    everything = auto_decision(name, offload_dir, Budget(0, 0, 2**62, True))
+    headroom = ZeroConfig().auto_headroom
+    forced, least = [], None
+    for candidate in everything.candidates:
+        needed = candidate.prediction.total + candidate.prediction.host  # on a CPU the host tier is the device
+        if least is None or needed < (1 - DISTINCT) * least:
+            ceiling = least if least is not None else 2 * needed
+            forced.append((candidate.name, int((needed + ceiling) / 2 / (1 - headroom))))
+            least = needed
+    return forced
+
+
+def auto_fit(name: str, budget: int, root: str) -> dict[str, Any]:
+    """Fit the model ``name`` under ``strategy="zero_auto"`` with a device budget, after the same warm-up as
+    ``predicted_and_measured``: the candidate chosen, the peak measured, and what the checkpoint and the logger kept."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_zero.checkpoint.files import LIGHTNING_STATE_FILE
+
+    memory_probe.return_freed_memory_to_the_kernel()
+    cls, args = AUTO_MODELS[name]
+    # The warm-up decides too: the first decision in a process leaves about 9 MB that later ones do not add (the
+    # fake-tensor machinery and the libraries' first use; 0.4 MB more for a second decision on the LoRA model).
+    _fit(cls(**{**args, **TINY[name]}), ZeroConfig(stage=3, auto=True), 1, [])
+    probe = PeakProbe()
+    strategy = ZeroStrategy(stage="auto", auto_device_budget=budget, offload_dir="offload")
+    logger = CSVLogger(root, name="logs")
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=2,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
+        default_root_dir=root,
+    )
+    trainer.fit(cls(**args))
+    trainer.save_checkpoint(f"{root}/last.ckpt")
+    assert strategy.auto_decision is not None
+    chosen = strategy.auto_decision.candidates[strategy.auto_decision.chosen]
+    return {
+        "chosen": chosen.name,
+        "config": strategy.config,
+        "measured": probe.peak,
+        "checkpoint": torch.load(Path(root, "last.ckpt", LIGHTNING_STATE_FILE), weights_only=True).get(AUTO_KEY),
+        "hparams": Path(logger.log_dir, "hparams.yaml").read_text() if trainer.global_rank == 0 else "",
+    }

@@ -28,7 +28,7 @@ from lightning_zero.planning.auto_config import (
     local_budget,
     resolve_offload_dir,
 )
-from lightning_zero.planning.fake_step import meta_copy
+from lightning_zero.planning.fake_step import meta_copy, release_fake_tensors
 from lightning_zero.planning.module_step import predict_lightning_module
 from lightning_zero.planning.peak import PeakPrediction
 
@@ -69,6 +69,8 @@ def choose_configuration(strategy: Any, trainer: pl.Trainer, module: pl.Lightnin
     budget = agreed_budget(budget, strategy.process_group)
     options = candidates(config, strategy.num_processes, strategy.world_size)
     decision = decide(predict, options, budget, config.auto_headroom)
+    del probe
+    release_fake_tensors()
     agreed_choice(decision, strategy.process_group)
     rank_zero_info(format_decision(decision))
     if decision.chosen < 0:

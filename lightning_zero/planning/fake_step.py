@@ -18,6 +18,7 @@ op, rather than guessing.
 from __future__ import annotations
 
 import copy
+import gc
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -118,6 +119,13 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, Tensor):
                 self._track(t, "activations")
         return out
+
+
+def release_fake_tensors() -> None:
+    """Free what the fake steps leave behind: the fake mode's cache of op results (shared by every ``FakeTensorMode``
+    of the process) and the copies' reference cycles, before the real run allocates."""
+    FakeTensorMode.cache_clear()
+    gc.collect()
 
 
 def fake_mode() -> FakeTensorMode:
