@@ -69,7 +69,6 @@ def choose_configuration(strategy: Any, trainer: pl.Trainer, module: pl.Lightnin
     budget = agreed_budget(budget, strategy.process_group)
     options = candidates(config, strategy.num_processes, strategy.world_size)
     decision = decide(predict, options, budget, config.auto_headroom)
-    del probe
     release_fake_tensors()
     agreed_choice(decision, strategy.process_group)
     rank_zero_info(format_decision(decision))
