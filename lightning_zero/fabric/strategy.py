@@ -61,6 +61,7 @@ from lightning_zero.lightning.precision import to_zero_precision
 from lightning_zero.lightning.presets import register_presets
 from lightning_zero.lightning.strategy_checkpoint import as_zero_optimizer
 from lightning_zero.lightning.strategy_processes import StartMethod
+from lightning_zero.lightning.throughput import StepThroughput, ThroughputSummary, compute_dtype
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.activation_checkpointing import apply_activation_checkpointing_policy
 from lightning_zero.sharding.gradient_reducer import GradientReducer
@@ -128,6 +129,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         self.built_on_meta = False
         """Whether stage 3 built the model on the meta device and initialized it (no weights of its own)."""
         self._frozen_base_checked = False
+        self._throughput = StepThroughput(recomputation=self.config.activation_checkpointing_policy is not None)
 
     # -- precision: ZeRO's own (lightning/precision.py) -------------------------------------------------------------
     @property
@@ -251,6 +253,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         if self._broadcast_next_forward and self.config.broadcast_buffers:
             broadcast_buffers(module, self.process_group)
         self._broadcast_next_forward = torch.is_grad_enabled() and not self._accumulating
+        if torch.is_grad_enabled():
+            self._throughput.on_batch(args)  # Note [throughput from the real step]
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -270,7 +274,15 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
             self._tiers,
             self.num_processes,
         )
+        if len(self._optimizers) == 1:
+            self._throughput.attach(self._optimizers)
         return self._optimizers[-1]
+
+    def throughput(self, peak_flops: float | None = None) -> ThroughputSummary | None:
+        """Samples, tokens and FLOPs per second and MFU over the steps after the first (``.describe()`` to print,
+        ``.metrics()`` for ``fabric.log_dict``); None before two steps. Note [throughput from the real step]."""
+        dtype = compute_dtype(str(self.precision.precision))
+        return self._throughput.summary(self.world_size, self.root_device, dtype, peak_flops)
 
     def _hide_partial_gradients(self) -> None:
         hide_partial_gradients(self._optimizers)  # Note [no partial gradients] in lightning/grad_norm.py
