@@ -236,6 +236,14 @@ class ZeroConfig:
     ``save_weights_only``), which plain ``torch.load`` and a DDP run read, put together parameter by parameter on
     rank 0, which writes it (Note [full checkpoint streamed] in ``checkpoint/full_save.py``); local paths only."""
 
+    async_save: bool = False
+    """Write sharded checkpoints in the background: ``trainer.save_checkpoint`` (and ``ModelCheckpoint``) copies what
+    this rank writes into host memory and returns, and a thread writes and commits it while training goes on, with
+    the same commit protocol and format; at most one save is in flight, and the next save, a load or the end of
+    training waits for it (Note [asynchronous save] in ``checkpoint/async_save.py``). Costs host memory for the copy
+    of the rank's state. Not with ``state_dict_type="full"`` nor the disk tier; the Trainer only (a Fabric loop
+    saves synchronously and refuses it)."""
+
     exclude_frozen_parameters: bool = False
     """Leave parameters with ``requires_grad=False`` out of checkpoints (DeepSpeed's option of that name): a LoRA
     checkpoint holds the adapters and their optimizer state, not the frozen base. A resume restores the base from the
@@ -271,7 +279,13 @@ class ZeroConfig:
             raise TypeError(
                 f"Invalid ZeroConfig.keep_reduce_buffers: {self.keep_reduce_buffers!r}. Expected True, False or None."
             )
-        for name in ("overlap_comm", "broadcast_buffers", "reshard_root_after_forward", "exclude_frozen_parameters"):
+        for name in (
+            "overlap_comm",
+            "broadcast_buffers",
+            "reshard_root_after_forward",
+            "exclude_frozen_parameters",
+            "async_save",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Invalid ZeroConfig.{name}: {getattr(self, name)!r}. Expected True or False.")
         if self.check_rank_divergence is not None and not isinstance(self.check_rank_divergence, bool):
@@ -300,6 +314,14 @@ class ZeroConfig:
             )
         check_zeropp(self)
         check_offload(self)
+        if self.async_save and (self.state_dict_type == "full" or self.offloads_to_disk):
+            other = "state_dict_type='full'" if self.state_dict_type == "full" else "a disk tier (offload_*='disk')"
+            raise ValueError(
+                f"Invalid ZeroConfig: async_save=True with {other}. An asynchronous save copies what each rank writes "
+                "into host memory first; a full checkpoint is assembled on rank 0 as the pieces arrive, and the disk "
+                "tiers stream saves instead of holding the state in memory. HINT: drop async_save, or use "
+                "state_dict_type='sharded' without disk tiers."
+            )
 
     @property
     def uses_zeropp(self) -> bool:

@@ -100,6 +100,12 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         **config_kwargs: Any,
     ) -> None:
         self.config = ZeroConfig.from_arguments(config, config_kwargs)
+        if self.config.async_save or self.config.auto:
+            raise ValueError(
+                f"ZeroFabricStrategy does not take {'async_save' if self.config.async_save else 'auto'}=True: a "
+                "Fabric loop saves synchronously, and its micro-batch is not known at setup. HINT: use the Trainer's "
+                "ZeroStrategy for these, or drop the field."
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

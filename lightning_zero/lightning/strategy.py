@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Generator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -338,6 +338,8 @@ class ZeroStrategy(RootUnitSteps):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        with suppress(Exception):  # the run's own error is the one to see; the save committed or left nothing
+            self.finish_saves()
         self._close_tiers()
 
     def _close_tiers(self) -> None:
@@ -361,6 +363,7 @@ class ZeroStrategy(RootUnitSteps):
         ``SyncBatchNorm`` layers of ``Trainer(sync_batchnorm=True)`` stay (DDP reverts them to BatchNorm): the units
         hold those modules; in evaluation they compute as BatchNorm does.
         """
+        self.finish_saves()  # Note [asynchronous save]: committed before fit returns
         self._stop_fault_monitor()
         if self._tiers is not None:
             self._tiers.restore()
