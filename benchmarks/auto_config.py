@@ -4,11 +4,10 @@ then measures against the budget.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/auto_config.py
 
-Each budget lies halfway between what the forced candidate needs and the least any earlier candidate needs, after
-the 10% headroom (``auto_options``). Each run is a fresh pair of ranks: a 1-step warm-up fit of the model class at a
-tiny size (with a decision of its own), then a 2-step ``zero_auto`` fit whose peak anonymous resident memory above
-the memory before the model was built is measured (``PeakProbe``). Prints a markdown table and writes
-``results/auto_config.json``.
+Each budget leaves, after the 10% headroom, 2% less than the least any earlier candidate needs
+(``auto_options``). Each run is a fresh pair of ranks: a 1-step warm-up fit of the model class at a tiny size (with a
+decision of its own), then a 2-step ``zero_auto`` fit whose peak anonymous resident memory above the memory before
+the model was built is measured (``PeakProbe``). Prints a markdown table and writes ``results/auto_config.json``.
 """
 
 from __future__ import annotations

@@ -130,15 +130,16 @@ def auto_decision(name: str, offload_dir: str, budget: Budget, world_size: int =
 
 def auto_options(name: str, offload_dir: str) -> list[tuple[str, int]]:
     """Each candidate ``stage="auto"`` can be made to choose for the model ``name``, with a device budget that
-    forces it: between what it needs and the least any earlier candidate needs, once the headroom is taken off."""
+    forces it: once the headroom is taken off, 2% below the least any earlier candidate needs (the first: twice what
+    it needs), so that the run has all the room the choice allows."""
     everything = auto_decision(name, offload_dir, Budget(0, 0, 2**62, True))
     headroom = ZeroConfig().auto_headroom
     forced, least = [], None
     for candidate in everything.candidates:
         needed = candidate.prediction.total + candidate.prediction.host  # on a CPU the host tier is the device
         if least is None or needed < (1 - DISTINCT) * least:
-            ceiling = least if least is not None else 2 * needed
-            forced.append((candidate.name, int((needed + ceiling) / 2 / (1 - headroom))))
+            usable = 0.98 * least if least is not None else 2 * needed
+            forced.append((candidate.name, int(usable / (1 - headroom))))
             least = needed
     return forced
 
