@@ -33,8 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zero.checkpoint.files import refuse_replacing_other_files
 from lightning_zero.checkpoint.format import FlatChunk, Toc
 from lightning_zero.checkpoint.sharded_checkpoint import prepare_save, write_save
+from lightning_zero.checkpoint.storage import locate
 
 
 def _snapshot(entry: FlatChunk | Tensor) -> FlatChunk | Tensor:
@@ -71,6 +73,7 @@ class AsyncSaver:
         """Snapshot this rank's part of ``checkpoint`` and write it in the background. Collective, like
         ``save_sharded_checkpoint``; it first waits for the save in flight."""
         self.wait()
+        refuse_replacing_other_files(locate(path), process_group)  # Note [what a save may replace]
         group = self._checkpoint_group(process_group)
         rank = 0 if group is None else group.rank()
         tensors, toc = prepare_save(checkpoint, rank, averaged)
