@@ -85,7 +85,7 @@ def test_the_first_candidate_that_fits_is_chosen_and_host_memory_counts_on_a_cpu
     assert decide(predict, options, Budget(180, 1000, 0, False), headroom=0.2).chosen != gpu.chosen
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "lora"])
+@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.slow), "llama", "lora"])
 def test_each_budget_forces_the_least_sharded_candidate_that_fits_as_a_person_would_pick(name, tmp_path):
     forced = auto_options(name, str(tmp_path))
     order = [n for n, _ in candidates(ZeroConfig(auto=True, offload_dir="x"), 2, 2)]
@@ -132,9 +132,9 @@ def test_zero_auto_makes_each_forced_choice_and_every_run_fits_its_budget(name, 
 
 def test_estimate_auto_prints_the_decision_without_training(capsys):
     argv = ["estimate", "--model", "tests.peak_models.LlamaModule", "--model.batch_size=2", "--gpus", "2"]
-    assert cli([*argv, "--precision", "fp32", "--auto", "--device-budget", "1e8"]) == 0
+    assert cli([*argv, "--precision", "fp32", "--auto", "--device-budget", "8e7"]) == 0
     out = capsys.readouterr().out
-    assert "stage='auto': device budget 95.4 MiB" in out
+    assert "stage='auto': device budget 76.3 MiB" in out
     chosen = [line for line in out.splitlines() if line.rstrip().endswith("chosen")]
     assert len(chosen) == 1
     assert chosen[0].split()[:2] == ["stage", "2"]
