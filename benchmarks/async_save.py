@@ -1,15 +1,15 @@
 """The step-time stall of a sharded save every 10 steps, synchronous against ``ZeroConfig.async_save``, through the
-Trainer: the ~25M GPT (``GPTConfig.bench25m()``, fp32 AdamW, batch 4 x 128 tokens per rank) at stage 2 on 2 CPU
-ranks, ``ModelCheckpoint(every_n_train_steps=10)`` writing under a temporary directory.
+Trainer: a GPT (``--model small``: 3.3M parameters; ``bench25m``: 25M) in fp32 with AdamW, batch 8 x 128 tokens per
+rank, at stage 2 on 2 CPU ranks, ``ModelCheckpoint(every_n_train_steps=10)`` writing under a temporary directory.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/async_save.py [--rounds 2] [--steps 30]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/async_save.py [--model small] [--rounds 2] [--steps 41]
 
 Each round fits the same model three times in the same two ranks, in turn: without saves, with synchronous saves,
-with asynchronous ones (paired: the machine's drift between rounds cancels in each round's differences). A step's
-time runs from one ``on_train_batch_end`` to the next, so a synchronous save (inside the step's batch end) and the
-background writer's competition for the CPU both land in the steps they delay. The stall of a variant is its total
-time over steps 3..N minus the run without saves, over the saves made, and as a share of the time of the 10 steps
-between two saves. Prints a table and writes ``results/async_save.json``.
+with asynchronous ones. A step's time runs from one ``on_train_batch_end`` to the next, so a synchronous save (inside
+the step's batch end) and the background writer's competition for the CPU land in the steps they delay. Each save at
+step k is charged the time of steps k..k+4 above the median of steps k-5..k-1 (a local baseline, so the machine's
+drift cancels), as a share of the 10 steps between two saves; the same estimator on the run without saves, at the
+same steps, is the noise floor. Prints a table and writes ``results/async_save.json``.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ class StepTimes(pl.Callback):
         self.ends.append(time.perf_counter())
 
 
-def _fit(variant: str, steps: int, root: str) -> list[float]:
-    config = GPTConfig.bench25m()
+def _fit(variant: str, steps: int, root: str, model: str) -> list[float]:
+    config = getattr(GPTConfig, model)()
     times = StepTimes()
     callbacks: list[pl.Callback] = [times]
     if variant != "none":
@@ -66,46 +66,61 @@ def _fit(variant: str, steps: int, root: str) -> list[float]:
         callbacks=callbacks,
         limit_val_batches=0,
     )
-    data = SyntheticTextDataModule(vocab_size=config.vocab_size, seq_len=128, batch_size=4, num_train=8 * steps)
+    data = SyntheticTextDataModule(vocab_size=config.vocab_size, seq_len=128, batch_size=8, num_train=16 * steps)
     trainer.fit(LitGPT(config), data)
     return [b - a for a, b in zip(times.ends, times.ends[1:], strict=False)]
 
 
-def _rounds(rounds: int, steps: int, root: str) -> list[dict[str, list[float]]]:
+def _rounds(rounds: int, steps: int, root: str, model: str) -> list[dict[str, list[float]]]:
     out = []
     for _ in range(rounds):
-        out.append({variant: _fit(variant, steps, root) for variant in ("none", "sync", "async")})
+        out.append({variant: _fit(variant, steps, root, model) for variant in ("none", "sync", "async")})
     return out
+
+
+def stall_shares(durations: list[float]) -> list[float]:
+    """Each save's stall as a share of the 10 steps between saves. ``durations[i]`` is the time from the end of
+    step i+1 to the end of step i+2 (1-based steps): the step that saves at step k ends at index k-2."""
+    shares = []
+    for k in range(EVERY, len(durations) + 2, EVERY):
+        i = k - 2
+        before = durations[max(i - 5, 0) : i]
+        after = durations[i : i + 5]
+        if len(before) < 3 or len(after) < 5:
+            continue
+        baseline = statistics.median(before)
+        shares.append(sum(d - baseline for d in after) / (EVERY * baseline))
+    return shares
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=41)
+    parser.add_argument("--model", default="small", choices=["small", "bench25m"])
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory() as root:
-        results = run_distributed(_rounds, 2, args.rounds, args.steps, root, init_process_group=False, timeout=3000)
-    saves = args.steps // EVERY
-    rows: dict[str, list[float]] = {"sync": [], "async": []}
-    step_times = []
+        results = run_distributed(
+            _rounds, 2, args.rounds, args.steps, root, args.model, init_process_group=False, timeout=3000
+        )
+    shares: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
+    steps = []
     for round_ in results[0]:  # rank 0's clock
-        base = sum(round_["none"][1:])  # steps 3..N (the first interval includes the first step's setup)
-        step = statistics.median(round_["none"][1:])
-        step_times.append(step)
-        for variant in rows:
-            stall = (sum(round_[variant][1:]) - base) / saves
-            rows[variant].append(stall / (EVERY * step))
-    print(f"median step without saves: {statistics.median(step_times):.3f} s (rank 0); a save every {EVERY} steps")
-    print("| saves | stall per save as a share of the 10 steps between saves (per round) | median |")
+        steps.append(statistics.median(round_["none"][1:]))
+        for variant in shares:
+            shares[variant] += stall_shares(round_[variant])
+    print(f"{args.model}: median step without saves {statistics.median(steps):.3f} s (rank 0); a save every {EVERY}")
+    print("| saves | stall per save / time of the 10 steps between saves (each save) | median |")
     print("|---|---|---|")
-    for variant, shares in rows.items():
-        per_round = ", ".join(f"{100 * s:.1f}%" for s in shares)
-        print(f"| {variant} | {per_round} | {100 * statistics.median(shares):.1f}% |")
+    for variant, values in shares.items():
+        each = ", ".join(f"{100 * v:+.1f}%" for v in values)
+        label = "none (noise floor)" if variant == "none" else variant
+        print(f"| {label} | {each} | {100 * statistics.median(values):+.1f}% |")
     print(f"\nload before: {load}")
     out = ROOT / "benchmarks" / "results" / "async_save.json"
-    out.write_text(json.dumps({"load": load, "every": EVERY, "rounds": results[0], "shares": rows}, indent=1))
+    out.write_text(json.dumps({"load": load, "every": EVERY, "rounds": results[0], "shares": shares}, indent=1))
 
 
 if __name__ == "__main__":
