@@ -5,8 +5,9 @@ then measures against the budget.
     PYTHONPATH=$PWD .venv/bin/python benchmarks/auto_config.py
 
 Each budget leaves, after the 10% headroom, 2% less than the least any earlier candidate needs
-(``auto_options``). Each run is a fresh pair of ranks: a 1-step warm-up fit of the model class at a tiny size (with a
-decision of its own), then a 2-step ``zero_auto`` fit whose peak anonymous resident memory above the memory before
+(``auto_options``). Each run is a fresh pair of ranks: a 1-step stage-3 warm-up fit of the model class at a tiny
+size and the decision's predictions for the model (what a process's first such step and decision leave behind), then
+a 2-step ``zero_auto`` fit whose peak anonymous resident memory above the memory before
 the model was built is measured (``PeakProbe``). Prints a markdown table and writes ``results/auto_config.json``.
 """
 

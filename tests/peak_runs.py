@@ -20,6 +20,7 @@ from lightning_zero import ZeroStrategy
 from lightning_zero.config import ZeroConfig
 from lightning_zero.lightning.auto_setup import AUTO_KEY
 from lightning_zero.planning.auto_config import Budget, Decision, candidates, decide
+from lightning_zero.planning.fake_step import release_fake_tensors
 from lightning_zero.planning.module_step import predict_lightning_module
 from tests import memory_probe
 from tests.peak_models import CHECKPOINTED, MODELS, TINY, GPTModule, LlamaModule
@@ -153,9 +154,12 @@ def auto_fit(name: str, budget: int, root: str) -> dict[str, Any]:
 
     memory_probe.return_freed_memory_to_the_kernel()
     cls, args = AUTO_MODELS[name]
-    # The warm-up decides too: the first decision in a process leaves about 9 MB that later ones do not add (the
-    # fake-tensor machinery and the libraries' first use; 0.4 MB more for a second decision on the LoRA model).
-    _fit(cls(**{**args, **TINY[name]}), ZeroConfig(stage=3, auto=True), 1, [])
+    # The warm-up pays what a process's first stage-3 step and first decision leave behind whatever the model (17 MB
+    # of thread pools, arenas and code; 9 MB of the fake-tensor machinery, 0.4 MB more for a second decision on the
+    # LoRA model): a stage-3 fit of the model class at a tiny size and the decision's predictions for this model.
+    _fit(cls(**{**args, **TINY[name]}), ZeroConfig(stage=3), 1, [])
+    auto_decision(name, f"{root}/offload", Budget(0, 0, 0, True))
+    release_fake_tensors()
     probe = PeakProbe()
     strategy = ZeroStrategy(stage="auto", auto_device_budget=budget, offload_dir="offload")
     logger = CSVLogger(root, name="logs")
