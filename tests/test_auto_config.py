@@ -85,7 +85,9 @@ def test_the_first_candidate_that_fits_is_chosen_and_host_memory_counts_on_a_cpu
     assert decide(predict, options, Budget(180, 1000, 0, False), headroom=0.2).chosen != gpu.chosen
 
 
-@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.slow), "llama", "lora"])
+@pytest.mark.parametrize(
+    "name", [pytest.param("gpt", marks=pytest.mark.slow), pytest.param("llama", marks=pytest.mark.slow), "lora"]
+)
 def test_each_budget_forces_the_least_sharded_candidate_that_fits_as_a_person_would_pick(name, tmp_path):
     forced = auto_options(name, str(tmp_path))
     order = [n for n, _ in candidates(ZeroConfig(auto=True, offload_dir="x"), 2, 2)]
