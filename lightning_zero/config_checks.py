@@ -48,6 +48,17 @@ def check_zeropp(config: ZeroConfig) -> None:
             )
 
 
+def check_auto(config: ZeroConfig) -> None:
+    if not isinstance(config.auto, bool):
+        raise TypeError(f"Invalid ZeroConfig.auto: {config.auto!r}. Expected True or False.")
+    for name in ("auto_device_budget", "auto_host_budget"):
+        if getattr(config, name) is not None:
+            check_positive_int(name, getattr(config, name))
+    headroom = config.auto_headroom
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+        raise ValueError(f"Invalid ZeroConfig.auto_headroom: {headroom!r}. Expected a fraction, 0 <= f < 1.")
+
+
 def check_offload(config: ZeroConfig) -> None:
     for name in ("offload_optimizer", "offload_params"):
         if getattr(config, name) not in TIERS:
@@ -184,4 +195,17 @@ def check_classes_exist(root: torch.nn.Module, names: tuple[str, ...], field: st
         raise ValueError(
             f"Invalid ZeroConfig.{field}: {missing} name no module class of {type(root).__name__} "
             f"(its classes: {present}). HINT: use a class name from that list, {otherwise}."
+        )
+
+
+def check_async_save(config: ZeroConfig) -> None:
+    """``async_save`` holds what each rank writes in host memory while a thread writes it: a full checkpoint is
+    assembled on rank 0 instead, and the disk tiers stream their saves."""
+    if config.async_save and (config.state_dict_type == "full" or config.offloads_to_disk):
+        other = "state_dict_type='full'" if config.state_dict_type == "full" else "a disk tier (offload_*='disk')"
+        raise ValueError(
+            f"Invalid ZeroConfig: async_save=True with {other}. An asynchronous save copies what each rank writes "
+            "into host memory first; a full checkpoint is assembled on rank 0 as the pieces arrive, and the disk "
+            "tiers stream saves instead of holding the state in memory. HINT: drop async_save, or use "
+            "state_dict_type='sharded' without disk tiers."
         )

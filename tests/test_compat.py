@@ -62,6 +62,12 @@ PRIVATE = {
     "lightning.fabric.utilities.distributed._sync_ddp_if_available": "sync_ddp_if_available",
     "lightning.pytorch.strategies.ParallelStrategy._layer_sync": "layer_sync",
     "lightning.pytorch.loops._TrainingEpochLoop._batches_that_stepped": "batches_that_stepped",
+    "torch._subclasses.fake_tensor.FakeTensorMode": "FakeTensorMode",
+    "torch.distributed._tools.mod_tracker.ModTracker": "ModTracker",
+    "torch.utils._python_dispatch.TorchDispatchMode": "TorchDispatchMode",
+    "torch.utils._pytree.tree_flatten": "tree_flatten",
+    "torch.utils._pytree.tree_map_only": "tree_map_only",
+    "lightning.pytorch.loops.FitLoop._data_source": "training_dataloader",
 }
 
 

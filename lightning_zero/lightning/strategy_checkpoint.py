@@ -21,6 +21,7 @@ the strategy refuses the callback when it connects, before the callback copies a
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import lightning
@@ -30,6 +31,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint.async_save import AsyncSaver
 from lightning_zero.checkpoint.files import remove
 from lightning_zero.checkpoint.frozen import FROZEN_KEY, frozen_keys, frozen_record, source_path
 from lightning_zero.checkpoint.full_save import save_full_checkpoint
@@ -41,6 +43,7 @@ from lightning_zero.checkpoint.sharded_checkpoint import (
 )
 from lightning_zero.compat import MockOptimizer
 from lightning_zero.config import ZeroConfig
+from lightning_zero.lightning.auto_setup import AUTO_KEY
 from lightning_zero.lightning.strategy_processes import ProcessPerDevice
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
@@ -61,6 +64,14 @@ class ShardedCheckpointing(ProcessPerDevice):
     by checkpoints that leave frozen parameters out (Note [frozen base restored from its source])."""
     built_on_meta: bool = False
     """Whether stage 3 built the model on the meta device and initialized it (no weights of its own)."""
+    async_saver: AsyncSaver | None = None
+    """``ZeroConfig.async_save``: the background writer, created at the first save (Note [asynchronous save])."""
+
+    def finish_saves(self) -> None:
+        """Wait for the asynchronous save in flight, if any, and raise its error (the end of training)."""
+        if self.async_saver is not None:
+            saver, self.async_saver = self.async_saver, None
+            saver.close()
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
@@ -114,6 +125,9 @@ class ShardedCheckpointing(ProcessPerDevice):
         if any(isinstance(o, MockOptimizer) for o in self.optimizers) and "optimizer_states" in checkpoint:
             checkpoint["optimizer_states"] = []  # trained without an optimizer: nothing to save or restore
         saved_with = {"world_size": self.world_size, "stage": self.config.stage}
+        decision = getattr(self, "auto_decision", None)
+        if decision is not None:  # stage="auto": what was chosen, and from what (Note [automatic configuration])
+            checkpoint[AUTO_KEY] = decision.record()
         if self.config.exclude_frozen_parameters:  # Note [frozen base restored from its source]
             assert self.lightning_module is not None
             checkpoint[FROZEN_KEY] = frozen_record(self.lightning_module, self.pretrained_source)
@@ -136,6 +150,11 @@ class ShardedCheckpointing(ProcessPerDevice):
                 self._tiers,
             )
             return
+        if self.config.async_save:  # Note [asynchronous save]
+            if self.async_saver is None:
+                self.async_saver = AsyncSaver(timedelta(seconds=self.config.collective_timeout_s))
+            self.async_saver.save(checkpoint, self.broadcast(filepath), self.process_group, saved_with, averaged)
+            return
         save_sharded_checkpoint(checkpoint, self.broadcast(filepath), self.process_group, saved_with, averaged)
 
     @override
@@ -145,6 +164,8 @@ class ShardedCheckpointing(ProcessPerDevice):
 
         Always as ``weights_only=True`` would (see Note [safe loading] in ``checkpoint/files.py``).
         """
+        if self.async_saver is not None:
+            self.async_saver.wait()  # the checkpoint may be the one in flight
         module = self.lightning_module
         assert module is not None
         self.settle_optimizers()
@@ -198,8 +219,12 @@ class ShardedCheckpointing(ProcessPerDevice):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            remove(filepath)
+        if not self.is_global_zero:
+            return
+        if self.async_saver is not None:  # not before the save in flight is committed: Note [asynchronous save]
+            self.async_saver.after_commit(lambda: remove(filepath))
+            return
+        remove(filepath)
 
 
 _WEIGHT_AVERAGING_LIVE = "current_model_state"
