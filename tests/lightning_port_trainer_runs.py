@@ -319,6 +319,38 @@ def manual_optimization(name: str, root: str, reference: Result | None) -> Resul
     return {"losses": module.losses, "weights": weights(trainer, module)}
 
 
+# -- *_spawn: what comes back to the main process ----------------------------------------------------------------
+class BuiltInInit(PortModule):
+    """The model built in ``__init__``, so that the main process holds it to receive the weights into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = build()
+
+
+def spawn_fit(strategy: str, root: str) -> Result:
+    """``fit`` under Lightning's own multiprocessing launcher, called in the main process: the weights, metrics and
+    best checkpoint path the main process gets back (Lightning's ``test_ddp_spawn`` checks)."""
+    module = BuiltInInit()
+    checkpoint = ModelCheckpoint(dirpath=f"{root}/{strategy}", monitor="train_loss", save_top_k=1)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        logger=False,
+        callbacks=[checkpoint],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, loader())
+    return {
+        "weights": {n: p.detach().clone() for n, p in module.named_parameters()},
+        "metrics": metrics(trainer),
+        "best": os.path.relpath(checkpoint.best_model_path, root),
+    }
+
+
 # -- a rank killed in the middle of a save, then ckpt_path="last" --------------------------------------------------
 KILL_STEPS = 12
 """Steps of the kill-and-resume runs; ``last`` is saved every 2 steps."""

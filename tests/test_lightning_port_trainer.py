@@ -21,6 +21,7 @@ from tests.lightning_port_trainer_runs import (
     battery,
     killed_in_a_save,
     resumed_from_last,
+    spawn_fit,
     uninterrupted,
 )
 from tests.test_checkpoint_trainer import assert_same
@@ -170,6 +171,18 @@ def test_manual_optimization_with_clipping_matches_ddp(results):
     for per_rank in case(results, "manual_optimization"):
         for name in ZERO:
             close(per_rank[name], per_rank["ddp"])
+
+
+# -- *_spawn ---------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # four spawned processes that import torch (~3 s each on an idle machine); two siblings cover the
+@pytest.mark.timeout(300)  # weights in the default suite (test_strategy.py, test_module_surface.py)
+def test_spawn_returns_weights_metrics_and_the_best_checkpoint_to_the_main_process(tmp_path):
+    reference = spawn_fit("ddp_spawn", str(tmp_path))
+    sharded = spawn_fit("zero3_spawn", str(tmp_path))
+    close(sharded["weights"], reference["weights"])
+    close(sharded["metrics"], reference["metrics"])
+    assert reference["best"].startswith("ddp_spawn/epoch=0-step=")
+    assert sharded["best"] == reference["best"].replace("ddp_spawn", "zero3_spawn")
 
 
 # -- a rank killed in the middle of a save, then a resume from the last committed checkpoint ------------------------

@@ -77,7 +77,7 @@ class ShardedCheckpointing(ProcessPerDevice):
     @override
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
-        # Note [the module's state for Lightning and for a checkpoint]
+        # Checkpoints save the ranges: Note [the module's state for Lightning and for a checkpoint].
         route_checkpoint_model_state(model.trainer, self.checkpoint_model_state)
         refuse_weight_averaging_at_stage_3(model.trainer.callbacks, self.config.stage)  # type: ignore[attr-defined]
         refuse_parameter_changing_callbacks(model.trainer.callbacks, self.config.stage)  # type: ignore[attr-defined]
