@@ -32,7 +32,7 @@ ZERO = [name for name in STRATEGIES if name != "ddp"]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     root = tmp_path_factory.mktemp("lightning_port_trainer")
-    return run_distributed(battery, 2, str(root), init_process_group=False, timeout=300)
+    return run_distributed(battery, 2, str(root), init_process_group=False, timeout=280)
 
 
 def case(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
