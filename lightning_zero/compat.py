@@ -112,6 +112,7 @@ __all__ = [
     "open_torch_save_archive",
     "queue_autograd_callback",
     "rebuild_tensor",
+    "route_checkpoint_model_state",
     "storage_type",
     "swap_storage_memory",
     "sync_ddp_if_available",
@@ -297,6 +298,13 @@ def fabric_run_command() -> Any:
 def layer_sync(strategy: Any) -> Any:
     """The ``LayerSync`` plugin the Trainer gave a parallel strategy (``Trainer(sync_batchnorm=True)``), or None."""
     return getattr(strategy, "_layer_sync", None)
+
+
+def route_checkpoint_model_state(trainer: Any, model_state: Callable[[], dict[str, Any]]) -> None:
+    """Have the Trainer's checkpoint dump (``_CheckpointConnector.dump_checkpoint``, through its
+    ``_get_lightning_module_state_dict``) take the model's state from ``model_state`` rather than from
+    ``strategy.lightning_module_state_dict()``."""
+    trainer._checkpoint_connector._get_lightning_module_state_dict = model_state
 
 
 def batches_that_stepped(trainer: Any) -> int:
