@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero import ZeroConfig
-from lightning_zero.lightning.engine_setup import shard_for_stage3, wrap_optimizers
-from lightning_zero.lightning.precision import ZeroPrecision
+from lightning_zero.engine.model_sharding import shard_for_stage3, wrap_optimizers
+from lightning_zero.engine.precision import ZeroPrecision
 from lightning_zero.models import GPT, GPTConfig
 
 

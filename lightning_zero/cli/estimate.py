@@ -263,7 +263,7 @@ def main(argv: list[str]) -> int:
         print("\n" + textwrap.fill(peak_intro(peaks, args.precision), width=WIDTH), end="\n\n")
         print(format_peaks(peaks))
     if args.plot is not None:
-        from lightning_zero.lightning.report_plot import plot_memory_by_stage
+        from lightning_zero.trainer.report_plot import plot_memory_by_stage
 
         bars = {("DDP" if e.stage == 0 else f"ZeRO-{e.stage}"): e.state for e in estimates}
         plot_memory_by_stage(bars, args.plot, f"{title} on {n:,} ranks, {args.precision}, K = {precisions.k}")

@@ -14,7 +14,7 @@ model. An optimizer over the parameters of several set-up models is refused: eac
 reduced and checkpointed with that model.
 
 The functions here do the engine's work for one model (``set_up_model``, ``set_up_optimizer``) over
-``lightning/engine_setup.py``, as module-level functions over explicit arguments, so that a second front door can use
+``engine/model_sharding.py``, as module-level functions over explicit arguments, so that a second front door can use
 them.
 """
 
@@ -32,9 +32,9 @@ from torch.optim import Optimizer
 
 from lightning_zero.compat import sync_module_states
 from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.model_sharding import broadcast_buffers, shard_for_stage3, wrap_optimizers
+from lightning_zero.engine.precision import ZeroPrecision
 from lightning_zero.fabric.module import ZeroForwardModule
-from lightning_zero.lightning.engine_setup import broadcast_buffers, shard_for_stage3, wrap_optimizers
-from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.activation_checkpointing import apply_activation_checkpointing_policy
 from lightning_zero.sharding.gradient_reducer import GradientReducer
@@ -58,7 +58,7 @@ class SetUpModel:
     optimizers: list[ZeroOptimizer] = field(default_factory=list)
     """Its optimizers, in the order they were set up."""
     broadcast_next_forward: bool = True
-    """Whether its next forward takes rank 0's buffers (Note [buffers follow rank 0] in ``lightning/strategy.py``)."""
+    """Whether its next forward takes rank 0's buffers (Note [buffers follow rank 0] in ``trainer/strategy.py``)."""
     accumulating: bool = False
     """Inside ``fabric.no_backward_sync`` of this model."""
     watched: dict[int, list[Parameter]] = field(default_factory=dict)

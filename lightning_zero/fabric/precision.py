@@ -1,4 +1,4 @@
-"""``ZeroFabricPrecision``: ``ZeroPrecision`` (``lightning/precision.py``) under Fabric's protocol.
+"""``ZeroFabricPrecision``: ``ZeroPrecision`` (``engine/precision.py``) under Fabric's protocol.
 
 The parameters' dtypes, the masters, autocast, the normalization layers and the loss scalers are
 ``ZeroPrecision``'s, unchanged; only the calls differ. Fabric's ``Strategy.backward`` ignores what ``pre_backward``
@@ -24,7 +24,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_zero.compat import DtypeContextManager, convert_fp_tensor
-from lightning_zero.lightning.precision import ZeroPrecision
+from lightning_zero.engine.precision import ZeroPrecision
 from lightning_zero.sharding.loss_scaler import scale_for_backward
 
 
@@ -63,7 +63,7 @@ class ZeroFabricPrecision(ZeroPrecision):
     @override
     def post_backward(self, tensor: Tensor, module: Any) -> Tensor:
         if self.after_backward is not None:
-            self.after_backward()  # Note [no partial gradients] in lightning/grad_norm.py
+            self.after_backward()  # Note [no partial gradients] in engine/grad_norm.py
         return tensor
 
     @override

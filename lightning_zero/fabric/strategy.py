@@ -18,7 +18,7 @@ Thin glue, in the order a Fabric loop calls it:
   ``ZeroOptimizer``'s reduction, accumulation and clipping over shards, as the Trainer's strategy uses them.
 - ``save_checkpoint``/``load_checkpoint``: the Trainer's sharded directory (``fabric/checkpoint.py``).
 
-Everything both front doors do to the engine is in ``lightning/engine_setup.py``.
+Everything both front doors do to the engine is in ``engine/model_sharding.py``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,18 @@ from typing_extensions import override
 from lightning_zero.comm.fault_monitor import FaultMonitor
 from lightning_zero.compat import FabricSharded
 from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.grad_norm import hide_partial_gradients
+from lightning_zero.engine.model_sharding import (
+    broadcast_buffers,
+    calling,
+    install_module_state,
+    module_state_of,
+    serving,
+)
+from lightning_zero.engine.precision import to_zero_precision
+from lightning_zero.engine.presets import register_presets
+from lightning_zero.engine.throughput import StepThroughput, ThroughputSummary, compute_dtype
+from lightning_zero.engine.tier_setup import build_memory_tiers
 from lightning_zero.fabric.backward_sync import ZeroBackwardSyncControl
 from lightning_zero.fabric.checkpoint import (
     CheckpointPath,
@@ -57,25 +69,13 @@ from lightning_zero.fabric.models import SetUpModel, SetUpModels, on_meta, set_u
 from lightning_zero.fabric.module import full_tensors
 from lightning_zero.fabric.precision import ZeroFabricPrecision
 from lightning_zero.fabric.zero_grad import apply_zero_grad, engine_call, mark, watched
-from lightning_zero.lightning.engine_setup import (
-    broadcast_buffers,
-    calling,
-    install_module_state,
-    module_state_of,
-    serving,
-)
-from lightning_zero.lightning.grad_norm import hide_partial_gradients
-from lightning_zero.lightning.offload_setup import build_memory_tiers
-from lightning_zero.lightning.precision import to_zero_precision
-from lightning_zero.lightning.presets import register_presets
-from lightning_zero.lightning.strategy_checkpoint import as_zero_optimizer
-from lightning_zero.lightning.strategy_processes import StartMethod
-from lightning_zero.lightning.throughput import StepThroughput, ThroughputSummary, compute_dtype
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.gradient_reducer import GradientReducer
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.library_init import MetaDeviceExceptMetrics, ParamInitFn, pretrained_on_meta_hint
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
+from lightning_zero.trainer.strategy_checkpoint import as_zero_optimizer
+from lightning_zero.trainer.strategy_processes import StartMethod
 
 
 class ZeroFabricStrategy(DDPStrategy, FabricSharded):
@@ -162,7 +162,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         """Whether stage 3 built the (first) model on the meta device and initialized it (no weights of its own)."""
         return bool(self.models) and self.models.models[0].built_on_meta
 
-    # -- precision: ZeRO's own (lightning/precision.py) -------------------------------------------------------------
+    # -- precision: ZeRO's own (engine/precision.py) -------------------------------------------------------------
     @property
     @override
     def precision(self) -> ZeroFabricPrecision:
@@ -269,7 +269,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         return module if model is None else model.module
 
     def _forward_of_the_loop(self, model: SetUpModel, module: Module, args: Any) -> None:
-        """Broadcast rank 0's buffers where DDP would (Note [buffers follow rank 0] in ``lightning/strategy.py``):
+        """Broadcast rank 0's buffers where DDP would (Note [buffers follow rank 0] in ``trainer/strategy.py``):
         at the model's first forward, and after a forward with gradients outside its ``no_backward_sync``."""
         if model.broadcast_next_forward and self.config.broadcast_buffers:
             broadcast_buffers(module, self.process_group)
@@ -294,7 +294,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         return self._throughput.summary(self.world_size, self.root_device, dtype, peak_flops)
 
     def _hide_partial_gradients(self) -> None:
-        hide_partial_gradients(self._optimizers)  # Note [no partial gradients] in lightning/grad_norm.py
+        hide_partial_gradients(self._optimizers)  # Note [no partial gradients] in engine/grad_norm.py
 
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
@@ -351,7 +351,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         with serving(m.gatherer for m in self.models):
             super().barrier(*args, **kwargs)
 
-    # -- clipping over shards (Note [reduced gradients live in the optimizer] in lightning/precision.py) -------------
+    # -- clipping over shards (Note [reduced gradients live in the optimizer] in engine/precision.py) -------------
     @override
     def clip_gradients_norm(
         self,

@@ -8,7 +8,7 @@ The lifecycle, in Lightning's hook order:
 - ``optimizer_step``: the gradient reduction is finished right after the closure (forward + backward), so that
   ``on_before_optimizer_step`` hooks and gradient clipping see the reduced gradients (as the ``ZeroOptimizer``'s
   master gradients, not as parameters' ``.grad``: Note [reduced gradients live in the optimizer] in
-  ``lightning/precision.py``); then the sharded step and the parameter all-gather run.
+  ``engine/precision.py``); then the sharded step and the parameter all-gather run.
 - ``block_backward_sync``: Lightning enters it for the non-final micro-batches of gradient accumulation.
 
 Stage 3 adds: ``model_sharded_context`` (``configure_model``) and ``tensor_init_context``
@@ -45,21 +45,21 @@ from lightning_zero.checkpoint.module_state import ModuleState
 from lightning_zero.comm.topology import Link
 from lightning_zero.compat import MockOptimizer, sync_module_states
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.auto_setup import choose_configuration
-from lightning_zero.lightning.engine_setup import calling, install_module_state, shard_for_stage3, wrap_optimizers
-from lightning_zero.lightning.grad_norm import hide_partial_gradients
-from lightning_zero.lightning.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
-from lightning_zero.lightning.offload_setup import build_memory_tiers
-from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
-from lightning_zero.lightning.presets import register_presets, with_cpu_offload
-from lightning_zero.lightning.root_unit_steps import RootUnitSteps
-from lightning_zero.lightning.strategy_checkpoint import as_zero_optimizer, iter_zero_optimizers
-from lightning_zero.lightning.strategy_processes import StartMethod
+from lightning_zero.engine.grad_norm import hide_partial_gradients
+from lightning_zero.engine.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
+from lightning_zero.engine.model_sharding import calling, install_module_state, shard_for_stage3, wrap_optimizers
+from lightning_zero.engine.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.engine.presets import register_presets, with_cpu_offload
+from lightning_zero.engine.tier_setup import build_memory_tiers
 from lightning_zero.offload.memory_tiers import MemoryTiers, TierBytes
 from lightning_zero.planning.auto_config import Decision
 from lightning_zero.sharding.activation_checkpointing import apply_activation_checkpointing_policy
 from lightning_zero.stage3.library_init import MetaDeviceExceptMetrics, ParamInitFn, pretrained_on_meta_hint
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
+from lightning_zero.trainer.auto_setup import choose_configuration
+from lightning_zero.trainer.root_unit_steps import RootUnitSteps
+from lightning_zero.trainer.strategy_checkpoint import as_zero_optimizer, iter_zero_optimizers
+from lightning_zero.trainer.strategy_processes import StartMethod
 
 
 class ZeroStrategy(RootUnitSteps):

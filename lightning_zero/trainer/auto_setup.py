@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_zero.compat import training_dataloader
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.precision import ZeroPrecision
+from lightning_zero.engine.precision import ZeroPrecision
 from lightning_zero.planning.auto_config import (
     Decision,
     agreed_budget,

@@ -17,8 +17,8 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_zero.lightning.engine_setup import broadcast_buffers
-from lightning_zero.lightning.strategy_checkpoint import ShardedCheckpointing
+from lightning_zero.engine.model_sharding import broadcast_buffers
+from lightning_zero.trainer.strategy_checkpoint import ShardedCheckpointing
 
 
 class RootUnitSteps(ShardedCheckpointing):

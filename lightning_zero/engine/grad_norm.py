@@ -222,7 +222,7 @@ class ShardedGradient(Tensor):
         if func._schema.is_mutable:
             raise RuntimeError(
                 f"{func} would write a parameter's `.grad`, which under ZeroStrategy shows the averaged gradient kept "
-                "in the optimizer's shards (Note [gradients visible to hooks] in lightning_zero/lightning/grad_norm.py"
+                "in the optimizer's shards (Note [gradients visible to hooks] in lightning_zero/engine/grad_norm.py"
                 "): the step would not see the write. HINT: clip through Lightning (`Trainer(gradient_clip_val=...)` "
                 "or `self.clip_gradients(...)` in `configure_gradient_clipping`), and read gradients without "
                 "changing them."

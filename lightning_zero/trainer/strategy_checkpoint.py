@@ -55,11 +55,11 @@ from lightning_zero.checkpoint.sharded_checkpoint import (
 )
 from lightning_zero.compat import MockOptimizer, route_checkpoint_model_state
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.auto_setup import AUTO_KEY
-from lightning_zero.lightning.strategy_processes import ProcessPerDevice
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
+from lightning_zero.trainer.auto_setup import AUTO_KEY
+from lightning_zero.trainer.strategy_processes import ProcessPerDevice
 
 
 class ShardedCheckpointing(ProcessPerDevice):

@@ -28,9 +28,9 @@ from lightning_zero.checkpoint.tiered import TierStorage
 from lightning_zero.comm.topology import ranks_per_node_from_environment
 from lightning_zero.compat import broadcast_coalesced, get_default_store
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.grad_norm import refuse_released_placeholders
-from lightning_zero.lightning.offload_setup import check_optimizer_space
-from lightning_zero.lightning.precision import ZeroPrecision
+from lightning_zero.engine.grad_norm import refuse_released_placeholders
+from lightning_zero.engine.precision import ZeroPrecision
+from lightning_zero.engine.tier_setup import check_optimizer_space
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.activation_checkpointing import parameter_names
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
@@ -260,7 +260,7 @@ def refuse_parameters_in_two_optimizers(module: nn.Module, optimizers: Sequence[
 
 
 def broadcast_buffers(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Every rank takes rank 0's buffers (Note [buffers follow rank 0] in ``lightning/strategy.py``)."""
+    """Every rank takes rank 0's buffers (Note [buffers follow rank 0] in ``trainer/strategy.py``)."""
     buffers = list(module.buffers())
     if buffers and group.size() > 1:
         # DDP's own coalesced broadcast, with its default bucket size (250 MiB).

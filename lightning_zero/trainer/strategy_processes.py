@@ -41,7 +41,7 @@ from lightning_zero.compat import (
     layer_sync,
     sync_ddp_if_available,
 )
-from lightning_zero.lightning.engine_setup import serving
+from lightning_zero.engine.model_sharding import serving
 
 log = logging.getLogger(__name__)
 

@@ -66,7 +66,7 @@ from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
 from lightning_zero.compat import DtypeContextManager, convert_fp_tensor
-from lightning_zero.lightning.grad_norm import VisibleGradients
+from lightning_zero.engine.grad_norm import VisibleGradients
 from lightning_zero.sharding.loss_scaler import DynamicLossScaler, scale_for_backward
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
@@ -236,7 +236,7 @@ class ZeroPrecision(Precision):
             rank_zero_warn(
                 f"`{name}.configure_gradient_clipping` ran {calls} times and never clipped through Lightning. Under "
                 "ZeroStrategy the parameters' `.grad` do not hold the reduced gradients (Note [reduced gradients "
-                "live in the optimizer] in lightning_zero/lightning/precision.py), so clipping them directly, e.g. "
+                "live in the optimizer] in lightning_zero/engine/precision.py), so clipping them directly, e.g. "
                 "`torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`, clipped nothing. HINT: call "
                 "`self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm=...)` in the hook."
             )

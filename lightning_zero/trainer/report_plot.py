@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_zero.planning.model_state import ModelStateBytes, expected_model_state_bytes
 
 if TYPE_CHECKING:
-    from lightning_zero.lightning.report import FitReport
+    from lightning_zero.trainer.report import FitReport
 
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 

@@ -35,15 +35,15 @@ from typing_extensions import override
 from lightning_zero.comm.collectives import Collective
 from lightning_zero.comm.topology import LINKS
 from lightning_zero.compat import batches_that_stepped
-from lightning_zero.lightning.memory import ModelStateBytes
-from lightning_zero.lightning.report_plot import (
+from lightning_zero.engine.memory import ModelStateBytes
+from lightning_zero.engine.throughput import StepThroughput, ThroughputSummary, compute_dtype
+from lightning_zero.trainer.report_plot import (
     STAGE_NAMES,
     plot_memory_by_stage,
     report_bars,
     require_matplotlib,
 )
-from lightning_zero.lightning.strategy import ZeroStrategy
-from lightning_zero.lightning.throughput import StepThroughput, ThroughputSummary, compute_dtype
+from lightning_zero.trainer.strategy import ZeroStrategy
 
 COLLECTIVES: tuple[str, ...] = tuple(c.value for c in Collective)
 
