@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -231,6 +232,19 @@ def wrap_optimizers(
         for zero in fresh:
             zero.ledger.topology = topology
     return wrapped
+
+
+def as_zero_optimizer(optimizer: Any) -> ZeroOptimizer:
+    """The ``ZeroOptimizer`` a strategy handed out, from under Lightning's wrapper (``LightningOptimizer`` in manual
+    optimization) or Fabric's."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    if not isinstance(optimizer, ZeroOptimizer):
+        raise TypeError(
+            f"ZeroStrategy expected a ZeroOptimizer but got {type(optimizer).__name__}. HINT: do not replace the "
+            "optimizers the strategy set up (`trainer.optimizers`, what `fabric.setup` returned); return your "
+            "optimizers from `configure_optimizers`, or pass them to `fabric.setup`."
+        )
+    return optimizer
 
 
 def refuse_parameters_in_two_optimizers(module: nn.Module, optimizers: Sequence[Optimizer]) -> None:

@@ -12,6 +12,7 @@
   (``state_dict_type="full"``); ``checkpoint_layout``: where each object of a state goes, what each load takes.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,
-lightning_zero.offload, lightning_zero.checkpoint, lightning_zero.planning, lightning_zero.engine, and (until the
-checkpoint helpers move down) lightning_zero.trainer.
+lightning_zero.offload, lightning_zero.checkpoint, lightning_zero.planning, lightning_zero.engine
+
+What the Trainer's front door does too is in the engine, below both; the two doors never import each other.
 """

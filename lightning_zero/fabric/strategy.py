@@ -47,6 +47,7 @@ from lightning_zero.compat import FabricSharded
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.grad_norm import hide_partial_gradients
 from lightning_zero.engine.model_sharding import (
+    as_zero_optimizer,
     broadcast_buffers,
     calling,
     install_module_state,
@@ -54,7 +55,7 @@ from lightning_zero.engine.model_sharding import (
     serving,
 )
 from lightning_zero.engine.precision import to_zero_precision
-from lightning_zero.engine.presets import register_presets
+from lightning_zero.engine.presets import StartMethod, register_presets
 from lightning_zero.engine.throughput import StepThroughput, ThroughputSummary, compute_dtype
 from lightning_zero.engine.tier_setup import build_memory_tiers
 from lightning_zero.fabric.backward_sync import ZeroBackwardSyncControl
@@ -74,8 +75,6 @@ from lightning_zero.sharding.gradient_reducer import GradientReducer
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.library_init import MetaDeviceExceptMetrics, ParamInitFn, pretrained_on_meta_hint
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
-from lightning_zero.trainer.strategy_checkpoint import as_zero_optimizer
-from lightning_zero.trainer.strategy_processes import StartMethod
 
 
 class ZeroFabricStrategy(DDPStrategy, FabricSharded):
@@ -130,11 +129,11 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
             timeout=timeout or timedelta(seconds=self.config.collective_timeout_s),
             start_method=start_method,
         )
-        self._backward_sync_control = ZeroBackwardSyncControl(self)
         self._param_init_fn = param_init_fn
         self.models = SetUpModels()
         """The models set up, each with its units and optimizers (Note [several models in one Fabric] in
         ``fabric/models.py``)."""
+        self._backward_sync_control = ZeroBackwardSyncControl(self.models)
         self._tiers: MemoryTiers | None = None
         self._fault_monitor: FaultMonitor | None = None
         self._excepthook: Callable[[type[BaseException], BaseException, TracebackType | None], Any] | None = None

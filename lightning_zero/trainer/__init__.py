@@ -7,9 +7,10 @@
 - ``ema``: ``ShardedEMA``, the moving average of the weights kept on each rank's fp32 shard.
 - ``auto_setup``: ``stage="auto"`` when fit starts: the choice, printed, logged and kept for checkpoints.
 - ``report``: ``MemoryReport``, the per-rank memory and communication table at the end of a run;
-  ``report_plot``: its chart.
+  ``fit_report``: its numbers, a row per rank; ``report_plot``: its chart.
 
-What Fabric's front door (``lightning_zero.fabric``) does too is in ``lightning_zero.engine``, below both.
+What Fabric's front door (``lightning_zero.fabric``) does too is in ``lightning_zero.engine``, below both; the two
+doors never import each other.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,
 lightning_zero.offload, lightning_zero.checkpoint, lightning_zero.planning, lightning_zero.engine

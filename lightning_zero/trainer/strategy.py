@@ -47,9 +47,15 @@ from lightning_zero.compat import MockOptimizer, sync_module_states
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.grad_norm import hide_partial_gradients
 from lightning_zero.engine.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
-from lightning_zero.engine.model_sharding import calling, install_module_state, shard_for_stage3, wrap_optimizers
+from lightning_zero.engine.model_sharding import (
+    as_zero_optimizer,
+    calling,
+    install_module_state,
+    shard_for_stage3,
+    wrap_optimizers,
+)
 from lightning_zero.engine.precision import ZeroPrecision, to_zero_precision
-from lightning_zero.engine.presets import register_presets, with_cpu_offload
+from lightning_zero.engine.presets import StartMethod, register_presets, with_cpu_offload
 from lightning_zero.engine.tier_setup import build_memory_tiers
 from lightning_zero.offload.memory_tiers import MemoryTiers, TierBytes
 from lightning_zero.planning.auto_config import Decision
@@ -58,8 +64,7 @@ from lightning_zero.stage3.library_init import MetaDeviceExceptMetrics, ParamIni
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 from lightning_zero.trainer.auto_setup import choose_configuration
 from lightning_zero.trainer.root_unit_steps import RootUnitSteps
-from lightning_zero.trainer.strategy_checkpoint import as_zero_optimizer, iter_zero_optimizers
-from lightning_zero.trainer.strategy_processes import StartMethod
+from lightning_zero.trainer.strategy_checkpoint import iter_zero_optimizers
 
 
 class ZeroStrategy(RootUnitSteps):

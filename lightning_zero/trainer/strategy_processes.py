@@ -15,7 +15,7 @@ import logging
 import os
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -42,10 +42,9 @@ from lightning_zero.compat import (
     sync_ddp_if_available,
 )
 from lightning_zero.engine.model_sharding import serving
+from lightning_zero.engine.presets import StartMethod
 
 log = logging.getLogger(__name__)
-
-StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
 class ProcessPerDevice(ParallelStrategy):
