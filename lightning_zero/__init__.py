@@ -32,7 +32,6 @@ from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.grad_norm import grad_norm
 from lightning_zero.engine.memory import ModelStateBytes, expected_model_state_bytes, model_state_bytes
-from lightning_zero.engine.precision import ZeroPrecision
 from lightning_zero.fabric.precision import ZeroFabricPrecision
 from lightning_zero.fabric.strategy import ZeroFabricStrategy
 from lightning_zero.sharding.loss_scaler import DynamicLossScaler
@@ -40,6 +39,7 @@ from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer, RankDivergenceError
 from lightning_zero.stage3.sharded_init import shard_module
 from lightning_zero.trainer.ema import ShardedEMA
+from lightning_zero.trainer.precision import ZeroPrecision
 from lightning_zero.trainer.report import MemoryReport
 from lightning_zero.trainer.strategy import ZeroStrategy
 

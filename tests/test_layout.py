@@ -223,6 +223,20 @@ def test_readme_architecture_table_lists_exactly_what_exists():
     assert not listed - existing, f"listed in the README's architecture table but absent: {sorted(listed - existing)}"
 
 
+def test_architecture_picture_puts_every_subpackage_above_what_it_may_import():
+    text = (ROOT / "README.md").read_text().split("## Architecture", 1)[1]
+    picture = text.split("```text\n", 1)[1].split("```", 1)[0]
+    line_of: dict[str, int] = {}
+    for number, line in enumerate(picture.splitlines()):
+        for name in re.findall(r"(?:^|\s{2,})(\w+)/\s", line):  # a layer, not a word of a description
+            assert name not in line_of, f"{name}/ drawn twice in the README's architecture picture"
+            line_of[name] = number
+    assert sorted(line_of) == SUBPACKAGES, f"the picture draws {sorted(line_of)}, the package has {SUBPACKAGES}"
+    for sub in SUBPACKAGES:
+        above = sorted(dep for dep in _allowed_imports(sub) - {sub, "config", "compat"} if line_of[dep] <= line_of[sub])
+        assert not above, f"{sub}/ may import {above}, which the picture draws beside or above it"
+
+
 def test_every_referenced_note_exists():
     sources = [
         *PACKAGE.rglob("*.py"),

@@ -42,8 +42,5 @@ class ZeroBackwardSyncControl(FabricBackwardSyncControl):
         with ExitStack() as stack:
             for reducer in model.reducers():
                 stack.enter_context(reducer.no_sync())
-            model.accumulating = True  # Note [buffers follow rank 0]
-            try:
-                yield
-            finally:
-                model.accumulating = False
+            stack.enter_context(model.buffers.no_sync())  # Note [buffers follow rank 0]
+            yield

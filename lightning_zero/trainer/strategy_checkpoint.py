@@ -55,7 +55,7 @@ from lightning_zero.checkpoint.sharded_checkpoint import (
 )
 from lightning_zero.compat import MockOptimizer, route_checkpoint_model_state
 from lightning_zero.config import ZeroConfig
-from lightning_zero.engine.model_sharding import as_zero_optimizer
+from lightning_zero.engine.optimizer_wrapping import as_zero_optimizer
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
