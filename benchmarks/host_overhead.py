@@ -38,6 +38,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import cProfile
+import itertools
 import json
 import statistics
 import sys
@@ -54,13 +55,66 @@ from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info, run_ranks  # noqa: E402
+from _common import machine_info, run_ranks
 
-from lightning_zero import ZeroConfig, ZeroOptimizer, shard_module  # noqa: E402
-from lightning_zero.models.gpt import GPT, Block, GPTConfig  # noqa: E402
+from lightning_zero import ZeroConfig, ZeroOptimizer, shard_module
+from lightning_zero.models.gpt import GPT, Block, GPTConfig
 
 PHASES = ("forward", "backward", "step")
+COLUMNS = (*PHASES, "collectives")
 VARIANTS = ("plain", "zero3", "fsdp2")
+
+
+_COLLECTIVES = (
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "broadcast",
+    "all_to_all_single",
+    "isend",
+    "irecv",
+    "barrier",
+)
+"""The ``torch.distributed`` calls both frameworks make (FSDP2 and ours look them up on ``torch.distributed`` at each
+call), timed by ``CollectiveClock``."""
+
+
+class CollectiveClock:
+    """Seconds spent inside ``torch.distributed``'s collective calls while installed. The fake process group's own
+    work there grows with the world size (its all-gather copies the input into each of the N chunks of the output;
+    its reduce-scatter costs ~1 ms per call at 1024 ranks whatever the size): the simulation's cost, which NCCL's
+    launches do not have and both frameworks pay alike, so it is reported apart and left out of the host figures."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._originals: dict[str, Callable[..., Any]] = {}
+
+    def install(self) -> None:
+        for name in _COLLECTIVES:
+            original = getattr(dist, name)
+            self._originals[name] = original
+            setattr(dist, name, self._timed(original))
+
+    def uninstall(self) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        self._originals.clear()
+
+    def _timed(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        timed.__name__ = function.__name__  # the ledger names the op it was handed
+        return timed
+
+
+CLOCK = CollectiveClock()
 
 
 @dataclass
@@ -70,7 +124,8 @@ class Stepper:
     name: str
     world: int
     units: int
-    step: Callable[[], tuple[float, float, float]]
+    step: Callable[[], tuple[float, float, float, float]]
+    """Seconds of forward, backward and step without the collective calls, and in the collective calls."""
 
 
 def _model(layers: int, width: int) -> GPT:
@@ -78,15 +133,19 @@ def _model(layers: int, width: int) -> GPT:
     return GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=layers, n_head=2, n_embd=width))
 
 
-def _timed(forward: Callable[[], torch.Tensor], step: Callable[[], None]) -> Callable[[], tuple[float, float, float]]:
-    def run() -> tuple[float, float, float]:
-        start = time.perf_counter()
+def _timed(
+    forward: Callable[[], torch.Tensor], step: Callable[[], None]
+) -> Callable[[], tuple[float, float, float, float]]:
+    def run() -> tuple[float, float, float, float]:
+        marks = [(time.perf_counter(), CLOCK.seconds)]
         loss = forward()
-        forwarded = time.perf_counter()
+        marks.append((time.perf_counter(), CLOCK.seconds))
         loss.backward()
-        backwarded = time.perf_counter()
+        marks.append((time.perf_counter(), CLOCK.seconds))
         step()
-        return forwarded - start, backwarded - forwarded, time.perf_counter() - backwarded
+        marks.append((time.perf_counter(), CLOCK.seconds))
+        phases = [(t1 - t0) - (c1 - c0) for (t0, c0), (t1, c1) in itertools.pairwise(marks)]
+        return phases[0], phases[1], phases[2], marks[-1][1] - marks[0][1]
 
     return run
 
@@ -129,15 +188,15 @@ def measure(steppers: list[Stepper], rounds: int, steps: int) -> list[dict[str, 
         best: dict[int, tuple[float, float, float]] = {}
         for stepper in order:
             times = [stepper.step() for _ in range(steps)]
-            best[id(stepper)] = min(times, key=sum)
-        records.append({f"{s.name}@{s.world}": dict(zip(PHASES, best[id(s)], strict=True)) for s in steppers})
+            best[id(stepper)] = min(times, key=lambda t: sum(t[: len(PHASES)]))
+        records.append({f"{s.name}@{s.world}": dict(zip(COLUMNS, best[id(s)], strict=True)) for s in steppers})
         print(f"  round {r + 1}/{rounds}", flush=True)
     return records
 
 
 def _per_unit_us(phases: dict[str, float], units: int) -> dict[str, float]:
-    values = {p: phases[p] / units * 1e6 for p in PHASES}
-    values["total"] = sum(values[p] for p in PHASES)
+    values = {p: phases[p] / units * 1e6 for p in COLUMNS}
+    values["total"] = sum(values[p] for p in PHASES)  # the host's own work: the collective calls left out
     return values
 
 
@@ -147,7 +206,7 @@ def summarize(records: list[dict[str, Any]], steppers: list[Stepper]) -> dict[st
     per_round = [{key: _per_unit_us(phases, units[key]) for key, phases in rec.items()} for rec in records]
     table: dict[str, Any] = {}
     for key in units:
-        table[key] = {p: statistics.median(r[key][p] for r in per_round) for p in (*PHASES, "total")}
+        table[key] = {p: statistics.median(r[key][p] for r in per_round) for p in (*COLUMNS, "total")}
         plain = f"plain@{key.split('@')[1]}"
         if plain in units and not key.startswith("plain"):
             table[key]["overhead"] = statistics.median(r[key]["total"] - r[plain]["total"] for r in per_round)
@@ -176,12 +235,12 @@ def summarize(records: list[dict[str, Any]], steppers: list[Stepper]) -> dict[st
 
 def print_tables(summary: dict[str, Any], title: str) -> None:
     print(f"\n{title}: host µs per unit per step (median over rounds)\n")
-    print("| variant @ world | forward | backward | step | total | over plain |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| variant @ world | forward | backward | step | total | over plain | in collective calls |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for key, row in summary["per_unit_us"].items():
         over = f"{row['overhead']:.0f}" if "overhead" in row else ""
         cells = " | ".join(f"{row[p]:.0f}" for p in (*PHASES, "total"))
-        print(f"| {key} | {cells} | {over} |")
+        print(f"| {key} | {cells} | {over} | {row['collectives']:.0f} |")
     print("\n| ratio (within rounds) | median | min | max |")
     print("|---|---:|---:|---:|")
     for name, r in summary["ratios"].items():
@@ -194,6 +253,7 @@ def simulated(sizes: list[int], variants: list[str], layers: int, width: int, ro
     torch.set_flush_denormal(True)
     world = max(sizes)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    CLOCK.install()
     try:
         steppers = []
         for size in sizes:
@@ -203,12 +263,16 @@ def simulated(sizes: list[int], variants: list[str], layers: int, width: int, ro
         records = measure(steppers, rounds, steps)
         return records, steppers
     finally:
+        CLOCK.uninstall()
         dist.destroy_process_group()
 
 
-def _gloo_rank(rank: int, world_size: int, variants: list[str], layers: int, width: int, rounds: int, steps: int) -> Any:
+def _gloo_rank(
+    rank: int, world_size: int, variants: list[str], layers: int, width: int, rounds: int, steps: int
+) -> Any:
     group = dist.group.WORLD
     assert group is not None
+    CLOCK.install()  # on gloo the calls only post the work: waiting for peers is in the phases
     steppers = [build(v, group, layers, width) for v in variants]
     records = measure(steppers, rounds, steps) if rank == 0 else _follow(steppers, rounds, steps)
     return records, [(s.name, s.world, s.units) for s in steppers]
@@ -260,11 +324,9 @@ def main() -> None:
         return
     load_before = os.getloadavg()
     if args.gloo_ranks:
-        run = run_ranks(
-            _gloo_rank, args.gloo_ranks, (args.variants, args.layers, args.width, args.rounds, args.steps)
-        )
+        run = run_ranks(_gloo_rank, args.gloo_ranks, (args.variants, args.layers, args.width, args.rounds, args.steps))
         records, shapes = run.results[0]
-        steppers = [Stepper(name, world, units, lambda: (0.0, 0.0, 0.0)) for name, world, units in shapes]
+        steppers = [Stepper(name, world, units, lambda: (0.0, 0.0, 0.0, 0.0)) for name, world, units in shapes]
         title = f"{args.gloo_ranks} gloo processes"
     else:
         records, steppers = simulated(args.sizes, args.variants, args.layers, args.width, args.rounds, args.steps)

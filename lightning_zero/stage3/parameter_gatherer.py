@@ -4,15 +4,7 @@ Per step, for each unit:  pre-forward: gather (+ prefetch the next unit), hook t
 post-forward: free, and hook the outputs  ->  pre-backward (first output gradient): gather (+ prefetch the previous
 unit)  ->  backward  ->  post-backward (the inputs' gradients exist): free (Note [post-backward] in
 ``autograd_hooks.py``).  Communication: two all-gathers and one reduce-scatter of every parameter, 3Ψ(N-1)/N per
-rank.
-
-Note [forward order]
-Prefetching needs to know which unit runs next. Until the first backward ends, the order of first pre-forward calls
-is recorded (forward prefetches along it) and so is the order of first post-forward calls: backward runs roughly in
-reverse of the latter (the root unit finishes its forward last and starts backward first), so backward prefetches
-along that reversed order, skipping units autograd will not reach. Every rank records the same order once units
-whose use depends on the data are merged (Note [data-dependent units] in ``divergence.py``); nothing is prefetched
-before the order is known.
+rank. Prefetching follows the order of the previous passes (Note [forward order] in ``unit_order.py``).
 
 Note [placeholders under compile]
 ``torch.compile`` traces a module's forward hooks with it, and would compile the gather (whose collectives and
@@ -33,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
+from itertools import islice
 from typing import Any
 
 import torch
@@ -57,7 +50,8 @@ from lightning_zero.stage3.autograd_hooks import (
 from lightning_zero.stage3.divergence import NOTHING, RankDivergenceError, UnitExchange
 from lightning_zero.stage3.gathered_buffers import GatheredBuffers
 from lightning_zero.stage3.outside_step import OutsideStep
-from lightning_zero.stage3.sharded_unit import ShardedUnit, UnitState
+from lightning_zero.stage3.sharded_unit import LiveNumel, ShardedUnit, UnitState
+from lightning_zero.stage3.unit_order import UnitOrder
 
 __all__ = ["ParameterGatherer", "RankDivergenceError"]
 
@@ -100,8 +94,8 @@ class ParameterGatherer(OutsideStep):
         """Whether the unit's last forward hooked an input that requires grad, or made a tensor require grad that is
         no parameter: either way it is not freed when its gradients arrive (Note [post-backward])."""
         self._depth = {u.index: 0 for u in units}  # nested forward calls of the same unit
-        self._forward_order: list[int] = []  # Note [forward order]
-        self._finish_order: list[int] = []
+        self._forward_order = UnitOrder()  # Note [forward order]
+        self._finish_order = UnitOrder(reverse=True)  # backward's: the reverse of the order forwards finish in
         self._order_frozen = False
         self._backward_callback_queued = False
         self.buffers = GatheredBuffers(device)
@@ -123,6 +117,11 @@ class ParameterGatherer(OutsideStep):
         self._post_backwards = PostBackwardCounts(u.index for u in units)
         self._freed_by_arrivals: set[int] = set()
         """Units freed in this backward when their gradients arrived: still counted as live by the prefetch limit."""
+        self._live = LiveNumel()  # what the prefetch limit counts, kept up to date by the units themselves
+        for unit in units:
+            assert unit.state is UnitState.SHARDED, unit
+            unit.live = self._live
+        self._single_arrivals: dict[int, bool] = {}
         self._handles: list[RemovableHandle] = []
         for unit in units:
             pre_hook = partial(self._pre_forward_hook, unit)
@@ -196,8 +195,8 @@ class ParameterGatherer(OutsideStep):
         self._depth[unit.index] += 1
         if self._depth[unit.index] > 1:
             return
-        if not self._order_frozen and unit.index not in self._forward_order:
-            self._forward_order.append(unit.index)  # Note [forward order]
+        if not self._order_frozen:
+            self._forward_order.record(unit.index)  # Note [forward order]
         self._gather(unit)
         self._wait(unit)
         self._prefetch(unit, self._forward_order)
@@ -208,15 +207,17 @@ class ParameterGatherer(OutsideStep):
         self._depth[unit.index] -= 1
         if self._depth[unit.index] > 0:
             return
-        if not self._order_frozen and unit.index not in self._finish_order:
-            self._finish_order.insert(0, unit.index)  # reversed: the backward order
+        if not self._order_frozen:
+            self._finish_order.record(unit.index)
         differentiated = False
         if torch.is_grad_enabled():
             tensors = [t for t in tensors_in(output) if t.requires_grad]
             if tensors:
                 members = (unit, *self._children[unit.index])
                 frees_on_arrivals = any(m.trainable_buckets for m in members) and not self._inputs_hooked[unit.index]
-                if frees_on_arrivals and not only_parameters_reached(tensors):
+                # The root's graph is the whole model's, not walked at every step: the root is freed at the end of
+                # backward, as FSDP2 frees its root (Note [post-backward]).
+                if frees_on_arrivals and (unit.index == 0 or not only_parameters_reached(tensors)):
                     self._inputs_hooked[unit.index] = True  # freed at the end of backward (Note [post-backward])
                 torch.autograd.graph.register_multi_grad_hook(tensors, partial(self._pre_backward, unit), mode="any")
                 self._reached_in_backward.add(unit.index)
@@ -264,8 +265,13 @@ class ParameterGatherer(OutsideStep):
         """Whether every rank knows that each parameter of ``unit`` gets its gradient in one reentrant segment's
         backward (learned in the first backward, maxed over ranks: Note [final gradients])."""
         arrivals = self.reducer.arrivals
-        positions = (arrivals.position(b.index, i) for b in unit.trainable_buckets for i in range(len(b.params)))
-        return not arrivals.learning and all(arrivals.expected[p] == 1 for p in positions)
+        if arrivals.learning:
+            return False
+        single = self._single_arrivals.get(unit.index)
+        if single is None:  # fixed once learned
+            positions = (arrivals.position(b.index, i) for b in unit.trainable_buckets for i in range(len(b.params)))
+            single = self._single_arrivals[unit.index] = all(arrivals.expected[p] == 1 for p in positions)
+        return single
 
     def _on_bucket_complete(self, bucket: FlatBucket) -> None:
         member = self._unit_of_bucket.get(id(bucket))
@@ -285,12 +291,15 @@ class ParameterGatherer(OutsideStep):
             and not in_nested_backward()
         ):
             self._freed_by_arrivals.add(unit.index)  # Note [one order of collectives]
+            unit.count_while_sharded(True)
             self._release(unit, reuse=self._reused_soon(unit, self._finish_order))
 
     def _on_backward_end(self) -> None:
         self._backward_callback_queued = False
         self._reached_in_backward.clear()
         self._post_backwards.reset()
+        for index in self._freed_by_arrivals:
+            self.units[index].count_while_sharded(False)
         self._freed_by_arrivals.clear()
         self._end_of_pass()
         self._order_frozen = True
@@ -348,8 +357,8 @@ class ParameterGatherer(OutsideStep):
             self.gather_group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
             self.exchange.group = self.gather_group
         if merged:
-            self._forward_order = [i for i in self._forward_order if i not in self.exchange.merged_into]
-            self._finish_order = [i for i in self._finish_order if i not in self.exchange.merged_into]
+            self._forward_order.remove(self.exchange.merged_into.keys())
+            self._finish_order.remove(self.exchange.merged_into.keys())
 
     def _wait(self, unit: ShardedUnit) -> None:
         if self._checks_later:
@@ -366,17 +375,15 @@ class ParameterGatherer(OutsideStep):
         for member in (unit, *self._children[unit.index]):
             member.release(keep_in)
 
-    def _reused_soon(self, unit: ShardedUnit, order: list[int]) -> bool:
+    def _reused_soon(self, unit: ShardedUnit, order: UnitOrder) -> bool:
         """Whether a unit a few places after ``unit`` in this pass's ``order``, not gathered yet, has a bucket of
         the byte size of one of ``unit``'s: its gather would take the memory ``unit`` releases (Note [gathered
         buffers reused]). Looks no further than prefetching reaches, so kept memory is taken almost at once."""
         if not self.buffers.enabled or not self._order_frozen or unit.index not in order:
             return False
-        following = order[order.index(unit.index) + 1 :]
-        if _in_backward():  # only the units autograd will reach are gathered
-            following = [i for i in following if i in self._reached_in_backward]
+        only = self._reached_in_backward if _in_backward() else None  # only the units autograd will reach
         mine = {b.full_nbytes for m in (unit, *self._children[unit.index]) for b in m.buckets}
-        for index in following[:2]:
+        for index in islice(order.following(unit.index, only), 2):
             later = self.units[index]
             if later.state is UnitState.SHARDED and any(
                 b.full_nbytes in mine for m in (later, *self._children[index]) for b in m.buckets
@@ -384,25 +391,20 @@ class ParameterGatherer(OutsideStep):
                 return True
         return False
 
-    def _prefetch(self, unit: ShardedUnit, order: list[int], only: set[int] | None = None) -> None:
+    def _prefetch(self, unit: ShardedUnit, order: UnitOrder, only: set[int] | None = None) -> None:
         """Issue the gather of the unit after ``unit`` in ``order`` if the live-elements limit allows; in backward,
         the next unit autograd will reach (``only``): a frozen unit it never reaches is not gathered at all."""
         limit = self.config.prefetch_limit_numel
-        if limit == 0 or unit.index not in order or (self._rounds and not self._order_frozen):
+        if limit == 0 or (self._rounds and not self._order_frozen):
             return
-        following = order[order.index(unit.index) + 1 :]
-        if only is not None:
-            following = [i for i in following if i in only]
-        if not following:
+        following = next(order.following(unit.index, only), None)
+        if following is None:
             return
-        target = self.units[following[0]]
+        target = self.units[following]
         if target.state is not UnitState.SHARDED:
             return
         # Rank-independent (Note [one order of collectives]): a unit freed when its gradients arrived still counts.
-        live = sum(
-            u.numel for u in self.units if u.state is not UnitState.SHARDED or u.index in self._freed_by_arrivals
-        )
-        if limit is None or live + target.numel <= limit:
+        if limit is None or self._live.numel + target.numel <= limit:
             self._gather(target, prefetch=True)
 
     def remove_hooks(self) -> None:
