@@ -3,6 +3,8 @@
 - ``wrap_policy``: which modules become gather units, and which unit owns each (possibly tied) parameter.
 - ``sharded_unit``: ``ShardedUnit``, one unit's buckets and their ``SHARDED / GATHERING / GATHERED`` lifecycle.
 - ``parameter_gatherer``: ``ParameterGatherer``, the module and autograd hooks that gather, free and prefetch units.
+- ``unit_backward``: ``UnitBackward``, the gatherer's backward: gather at a unit's first output gradient, free after.
+- ``unit_order``: ``UnitOrder``, the order a pass uses the units in, for prefetching.
 - ``outside_step``: ``OutsideStep``, full parameters gathered outside forward and backward, and refreshed after.
 - ``sharded_init``: meta-device models materialized, initialized and sharded one unit at a time.
 - ``secondary_shard``: how a unit's buckets are all-gathered: plainly, or ZeRO++'s way (qwZ, hpZ).

@@ -35,10 +35,9 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.comm.collectives import ProcessGroup
 from lightning_zero.comm.ledger import CommLedger
-from lightning_zero.compat import current_graph_task_id, queue_autograd_callback
+from lightning_zero.compat import current_graph_task_id
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.flat_bucket import FlatBucket
-from lightning_zero.sharding.gradient_arrivals import in_nested_backward
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
 from lightning_zero.stage3.autograd_hooks import (
     PostBackwardCounts,
@@ -51,6 +50,7 @@ from lightning_zero.stage3.divergence import NOTHING, RankDivergenceError, UnitE
 from lightning_zero.stage3.gathered_buffers import GatheredBuffers
 from lightning_zero.stage3.outside_step import OutsideStep
 from lightning_zero.stage3.sharded_unit import LiveNumel, ShardedUnit, UnitState
+from lightning_zero.stage3.unit_backward import UnitBackward
 from lightning_zero.stage3.unit_order import UnitOrder
 
 __all__ = ["ParameterGatherer", "RankDivergenceError"]
@@ -60,9 +60,10 @@ def _in_backward() -> bool:
     return current_graph_task_id() != -1
 
 
-class ParameterGatherer(OutsideStep):
+class ParameterGatherer(OutsideStep, UnitBackward):
     """Owns the stage-3 units of one model, the resident (persistent) buckets, and the gradient reducer over both;
-    gathers outside a step through ``OutsideStep`` (``outside_step.py``)."""
+    gathers in backward through ``UnitBackward`` (``unit_backward.py``) and outside a step through ``OutsideStep``
+    (``outside_step.py``)."""
 
     def __init__(
         self,
@@ -232,79 +233,6 @@ class ParameterGatherer(OutsideStep):
             # that only read some weights) is freed now rather than held until the next backward or step.
             self.release_all(keep=unit if keep else None)
             self.buffers.clear()  # Note [gathered buffers reused]
-
-    # -- backward -------------------------------------------------------------------------------------------------
-    @torch.compiler.disable  # Note [placeholders under compile]
-    def _pre_backward(self, unit: ShardedUnit, grad: Any) -> None:
-        unit = self._owner(unit)
-        if not self._backward_callback_queued:
-            queue_autograd_callback(self._on_backward_end)
-            self._backward_callback_queued = True
-            self.reducer.queue_flush()  # after ours: rounds end before the last reductions (Note [bucket flush])
-            self._remaining = {u.index: len(u.trainable_buckets) for u in self.units}
-        # Autograd is about to run this use of the unit: its parameters are needed, even if its own gradients are
-        # complete (a unit called several times still computes input gradients for every call).
-        self._gather(unit)
-        self._wait(unit)
-        self._prefetch(unit, self._finish_order, only=self._reached_in_backward)
-
-    @torch.compiler.disable  # Note [placeholders under compile]
-    def _post_backward(self, unit: ShardedUnit, where: Registration) -> None:
-        if self._owner(unit) is not unit:
-            return
-        # The units merged into this one are done too, used or not: their gradients go out now.
-        done = [b for child in self._children[unit.index] for b in child.trainable_buckets]
-        last = self._post_backwards.ran(unit.index, where)
-        if last and (where is Registration.FORWARD or self._single_arrival(unit)):
-            done = unit.trainable_buckets + done  # Note [one order of collectives]: this unit's backward is over
-        self.reducer.complete(done)
-        if self._depth[unit.index] == 0:  # Note [post-backward]
-            self._release(unit, reuse=self._reused_soon(unit, self._finish_order))
-
-    def _single_arrival(self, unit: ShardedUnit) -> bool:
-        """Whether every rank knows that each parameter of ``unit`` gets its gradient in one reentrant segment's
-        backward (learned in the first backward, maxed over ranks: Note [final gradients])."""
-        arrivals = self.reducer.arrivals
-        if arrivals.learning:
-            return False
-        single = self._single_arrivals.get(unit.index)
-        if single is None:  # fixed once learned
-            positions = (arrivals.position(b.index, i) for b in unit.trainable_buckets for i in range(len(b.params)))
-            single = self._single_arrivals[unit.index] = all(arrivals.expected[p] == 1 for p in positions)
-        return single
-
-    def _on_bucket_complete(self, bucket: FlatBucket) -> None:
-        member = self._unit_of_bucket.get(id(bucket))
-        if member is None:  # a resident bucket
-            return
-        self._remaining[member.index] -= 1
-        unit = self._owner(member)
-        if any(self._remaining[m.index] for m in self._children[unit.index]):
-            return
-        # A unit whose inputs need no gradient is done once its own gradients are (Note [post-backward]); any other
-        # unit waits for its post-backward, since computing its input gradient still reads its parameters. Not in a
-        # reentrant segment's backward: that one goes on to its segment's input gradient, reading them too.
-        if (
-            self._remaining[unit.index] == 0
-            and self._depth[unit.index] == 0
-            and not self._inputs_hooked[unit.index]
-            and not in_nested_backward()
-        ):
-            self._freed_by_arrivals.add(unit.index)  # Note [one order of collectives]
-            unit.count_while_sharded(True)
-            self._release(unit, reuse=self._reused_soon(unit, self._finish_order))
-
-    def _on_backward_end(self) -> None:
-        self._backward_callback_queued = False
-        self._reached_in_backward.clear()
-        self._post_backwards.reset()
-        for index in self._freed_by_arrivals:
-            self.units[index].count_while_sharded(False)
-        self._freed_by_arrivals.clear()
-        self._end_of_pass()
-        self._order_frozen = True
-        self.release_all()
-        self.buffers.clear()  # Note [gathered buffers reused]
 
     # -- gathering --------------------------------------------------------------------------------------------------
     def _gather(self, unit: ShardedUnit, prefetch: bool = False, exact: bool = False) -> None:
