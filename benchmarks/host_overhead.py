@@ -6,8 +6,10 @@
 
 The real step (forward, backward, optimizer step) of a GPT of many small blocks (``--layers``, width ``--width``,
 batch 2 x 32 tokens: the matmuls take microseconds, so a step is mostly the framework's own Python), timed per phase
-with ``time.perf_counter`` and divided by the number of units (the blocks and the root), in three variants built on
-the same group:
+and divided by the number of units (the blocks and the root), in three variants built on the same group. The clock
+is the stepping thread's CPU time (``--clock cpu``, the default): on a machine shared with other jobs the wall time
+of a step swings by 2-3x from one round to the next, its CPU time much less, and under the fake group all of a step
+is this thread's CPU work (``--clock wall`` for wall time, which on gloo includes waiting for the peer).
 
 - ``zero3``: ours, ``shard_module`` + ``ZeroOptimizer(AdamW)`` with the GPU's defaults (no divergence check);
 - ``fsdp2``: torch's ``fully_shard`` on every block and on the root, ``AdamW`` over its DTensor parameters;
@@ -16,9 +18,11 @@ the same group:
 
 World sizes (``--sizes``, default 1, 8, 64, 1024) are simulated in one process with torch's fake process group
 (``torch.testing._internal.distributed.fake_pg``): a world of the largest size, and a group of the first N ranks for
-each smaller one. Collectives complete at once without moving data (gathered parameters hold whatever the memory
-held: the figures are times, the numbers computed are meaningless; denormals are flushed so that garbage costs what
-real values cost), so what remains is each framework's host work, including whatever grows with the world size.
+each smaller one. Every ``torch.distributed`` call goes through ``CollectiveClock``, which times it (those seconds
+are reported apart, "in collective calls", and left out of the host figures), writes the same weights into every
+all-gather at every size and zeros into every reduce-scatter (the numbers computed are meaningless, the figures are
+times), and by default does not hand floating-point gathers and reduce-scatters to the fake group at all (see its
+docstring), so what remains is each framework's own host work, including whatever of it grows with the world size.
 With ``--gloo-ranks N`` the same variants run on N real gloo processes instead, where FSDP2's CPU collectives (plain
 all-gathers with copies, no pairwise forms) weigh on its side: the comparison that counts is the fake group's.
 
@@ -85,36 +89,84 @@ class CollectiveClock:
     """Seconds spent inside ``torch.distributed``'s collective calls while installed. The fake process group's own
     work there grows with the world size (its all-gather copies the input into each of the N chunks of the output;
     its reduce-scatter costs ~1 ms per call at 1024 ranks whatever the size): the simulation's cost, which NCCL's
-    launches do not have and both frameworks pay alike, so it is reported apart and left out of the host figures."""
+    launches do not have and both frameworks pay alike, so it is reported apart and left out of the host figures.
+
+    ``fill_outputs``: what the fake collectives write depends on the world size (its all-gather tiles this rank's
+    shard N times: at 1024 ranks every weight of a unit repeats its first few dozen values), and its reduce-scatter
+    writes nothing. So every all-gather output is overwritten with the same values at every size (N(0, 0.02)
+    draws, taken from one pool; integer outputs, stage 3's first-step index exchanges, stay tiled: every rank asked
+    for the same unit) and every reduce-scatter output with zeros, on this clock: both frameworks compute on the
+    same kind of weights at every size, and on finite ones.
+
+    ``skip_fake`` (the default; ``--run-fake-collectives`` turns it off): those floating-point gathers and
+    reduce-scatters are not handed to the fake group at all, only filled as above, and return a completed work.
+    Its O(N) work per call is left out of the figures either way, but it still slows what runs after it (a step's
+    layer norms took 2.3x their time at 1024 ranks, the same code on the same values: caches and allocator state
+    disturbed by 1024 small copies per call), which the figures would wrongly charge to the framework."""
 
     def __init__(self) -> None:
+        self.skip_fake = False
         self.seconds = 0.0
         self._originals: dict[str, Callable[..., Any]] = {}
+        self._pool = torch.empty(0)
 
-    def install(self) -> None:
+    def install(self, fill_outputs: bool = False) -> None:
         for name in _COLLECTIVES:
             original = getattr(dist, name)
             self._originals[name] = original
-            setattr(dist, name, self._timed(original))
+            fill = None
+            if fill_outputs and name.startswith("reduce_scatter"):
+                fill = torch.Tensor.zero_
+            elif fill_outputs and name.startswith("all_gather"):
+                fill = self._weights
+            setattr(dist, name, self._timed(original, fill))
+
+    def _weights(self, output: torch.Tensor) -> None:
+        if not output.is_floating_point():  # stage 3's first-step index exchanges: every rank the same, as tiled
+            return
+        if self._pool.numel() < output.numel():
+            self._pool = torch.randn(output.numel(), generator=torch.Generator().manual_seed(0)) * 0.02
+        output.view(-1).copy_(self._pool[: output.numel()])
 
     def uninstall(self) -> None:
         for name, original in self._originals.items():
             setattr(dist, name, original)
         self._originals.clear()
 
-    def _timed(self, function: Callable[..., Any]) -> Callable[..., Any]:
+    def _timed(self, function: Callable[..., Any], fill: Callable[[torch.Tensor], Any] | None) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start = now()
             try:
-                return function(*args, **kwargs)
+                output = (args[0] if args else kwargs["output"]) if fill is not None else None
+                if output is not None and output.is_floating_point() and self.skip_fake:
+                    fill(output)
+                    return _done() if kwargs.get("async_op") else None
+                work = function(*args, **kwargs)
+                if fill is not None:
+                    fill(output)
+                return work
             finally:
-                self.seconds += time.perf_counter() - start
+                self.seconds += now() - start
 
         timed.__name__ = function.__name__  # the ledger names the op it was handed
         return timed
 
 
+def _done() -> dist.Work:
+    future: torch.futures.Future[None] = torch.futures.Future()
+    future.set_result(None)
+    return torch._C._distributed_c10d._create_work_from_future(future)
+
+
 CLOCK = CollectiveClock()
+CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.thread_time, "wall": time.perf_counter}
+now = CLOCKS["cpu"]
+"""The clock every figure is read from (``--clock``, ``use_clock``)."""
+
+
+def use_clock(name: str) -> None:
+    global now
+    now = CLOCKS[name]
 
 
 @dataclass
@@ -137,13 +189,13 @@ def _timed(
     forward: Callable[[], torch.Tensor], step: Callable[[], None]
 ) -> Callable[[], tuple[float, float, float, float]]:
     def run() -> tuple[float, float, float, float]:
-        marks = [(time.perf_counter(), CLOCK.seconds)]
+        marks = [(now(), CLOCK.seconds)]
         loss = forward()
-        marks.append((time.perf_counter(), CLOCK.seconds))
+        marks.append((now(), CLOCK.seconds))
         loss.backward()
-        marks.append((time.perf_counter(), CLOCK.seconds))
+        marks.append((now(), CLOCK.seconds))
         step()
-        marks.append((time.perf_counter(), CLOCK.seconds))
+        marks.append((now(), CLOCK.seconds))
         phases = [(t1 - t0) - (c1 - c0) for (t0, c0), (t1, c1) in itertools.pairwise(marks)]
         return phases[0], phases[1], phases[2], marks[-1][1] - marks[0][1]
 
@@ -253,7 +305,7 @@ def simulated(sizes: list[int], variants: list[str], layers: int, width: int, ro
     torch.set_flush_denormal(True)
     world = max(sizes)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    CLOCK.install()
+    CLOCK.install(fill_outputs=True)
     try:
         steppers = []
         for size in sizes:
@@ -268,8 +320,9 @@ def simulated(sizes: list[int], variants: list[str], layers: int, width: int, ro
 
 
 def _gloo_rank(
-    rank: int, world_size: int, variants: list[str], layers: int, width: int, rounds: int, steps: int
+    rank: int, world_size: int, variants: list[str], layers: int, width: int, rounds: int, steps: int, clock: str
 ) -> Any:
+    use_clock(clock)  # a fresh process
     group = dist.group.WORLD
     assert group is not None
     CLOCK.install()  # on gloo the calls only post the work: waiting for peers is in the phases
@@ -292,11 +345,12 @@ def profile(path: str, size: int, layers: int, width: int, steps: int) -> None:
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    CLOCK.install(fill_outputs=True)
     try:
         group = dist.group.WORLD
         assert group is not None
         stepper = build("zero3", group, layers, width)
-        profiler = cProfile.Profile()
+        profiler = cProfile.Profile(now)  # the chosen clock (--clock)
         profiler.enable()
         for _ in range(steps):
             stepper.step()
@@ -304,6 +358,7 @@ def profile(path: str, size: int, layers: int, width: int, steps: int) -> None:
         profiler.dump_stats(path)
         print(f"wrote {path}: `python -m pstats {path}`, then `sort tottime`, `stats 30`")
     finally:
+        CLOCK.uninstall()
         dist.destroy_process_group()
 
 
@@ -316,21 +371,28 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3, help="steps per (size, variant) per round; the fastest counts")
     parser.add_argument("--gloo-ranks", type=int, default=0, help="run on this many gloo processes instead")
+    parser.add_argument(
+        "--run-fake-collectives", action="store_true", help="hand gathers and reduce-scatters to the fake group too"
+    )
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="cpu", help="the thread's CPU time, or wall time")
     parser.add_argument("--profile", default=None, help="cProfile ours at the largest size into this file")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    use_clock(args.clock)
+    CLOCK.skip_fake = not args.run_fake_collectives
     if args.profile:
         profile(args.profile, max(args.sizes), args.layers, args.width, args.steps)
         return
     load_before = os.getloadavg()
     if args.gloo_ranks:
-        run = run_ranks(_gloo_rank, args.gloo_ranks, (args.variants, args.layers, args.width, args.rounds, args.steps))
+        shape = (args.variants, args.layers, args.width, args.rounds, args.steps, args.clock)
+        run = run_ranks(_gloo_rank, args.gloo_ranks, shape)
         records, shapes = run.results[0]
         steppers = [Stepper(name, world, units, lambda: (0.0, 0.0, 0.0, 0.0)) for name, world, units in shapes]
-        title = f"{args.gloo_ranks} gloo processes"
+        title = f"{args.gloo_ranks} gloo processes, {args.clock} time"
     else:
         records, steppers = simulated(args.sizes, args.variants, args.layers, args.width, args.rounds, args.steps)
-        title = f"fake process group, worlds {args.sizes}"
+        title = f"fake process group, worlds {args.sizes}, {args.clock} time"
     summary = summarize(records, steppers)
     print_tables(summary, f"{title}, GPT of {args.layers} blocks (width {args.width}), {args.layers + 1} units")
     load_after = os.getloadavg()
