@@ -21,7 +21,9 @@ SECTIONS = [
     "gpu_tests",
     "host_syncs",
     "gpt_stage3_vs_fsdp2",
+    "full_save_nccl",
     "offload_largest_model",
+    "offload_speed",
     "gpt_throughput",
 ]
 
@@ -60,6 +62,7 @@ def test_dry_run_reports_every_section_and_goes_on_after_a_failing_one(tmp_path)
         runs = throughput[group]
         assert all(runs[v]["tokens_per_s"] > 0 for v in variants), runs
     assert set(sections["gpt_stage3_vs_fsdp2"]["result"]["runs"]) == {"zero3", "fsdp2"}
+    assert len(sections["full_save_nccl"]["result"]["per_rank"]) == 2  # the dry run: two gloo ranks
     largest = sections["offload_largest_model"]["result"]["largest_trained_parameters"]
     assert all(largest.values()), largest
     markdown = (tmp_path / "summary.md").read_text()

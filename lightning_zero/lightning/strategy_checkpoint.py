@@ -39,6 +39,7 @@ from lightning_zero.checkpoint.sharded_checkpoint import (
     sharded_model_state,
     sharded_optimizer_state,
 )
+from lightning_zero.compat import MockOptimizer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.lightning.strategy_processes import ProcessPerDevice
 from lightning_zero.offload.memory_tiers import MemoryTiers
@@ -79,15 +80,25 @@ class ShardedCheckpointing(ProcessPerDevice):
         """This rank's memory tiers (``ZeroConfig.offload_*``), or None."""
         return self._tiers
 
+    def settle_optimizers(self) -> None:
+        """Publish a delayed update still in flight (Note [delayed parameter update] in ``offload/host_steps.py``):
+        what is saved, loaded or swapped is the state after every step taken. Collective."""
+        for optimizer in iter_zero_optimizers(self.optimizers):
+            optimizer.settle()
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
+        self.settle_optimizers()
         zero_optimizers = list(iter_zero_optimizers(self.optimizers))
         exclude_frozen = self.config.exclude_frozen_parameters
         return sharded_model_state(self.lightning_module, zero_optimizers, self._gatherer, self._tiers, exclude_frozen)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, MockOptimizer):  # no optimizer: a checkpoint holds no optimizer state
+            return {}
+        self.settle_optimizers()
         zero_optimizers = list(iter_zero_optimizers(self.optimizers))
         index = zero_optimizers.index(as_zero_optimizer(optimizer))
         return sharded_optimizer_state(zero_optimizers, index, self._tiers)
@@ -100,6 +111,8 @@ class ShardedCheckpointing(ProcessPerDevice):
                 f"ZeroStrategy.save_checkpoint(storage_options={storage_options!r}) is not supported: sharded "
                 "checkpoints are written by every rank, not through a CheckpointIO plugin. HINT: drop storage_options."
             )
+        if any(isinstance(o, MockOptimizer) for o in self.optimizers) and "optimizer_states" in checkpoint:
+            checkpoint["optimizer_states"] = []  # trained without an optimizer: nothing to save or restore
         saved_with = {"world_size": self.world_size, "stage": self.config.stage}
         if self.config.exclude_frozen_parameters:  # Note [frozen base restored from its source]
             assert self.lightning_module is not None
@@ -134,6 +147,7 @@ class ShardedCheckpointing(ProcessPerDevice):
         """
         module = self.lightning_module
         assert module is not None
+        self.settle_optimizers()
         state = load_checkpoint(
             self.broadcast(checkpoint_path),
             module,
@@ -279,4 +293,5 @@ def as_zero_optimizer(optimizer: Any) -> ZeroOptimizer:
 
 
 def iter_zero_optimizers(optimizers: list[Optimizer]) -> Iterator[ZeroOptimizer]:
-    return (as_zero_optimizer(o) for o in optimizers)
+    """The strategy's optimizers, none when ``configure_optimizers`` returned None (Lightning's stand-in)."""
+    return (as_zero_optimizer(o) for o in optimizers if not isinstance(o, MockOptimizer))

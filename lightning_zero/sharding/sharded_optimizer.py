@@ -54,6 +54,7 @@ from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.compat import non_finite_check_and_unscale_
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding import gradient_clipping
+from lightning_zero.sharding.activation_checkpointing import parameter_names
 from lightning_zero.sharding.flat_bucket import build_buckets
 from lightning_zero.sharding.full_grad_reducer import FullGradReducer
 from lightning_zero.sharding.gradient_presence import GradientPresence
@@ -78,7 +79,7 @@ from lightning_zero.sharding.param_groups import (
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
 from lightning_zero.sharding.sharded_parameters import ShardedParameters as ShardedParameters  # re-exported
 from lightning_zero.sharding.state_tiers import StateTiers
-from lightning_zero.sharding.step_chunks import StepChunk, build_step_chunks, step_in_chunks
+from lightning_zero.sharding.step_chunks import StepChunk, build_step_chunks, publish_in_flight, step_in_chunks
 
 # Stages compose by choosing where gradients live; everything else is shared. (Stage 3 adds parameter gathering on
 # top of stage 2's reducer, built with the sharded model.)
@@ -307,6 +308,14 @@ class ZeroOptimizer(Optimizer):
         self.ledger.end_step()
         return loss
 
+    def settle(self) -> None:
+        """Publish the tiers' delayed update still in flight, if any (Note [delayed parameter update] in
+        ``offload/host_steps.py``): afterwards parameters, masters and optimizer state are those after every step
+        taken. Collective: every rank calls it at the same point."""
+        if self.tiers is not None and self.tiers.in_flight():
+            publish_in_flight(self._step_chunks, self.tiers, self.ledger, self.group)
+            self.tiers.end_step()
+
     def _end_of_step(self) -> None:
         self.reducer.consume(self.gradient_owner)  # Note [gradients of several optimizers]
         self._forget_gradients()
@@ -319,7 +328,7 @@ class ZeroOptimizer(Optimizer):
         changed = next((p for p, trainable in self._requires_grad if p.requires_grad != trainable), None)
         if changed is None:
             return
-        name = next(n for n, p in self.module.named_parameters() if p is changed)
+        name = parameter_names(self.module)[id(changed)]
         was, now = ("frozen", "trainable") if changed.requires_grad else ("trainable", "frozen")
         raise RuntimeError(
             f"Parameter {name!r} was {was} when ZeroOptimizer sharded {type(self.optimizer).__name__} and is {now} "
@@ -370,6 +379,7 @@ class ZeroOptimizer(Optimizer):
         a tier have no memory between uses, Note [tiered step]). Checkpoints do not call this: they stream."""
         if self.tiers is None:
             return state_dict_with_hooks(self, self.optimizer)
+        self.settle()
         self.tiers.load_all()
         try:
             state_dict = state_dict_with_hooks(self, self.optimizer)
@@ -382,6 +392,7 @@ class ZeroOptimizer(Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.settle()
         load_state_dict_with_hooks(self, self.optimizer, state_dict)
         # torch replaces the group dicts on load: point the user-facing views at the new ones.
         self._views = [
