@@ -54,8 +54,8 @@ def test_dry_run_reports_every_section_and_goes_on_after_a_failing_one(tmp_path)
     assert sections["environment"]["result"]["hydra_imported_by_lightning_zero"] == []
     syncs = sections["host_syncs"]["result"]["runs"]
     assert syncs["stage1 32-true"]["syncs_per_step"] == 0, syncs  # the README's budget, counted on the CPU
-    assert syncs["stage3 bf16-mixed"]["syncs_per_step"] == 0, syncs
-    assert syncs["stage3 16-mixed"]["syncs_per_step"] == 1, syncs  # the overflow check
+    assert syncs["stage3 bf16-mixed"]["syncs_per_step"] == 1, syncs  # the edit check of the separate masters
+    assert syncs["stage3 16-mixed"]["syncs_per_step"] == 2, syncs  # and the overflow check
     throughput = sections["gpt_throughput"]["result"]
     for group, variants in (("tiny eager", ("unsharded", "ddp", "zero1", "zero2", "zero3", "fsdp2")),
                             ("tiny compiled", ("zero3", "fsdp2"))):  # fmt: skip
@@ -65,6 +65,11 @@ def test_dry_run_reports_every_section_and_goes_on_after_a_failing_one(tmp_path)
     assert len(sections["full_save_nccl"]["result"]["per_rank"]) == 2  # the dry run: two gloo ranks
     largest = sections["offload_largest_model"]["result"]["largest_trained_parameters"]
     assert all(largest.values()), largest
+    speed = sections["offload_speed"]["result"]["runs"]  # every mode, each trained or skipped for time
+    assert {(r["overlap"], r["batch"]) for r in speed} == {
+        (m, b) for m in ("exact", "delayed", "disk_moments") for b in (1, 8)
+    }
+    assert all(r.get("trained") or "skipped" in r for r in speed), speed
     markdown = (tmp_path / "summary.md").read_text()
     assert all(f"| {name} |" in markdown for name in SECTIONS)
     print(f"dry run: {seconds:.1f} s")
