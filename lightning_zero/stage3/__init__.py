@@ -3,6 +3,8 @@
 - ``wrap_policy``: which modules become gather units, and which unit owns each (possibly tied) parameter.
 - ``sharded_unit``: ``ShardedUnit``, one unit's buckets and their ``SHARDED / GATHERING / GATHERED`` lifecycle.
 - ``parameter_gatherer``: ``ParameterGatherer``, the module and autograd hooks that gather, free and prefetch units.
+- ``unit_backward``: ``UnitBackward``, the gatherer's backward: gather at a unit's first output gradient, free after.
+- ``unit_order``: ``UnitOrder``, the order a pass uses the units in, for prefetching.
 - ``outside_step``: ``OutsideStep``, full parameters gathered outside forward and backward, and refreshed after.
 - ``one_rank_calls``: ``OneRankCalls``, calls outside a step met in the store; a lone caller served by the others.
 - ``sharded_init``: meta-device models materialized, initialized and sharded one unit at a time.
