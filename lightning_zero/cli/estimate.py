@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -41,12 +40,8 @@ from lightning_zero.cli.estimate_tables import (
     GATHER_FORWARD,
     GATHER_PERSISTENT,
     REDUCE_SCATTER,
-    format_estimates,
-    format_tiers,
-    format_traffic,
-    format_units,
+    print_report,
 )
-from lightning_zero.cli.estimate_zeropp import format_zeropp
 from lightning_zero.config import ZeroConfig
 from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes
 from lightning_zero.models.lightning_gpt import LitGPT
@@ -59,7 +54,6 @@ Precision = Literal["bf16", "fp16", "fp32"]
 PARAM_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 RANK = 0  # Note [estimate for rank 0]
 DEFAULT_CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-WIDTH = 118  # prose lines; the tables are as wide as they need
 
 # The collectives of each stage's optimizer step, in the order the traffic table lists them.
 STAGE_COLLECTIVES = {
@@ -271,13 +265,6 @@ def _stage3(
     return StageEstimate(3, state, _formula(num_params, n, 3, p), traffic, len(every), padding, tuple(units))
 
 
-def _tier_settings(args: argparse.Namespace) -> str:
-    return (
-        f"offload_optimizer = {args.offload_optimizer}, offload_params = {args.offload_params} (stage 3 only), "
-        f"offload_ratio = {args.offload_ratio:g}"
-    )
-
-
 def _parse_count(text: str) -> int:
     try:
         value = float(text)
@@ -297,7 +284,9 @@ def _parser() -> argparse.ArgumentParser:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=_parse_count, help="number of parameters Ψ, e.g. 7.5e9 (the formula)")
     what.add_argument("--model", help="a config name from conf/model/, e.g. gpt7b (the strategy's own layout)")
-    parser.add_argument("--gpus", type=_parse_count, required=True, help="data-parallel ranks N")
+    parser.add_argument(
+        "--gpus", type=_parse_count, nargs="+", required=True, help="data-parallel ranks N (several: a report each)"
+    )
     parser.add_argument(
         "--precision", choices=sorted(PARAM_BYTES), default="bf16", help="parameters and gradients (default: bf16)"
     )
@@ -324,62 +313,51 @@ def _parser() -> argparse.ArgumentParser:
         )
     parser.add_argument("--offload-ratio", type=float, default=1.0, help="ZeroConfig.offload_ratio")
     parser.add_argument("--config-dir", type=Path, default=DEFAULT_CONF_DIR, help="the conf/ directory")
-    parser.add_argument("--plot", type=Path, default=None, help="also write a PNG bar chart (needs matplotlib)")
+    plot_help = (
+        "also write a PNG of each stage's model state per rank by memory tier (none, host, disk; --offload-ratio "
+        "applies), a panel per --gpus value (needs matplotlib)"
+    )
+    parser.add_argument("--plot", type=Path, default=None, metavar="FILE", help=plot_help)
     return parser
+
+
+def _estimates(args: argparse.Namespace, n: int, precisions: Precisions) -> tuple[str, int, list[StageEstimate]]:
+    """The title, Ψ and every stage's estimate for ``n`` ranks (a fresh meta model each time: a layout uses it up)."""
+    if args.model is None:
+        return f"Ψ = {args.params:,} parameters", args.params, paper_estimates(args.params, n, precisions)
+    module = load_model(args.model, args.config_dir)
+    optimizer = build_on_meta(module)
+    num_params = sum(t.numel() for t in module.parameters())
+    estimates = layout_estimates(module, optimizer, n, precisions, _layout_config(args))
+    return f"{args.model}: Ψ = {num_params:,} parameters", num_params, estimates
+
+
+def _layout_config(args: argparse.Namespace) -> ZeroConfig:
+    classes = None if args.wrap_module_classes is None else tuple(args.wrap_module_classes)
+    sizes = {f: getattr(args, f) for f in ("bucket_numel", "wrap_min_numel", "persistence_threshold")}
+    return ZeroConfig(stage=3, wrap_module_classes=classes, **sizes)
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    n = args.gpus
-    try:
-        precisions = Precisions.of(args.precision, args.optimizer_bytes)
-        if args.model is None:
-            num_params = args.params
-            estimates = paper_estimates(num_params, n, precisions)
-            title = f"Ψ = {num_params:,} parameters"
-        else:
-            classes = None if args.wrap_module_classes is None else tuple(args.wrap_module_classes)
-            sizes = {f: getattr(args, f) for f in ("bucket_numel", "wrap_min_numel", "persistence_threshold")}
-            config = ZeroConfig(stage=3, wrap_module_classes=classes, **sizes)
-            module = load_model(args.model, args.config_dir)
-            optimizer = build_on_meta(module)
-            num_params = sum(t.numel() for t in module.parameters())
-            estimates = layout_estimates(module, optimizer, n, precisions, config)
-            title = f"{args.model}: Ψ = {num_params:,} parameters"
-    except (ValueError, TypeError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    exact = args.model is not None
-    intro = f"{title} on N = {n:,} ranks; {args.precision} parameters and gradients ({precisions.param} bytes), "
-    intro += f"K = {precisions.k} (fp32 masters {precisions.master} + optimizer state {precisions.optimizer}). "
-    if exact:
-        intro += (
-            f"Model state of rank 0 as the strategy lays the model out: stages 1-2 in buckets of bucket_numel = "
-            f"{config.bucket_numel:,}; stage 3 in units by wrap_module_classes = {config.wrap_module_classes}, "
-            f"wrap_min_numel = {config.wrap_min_numel:,}, persistence_threshold = {config.persistence_threshold:,}. "
-            "Padding (elements) makes each bucket split into N equal shards; rank 0 holds the formula for Ψ + padding. "
-        )
-    else:
-        intro += "Model state per rank by the ZeRO paper's formula. "
-    print(textwrap.fill(intro + "Decimal units: 1 GB = 10^9 bytes.", width=WIDTH), end="\n\n")
-    print(format_estimates(estimates, exact))
-    print("\nBytes each rank sends per step:\n")
-    print(format_traffic(estimates, exact))
-    if exact:
-        print("\n" + textwrap.fill(format_units(estimates[3], precisions.param), width=WIDTH))
-    if args.offload_optimizer != "none" or args.offload_params != "none":
-        print(f"\nModel state per rank by memory tier ({_tier_settings(args)}):\n")
-        print(format_tiers(estimates, args.offload_optimizer, args.offload_params, args.offload_ratio))
-    if args.ranks_per_node is not None:
+    panels: dict[int, list[StageEstimate]] = {}
+    for index, n in enumerate(args.gpus):
+        if index:
+            print()
         try:
-            print("\n" + format_zeropp(num_params, n, args.ranks_per_node, precisions.param))
-        except ValueError as error:
+            precisions = Precisions.of(args.precision, args.optimizer_bytes)
+            title, num_params, panels[n] = _estimates(args, n, precisions)
+        except (ValueError, TypeError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
+        config = _layout_config(args) if args.model is not None else None
+        if print_report(args, n, title, num_params, precisions, panels[n], config):
+            return 2
     if args.plot is not None:
-        from lightning_zero.lightning.report import plot_memory_by_stage
+        from lightning_zero.cli.estimate_plot import plot_memory_by_tier
 
-        bars = {("DDP" if e.stage == 0 else f"ZeRO-{e.stage}"): e.state for e in estimates}
-        plot_memory_by_stage(bars, args.plot, f"{title} on {n:,} ranks, {args.precision}, K = {precisions.k}")
+        what = f"{title.split(':')[0] if args.model else title}, {args.precision}, K = {precisions.k}"
+        heading = f"Model state per rank by stage and memory tier: {what}"
+        plot_memory_by_tier(panels, args.plot, heading, args.offload_ratio)
         print(f"\nchart written to {args.plot}")
     return 0
