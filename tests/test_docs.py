@@ -176,6 +176,19 @@ def test_the_trainer_page_names_every_config_field():
     assert named == fields, f"docs/trainer.md misses {sorted(fields - named)}, names unknown {sorted(named - fields)}"
 
 
+@pytest.mark.parametrize("page", ["README.md", "docs/trainer.md"])
+def test_the_presets_table_names_every_registered_strategy(page):
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    text = (ROOT / page).read_text()
+    table = text.split("| name | what |", 1)[1].split("\n\n", 1)[0]
+    named = {name for row in table.splitlines()[2:] for name in re.findall(r'`"(\w+)"`', row.split("|")[1])}
+    for registry in (StrategyRegistry, STRATEGY_REGISTRY):
+        registered = {name for name in registry if name.startswith("zero")}
+        assert named == registered, f"{page}: the presets table names {sorted(named)}, registered {sorted(registered)}"
+
+
 # -- links -------------------------------------------------------------------------------------------------------------
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
