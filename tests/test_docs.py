@@ -11,7 +11,6 @@ before its fence changes that (invisible on GitHub and on the site):
   ``<!-- docs-test: script, argv: 2 | 1 -->`` runs ``python train.py 2`` and then ``python train.py 1``;
 - ``<!-- docs-test: slow-script -->``: the same with ``--runslow`` (the suite's budget); compiled, and its imports
   run, without;
-- ``<!-- docs-test: continue -->``: runs in the namespace the page's previous block left;
 - ``<!-- docs-test: compile-only, <why> -->``: compiled, and its imports run, for blocks that need GPUs, a cluster
   or files a reader brings (the reason is required).
 """
@@ -37,7 +36,7 @@ DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
 MARKER = re.compile(r"<!-- docs-test: ([\w-]+)(?:, (.+?))? -->\s*\n$")
-MODES = ("run", "script", "slow-script", "continue", "compile-only")
+MODES = ("run", "script", "slow-script", "compile-only")
 
 
 @dataclass(frozen=True)
@@ -81,13 +80,20 @@ def test_the_pages_hold_python_blocks_with_known_markers():
         assert not indented, f"{page.relative_to(ROOT)}: an indented Python block would not be tested; unindent it"
 
 
+def test_the_readme_quick_starts_are_the_docs_own():
+    # One script per front door, kept word for word in both places, so the suite runs each once.
+    readme = [b for b in PYTHON if b.path.name == "README.md" and b.mode == "script"]
+    assert len(readme) == 2, [b.name for b in readme]
+    for block, page in zip(readme, ("trainer.md", "fabric.md"), strict=True):
+        assert FIRST_COPY[block.code] == block.name
+        copies = [b.name for b in PYTHON if b.code == block.code and b.path == DOCS / page]
+        assert copies, f"{block.name} differs from the quick start of docs/{page}: keep them the same"
+
+
 def _run_imports(block: Block, namespace: dict[str, object]) -> None:
     tree = ast.parse(block.code, filename=block.name)
     imports = [node for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom)]
     exec(compile(ast.Module(body=imports, type_ignores=[]), block.name, "exec"), namespace)
-
-
-_namespaces: dict[Path, dict[str, object]] = {}
 
 
 @pytest.mark.timeout(240)
@@ -109,14 +115,8 @@ def test_python_block_runs(block, tmp_path, monkeypatch, request):
             assert status == 0, f"{block.name}: python train.py {argv.strip()} exited with {status}:\n{output}"
         return
     monkeypatch.chdir(tmp_path)
-    if block.mode == "continue":
-        assert block.path in _namespaces, f"{block.name} continues a block of its page that did not run first"
-        namespace = _namespaces[block.path]
-    else:
-        namespace = {"__name__": "__docs__"}
-    _namespaces[block.path] = namespace
     with contextlib.redirect_stdout(io.StringIO()):
-        exec(code, namespace)
+        exec(code, {"__name__": "__docs__"})
 
 
 # -- the output of `estimate` shown in the docs ------------------------------------------------------------------------
