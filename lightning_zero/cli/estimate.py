@@ -2,6 +2,7 @@
 
     python -m lightning_zero estimate --params 7.5e9 --gpus 64    # the ZeRO paper's formula
     python -m lightning_zero estimate --model gpt7b --gpus 1024   # the strategy's own layout of a conf/model/ GPT
+    python -m lightning_zero estimate --model gpt7b --gpus 8 64 1024 --plot memory.png   # a report per N, a picture
 
 The first applies the ZeRO paper's formula (Ψ parameters, N ranks, K bytes of optimizer state per parameter): with
 ``--params 7.5e9 --gpus 64`` it prints the paper's example, 120.0, 31.4, 16.6 and 1.9 GB for DDP and stages 1-3.
