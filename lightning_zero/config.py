@@ -17,6 +17,7 @@ from lightning_zero.config_checks import (
     check_class_names,
     check_non_negative_int,
     check_offload,
+    check_offload_overlap,
     check_positive_int,
     check_zeropp,
 )
@@ -206,6 +207,18 @@ class ZeroConfig:
     """The fraction (0 < r <= 1) of the optimizer state (masters and moments) that ``offload_optimizer`` moves, by
     elements, bucket by bucket in step order (ZeRO-Offload++); the rest stays on the device."""
 
+    offload_overlap: Literal["exact", "delayed"] = "exact"
+    """How the host tier's step (``offload_optimizer="cpu"`` on an accelerator) meets the device's work.
+    ``"exact"``: every step's update is applied before the next forward, as without offloading. ``"delayed"``:
+    ZeRO-Offload's one-step delayed parameter update: after ``offload_overlap_warmup`` steps the host updates the
+    weights with step i's gradients while the device runs step i + 1 on the weights before that update, which hides
+    the host step behind the device's (the gradients are one step stale: ``benchmarks/README.md`` measures the loss
+    curve against the exact step). Note [delayed parameter update] in ``offload/host_steps.py``."""
+
+    offload_overlap_warmup: int = 40
+    """``offload_overlap="delayed"``: the exact steps before the first delayed one (by the ``Trainer``'s
+    ``global_step``), so that the large, fast-changing updates of early training are not applied stale."""
+
     state_dict_type: Literal["sharded", "full"] = "sharded"
     """What ``trainer.save_checkpoint`` and ``ModelCheckpoint`` write, as ``FSDPStrategy(state_dict_type=...)``.
     ``"sharded"``: a directory in which each rank writes what it owns (``checkpoint/``). ``"full"``: one Lightning
@@ -273,6 +286,7 @@ class ZeroConfig:
             )
         check_zeropp(self)
         check_offload(self)
+        check_offload_overlap(self)
 
     @property
     def uses_zeropp(self) -> bool:

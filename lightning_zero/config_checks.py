@@ -79,6 +79,29 @@ def check_offload(config: ZeroConfig) -> None:
         )
 
 
+def check_offload_overlap(config: ZeroConfig) -> None:
+    check_non_negative_int("offload_overlap_warmup", config.offload_overlap_warmup)
+    if config.offload_overlap not in ("exact", "delayed"):
+        raise ValueError(
+            f"Invalid ZeroConfig.offload_overlap: {config.offload_overlap!r}. Expected 'exact' or 'delayed'."
+        )
+    if config.offload_overlap == "exact":
+        return
+    # The delayed update runs on the host tier's own masters and gradient buffers, for every bucket at once.
+    refusals = [
+        ("offload_optimizer", config.offload_optimizer != "cpu", "'cpu' (the host tier steps the delayed update)"),
+        ("offload_ratio", config.offload_ratio != 1, "1.0 (buckets on the device would step without delay)"),
+        ("offload_params", config.offload_params != "none", "'none' (the step writes the parameter tier while the "
+         "next forward reads it)"),
+    ]  # fmt: skip
+    for name, refused, expected in refusals:
+        if refused:
+            raise ValueError(
+                f"Invalid ZeroConfig: offload_overlap='delayed' with {name}={getattr(config, name)!r}. Expected "
+                f"{name}={expected}. HINT: use offload_overlap='exact' with this {name}."
+            )
+
+
 def check_class_names(name: str, config: ZeroConfig, example: str) -> None:
     """A field holding None or module class names: lists from YAML are frozen as a tuple."""
     classes: object = getattr(config, name)  # typed loosely: YAML and callers may pass anything

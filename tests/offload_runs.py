@@ -248,3 +248,19 @@ def resume_across_tiers_with_host_copies(
 ) -> list[dict[str, Any]]:
     with forced_host_copies():
         return resume_across_tiers(root, first, second)
+
+
+DELAYED = {"stage": 2, "offload_optimizer": "cpu", "offload_overlap": "delayed", "offload_overlap_warmup": 2}
+
+
+def delayed_update_runs(root: str, strategy: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """On the host tier's copy path: ``strategy`` exact and delayed (Note [delayed parameter update]), 6 steps; the
+    delayed run saving at step 3 and going on; and a run resumed from that checkpoint."""
+    delayed = {**strategy, **DELAYED}
+    with forced_host_copies():
+        return {
+            "exact": train(strategy, root, steps=6, clip=0.05),
+            "delayed": train(delayed, root, steps=6, clip=0.05),
+            "saved": train(delayed, root, steps=6, clip=0.05, save_to=f"{root}/mid", save_every=3),
+            "resumed": train(delayed, root, steps=6, clip=0.05, ckpt_path=f"{root}/mid/epoch=0-step=3.ckpt"),
+        }

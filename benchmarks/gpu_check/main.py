@@ -28,7 +28,7 @@ for path in (str(ROOT), str(ROOT / "benchmarks")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from gpu_check import gpt, sections  # noqa: E402  (after the path set-up above)
+from gpu_check import gpt, offload_speed, sections  # noqa: E402  (after the path set-up above)
 from gpu_check.common import Config, Ledger, brief  # noqa: E402
 
 Section = Callable[[Config], dict[str, Any]]
@@ -40,6 +40,7 @@ SECTIONS: list[tuple[str, Section, float, float]] = [
     ("host_syncs", sections.host_syncs, 30, 20),
     ("gpt_stage3_vs_fsdp2", gpt.stage3_vs_fsdp2, 65, 25),
     ("offload_largest_model", gpt.offload_largest, 160, 25),
+    ("offload_speed", offload_speed.offload_speed, 150, 25),
 ]
 TOTAL_BUDGET = {"gpu": 480.0, "dry": 55.0}
 

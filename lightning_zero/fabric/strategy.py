@@ -99,6 +99,12 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         **config_kwargs: Any,
     ) -> None:
         self.config = ZeroConfig.from_arguments(config, config_kwargs)
+        if self.config.offload_overlap == "delayed":
+            raise NotImplementedError(
+                "ZeroFabricStrategy with offload_overlap='delayed' is not implemented: the delayed update starts "
+                "after a warm-up counted by the Trainer's global_step, which a Fabric loop does not have. HINT: use "
+                "offload_overlap='exact' with Fabric, or ZeroStrategy with the Trainer."
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

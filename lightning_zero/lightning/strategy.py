@@ -248,6 +248,7 @@ class ZeroStrategy(RootUnitSteps):
         if self._tiers is None:
             yield
             return
+        self.settle_optimizers()
         self._tiers.load_all()
         try:
             yield
@@ -268,6 +269,8 @@ class ZeroStrategy(RootUnitSteps):
         **kwargs: Any,
     ) -> Any:
         zero_optimizer = as_zero_optimizer(optimizer)
+        if self._tiers is not None and self.lightning_module is not None:
+            self._tiers.set_step_number(self.lightning_module.trainer.global_step)  # Note [delayed parameter update]
 
         def closure_then_reduce() -> Any:
             result = closure()
@@ -348,6 +351,7 @@ class ZeroStrategy(RootUnitSteps):
         """
         self._stop_fault_monitor()
         if self._tiers is not None:
+            self.settle_optimizers()  # the last delayed update reaches the model
             self._tiers.restore()
         self._close_tiers()
         module = self.lightning_module

@@ -79,15 +79,23 @@ class ShardedCheckpointing(ProcessPerDevice):
         """This rank's memory tiers (``ZeroConfig.offload_*``), or None."""
         return self._tiers
 
+    def settle_optimizers(self) -> None:
+        """Publish a delayed update still in flight (Note [delayed parameter update] in ``offload/host_steps.py``):
+        what is saved, loaded or swapped is the state after every step taken. Collective."""
+        for optimizer in iter_zero_optimizers(self.optimizers):
+            optimizer.settle()
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
+        self.settle_optimizers()
         zero_optimizers = list(iter_zero_optimizers(self.optimizers))
         exclude_frozen = self.config.exclude_frozen_parameters
         return sharded_model_state(self.lightning_module, zero_optimizers, self._gatherer, self._tiers, exclude_frozen)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        self.settle_optimizers()
         zero_optimizers = list(iter_zero_optimizers(self.optimizers))
         index = zero_optimizers.index(as_zero_optimizer(optimizer))
         return sharded_optimizer_state(zero_optimizers, index, self._tiers)
@@ -134,6 +142,7 @@ class ShardedCheckpointing(ProcessPerDevice):
         """
         module = self.lightning_module
         assert module is not None
+        self.settle_optimizers()
         state = load_checkpoint(
             self.broadcast(checkpoint_path),
             module,

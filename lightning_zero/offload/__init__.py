@@ -1,8 +1,8 @@
 """Memory tiers: where a rank's shards live between uses (ZeRO-Offload's host tier, ZeRO-Infinity's disk tier).
 
 The sharding does not change: every tier is per rank and per shard, and only moves a shard between memory and its
-tier around its use. Configured by ``ZeroConfig.offload_optimizer``, ``offload_params``, ``offload_dir`` and
-``offload_ratio``.
+tier around its use. Configured by ``ZeroConfig.offload_optimizer``, ``offload_params``, ``offload_dir``,
+``offload_ratio`` and ``offload_overlap``.
 
 - ``memory_tiers``: ``MemoryTiers``, one rank's tiers built from the config: placement, the parameter tier of
   stage-3 units, the reducer and optimizer hooks, bytes per tier.
@@ -12,6 +12,9 @@ tier around its use. Configured by ``ZeroConfig.offload_optimizer``, ``offload_p
 - ``swap_file``: ``SwapFile``, one rank's tier file: regions, ``preadv``/``pwritev`` into tensor memory.
 - ``host_copies``: the host tier's copies between device and host memory (``CopyStream``, ``HostStore``).
 - ``host_tier``: ``HostTier``, host masters and gradients of the host-tier buckets and their copies.
+- ``host_adam``: ``HostAdam``, torch's Adam/AdamW stepped per bucket over flat moments; the tiers' kernel choice.
+- ``host_steps``: ``HostSteps``, the host updates on a worker thread, exact or delayed (``offload_overlap``).
+- ``host_arena``: ``HostArena``, the host tier's pinned buffers at their exact sizes.
 - ``directory``: the per-job, per-rank tier directory, free-space checks, removal.
 
 ``sharding`` and ``stage3`` see the tiers only through protocols (``StateTiers``, ``UnitTiers``, ``ShardSource``);

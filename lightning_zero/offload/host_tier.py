@@ -15,11 +15,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_zero.offload.host_copies import Copy, CopyStream, host_empty
+from lightning_zero.offload.host_arena import HostArena
+from lightning_zero.offload.host_copies import Copy, CopyStream
 from lightning_zero.offload.tensor_swapper import TensorSwapper
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.gradient_reducer import GradientReducer
 from lightning_zero.sharding.param_groups import Segment
+
+_EDIT_CHUNK = 1 << 22
+"""Elements of parameters read back per copy for the edit check (Note [edits reach the masters])."""
 
 
 @dataclass(eq=False)
@@ -37,7 +41,8 @@ class _HostBucket:
     fresh: bool = False
     """Whether ``grad`` (or the copy in flight) holds the gradient of the last reduction."""
     staging: Tensor | None = None
-    """(hi - lo,) parameter-dtype host buffer: low-precision parameters read and written through it."""
+    """(hi - lo,) parameter-dtype host buffer the updated low-precision parameters are uploaded from: the gradient
+    buffer's bytes (dead once the bucket is stepped) where they fit, else its own."""
     uploads: list[Copy] = field(default_factory=list)
 
 
@@ -49,7 +54,10 @@ class HostTier:
         self.device = device
         self.swapper = swapper
         self.copies = CopyStream(device)
+        self.arena = HostArena(device)
+        """Every host buffer of the tier, at its exact size (Note [pinned bytes])."""
         self._buckets: dict[int, _HostBucket] = {}
+        self._scratch: dict[torch.dtype, Tensor] = {}
         self.bytes_to_host = 0
         """Bytes copied from the device so far: gradients, and parameters read for edits."""
         self.bytes_to_device = 0
@@ -58,11 +66,18 @@ class HostTier:
     def __contains__(self, bucket: FlatBucket) -> bool:
         return id(bucket) in self._buckets
 
+    def reserve(self, spans: Sequence[tuple[FlatBucket, int]], fp32: bool) -> None:
+        """Size the arena for these buckets' masters and gradients (``(bucket, elements)``; the gradient in the
+        parameter dtype, as reduced unless ``reduce_dtype`` says otherwise)."""
+        self.arena.reserve(
+            [n * (4 if fp32 else b.dtype.itemsize) for b, n in spans] + [n * b.dtype.itemsize for b, n in spans]
+        )
+
     def masters(self, segments: Sequence[Segment], fp32: bool) -> list[Tensor]:
         """Host masters for one bucket's segments, set from its parameter shard."""
         bucket = segments[0].bucket
         lo, hi = segments[0].start, segments[-1].stop
-        master = host_empty(hi - lo, torch.float32 if fp32 else bucket.dtype, self.device)
+        master = self.arena.empty(hi - lo, torch.float32 if fp32 else bucket.dtype)
         runs: list[tuple[int, int]] = []
         for seg in segments:
             if runs and runs[-1][1] == seg.start:
@@ -88,7 +103,7 @@ class HostTier:
     def _download(self, host: _HostBucket, reducer: GradientReducer) -> None:
         shard = reducer.grad_shard(host.bucket)[host.lo : host.hi]
         if host.grad is None or host.grad.dtype != shard.dtype:
-            host.grad = host_empty(host.hi - host.lo, shard.dtype, self.device)
+            host.grad = self.arena.empty(host.hi - host.lo, shard.dtype)
         host.pending = self.copies.copy(host.grad, shard)  # a later copy on the same stream lands after this one
         host.fresh = True
         self.bytes_to_host += shard.numel() * shard.element_size()
@@ -127,9 +142,14 @@ class HostTier:
             if master.dtype == bucket.dtype:
                 self._read_shard(host, a, b, master)  # the parameter is the master's exact value
                 continue
-            current = self._staging(host)[a - host.lo : b - host.lo]
-            self._read_shard(host, a, b, current)
-            torch.where(current != master.to(current.dtype), current, master, out=master)
+            for c in range(a, b, _EDIT_CHUNK):  # through a small buffer: the gradient buffer is still in use
+                d = min(b, c + _EDIT_CHUNK)
+                current = self._edit_scratch(bucket.dtype)[: d - c]
+                self._read_shard(host, c, d, current)
+                part = master[c - a : d - a]
+                edited = current != part.to(current.dtype)
+                if edited.any():  # host memory: no device wait. Edits are rare; the masters are then left alone
+                    torch.where(edited, current, part, out=part)
 
     def write_back(self, bucket: FlatBucket) -> None:
         """After the bucket's step: its masters (rounded to the parameter dtype) into the parameter shard, on the
@@ -145,6 +165,11 @@ class HostTier:
             if upload is not None:
                 host.uploads.append(upload)
 
+    def close(self) -> None:
+        """Every copy is done and the host buffers are unpinned (the tier's end)."""
+        self.copies.synchronize()
+        self.arena.close()
+
     def end_step(self) -> None:
         """Every copy of the step has landed: the next step may rewrite the host buffers they read."""
         for host in self._buckets.values():
@@ -157,15 +182,25 @@ class HostTier:
             host.uploads.clear()
 
     def nbytes(self) -> int:
-        """Host bytes of masters, gradients and staging buffers."""
-        tensors = [t for h in self._buckets.values() for t in (h.master, h.grad, h.staging) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Host bytes the allocator gave out for masters, gradients and staging buffers (Note [pinned bytes])."""
+        return self.arena.reserved_bytes
 
     # -- the parameter shard, wherever it is --------------------------------------------------------------------------
     def _staging(self, host: _HostBucket) -> Tensor:
+        """After the bucket's step: where its rounded masters are uploaded from."""
+        numel, dtype = host.hi - host.lo, host.bucket.dtype
+        grad = host.grad
+        if grad is not None and grad.numel() * grad.element_size() >= numel * dtype.itemsize:
+            return grad.view(torch.uint8)[: numel * dtype.itemsize].view(dtype)
         if host.staging is None:
-            host.staging = host_empty(host.hi - host.lo, host.bucket.dtype, self.device)
+            host.staging = self.arena.empty(numel, dtype)
         return host.staging
+
+    def _edit_scratch(self, dtype: torch.dtype) -> Tensor:
+        if dtype not in self._scratch:
+            largest = max(h.hi - h.lo for h in self._buckets.values())
+            self._scratch[dtype] = self.arena.empty(min(_EDIT_CHUNK, largest), dtype)
+        return self._scratch[dtype]
 
     def _held(self, bucket: FlatBucket) -> bool:
         return self.swapper is not None and self.swapper.owner(bucket.param_shard) is not None

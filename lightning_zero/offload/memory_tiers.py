@@ -21,6 +21,7 @@ from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig
 from lightning_zero.offload.directory import OffloadDirectory
 from lightning_zero.offload.host_copies import HostStore, uses_copies
+from lightning_zero.offload.host_steps import HostSteps
 from lightning_zero.offload.host_tier import HostTier
 from lightning_zero.offload.optimizer_tiers import OptimizerTiers, param_key
 from lightning_zero.offload.swap_file import SwapFile
@@ -72,6 +73,12 @@ class MemoryTiers:
         self.host_optimizer = copies and config.offload_optimizer == "cpu"
         """Whether the optimizer's placed buckets take the host tier's data path (``HostTier``)."""
         self.host_params = copies and config.offload_params == "cpu"
+        if config.offload_overlap == "delayed" and not self.host_optimizer:
+            raise ValueError(
+                f"Invalid ZeroConfig: offload_overlap='delayed' on a {device.type} device. The delayed update overlaps "
+                "the host's step with the accelerator's forward and backward; where the device is the host there "
+                "is nothing to overlap. HINT: use offload_overlap='exact' (the default)."
+            )
         """Whether stage-3 parameter shards live in host memory between uses (a ``HostStore``)."""
         self.swapper: TensorSwapper | None = None
         if directory is not None:
@@ -79,6 +86,7 @@ class MemoryTiers:
         elif self.host_params:
             self.swapper = TensorSwapper(HostStore(device), io_entries)
         self.optimizer_tiers: list[OptimizerTiers] = []
+        self.host_steps: list[HostSteps] = []
         self._placed: set[int] | None = None
         """Stage 3: ids of the buckets whose optimizer state (and, on disk, gradients) is in the optimizer's tier,
         decided with the reducer."""
@@ -137,9 +145,19 @@ class MemoryTiers:
         """The ``StateTiers`` of one more optimizer; its buckets are placed when it builds its masters."""
         swapper = self.swapper if self.optimizer_on_disk or self.params_on_disk else None
         host = HostTier(self.device, self.swapper if self.host_params else None) if self.host_optimizer else None
-        tiers = OptimizerTiers(swapper, self._place, host, self.config.offload_optimizer != "none")
+        host_steps = None
+        if self.config.offload_optimizer == "cpu":
+            delayed = self.config.offload_overlap == "delayed"
+            host_steps = HostSteps(self.config.offload_overlap_warmup if delayed else None)
+            self.host_steps.append(host_steps)
+        tiers = OptimizerTiers(swapper, self._place, host, self.config.offload_optimizer != "none", host_steps)
         self.optimizer_tiers.append(tiers)
         return tiers
+
+    def set_step_number(self, step: int) -> None:
+        """The ``Trainer``'s ``global_step`` of the step about to run (Note [delayed parameter update])."""
+        for host_steps in self.host_steps:
+            host_steps.step_number = step
 
     def _place(self, buckets: list[FlatBucket]) -> set[int]:
         if not (self.optimizer_on_disk or self.host_optimizer):
@@ -225,6 +243,11 @@ class MemoryTiers:
 
     def close(self, remove: bool = True) -> None:
         """Stop the IO threads and (``remove``) delete this rank's tier directory."""
+        for host_steps in self.host_steps:
+            host_steps.close()
+        for tiers in self.optimizer_tiers:
+            if tiers.host is not None:
+                tiers.host.close()
         if self.swapper is not None:
             self.swapper.close()
         if remove and self.directory is not None:

@@ -39,52 +39,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from contextlib import contextmanager
-from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
 
+from lightning_zero.offload.host_adam import HostAdam, choose_step_kernels
+from lightning_zero.offload.host_steps import HostSteps
 from lightning_zero.offload.host_tier import HostTier
 from lightning_zero.offload.tensor_swapper import TensorSwapper
 from lightning_zero.offload.tiered_grad_reducer import TieredGradReducer
 from lightning_zero.sharding.flat_bucket import FlatBucket
-from lightning_zero.sharding.optimizer_hooks import without_step_hooks
 from lightning_zero.sharding.param_groups import MasterRun, Segment, masters_for
+from lightning_zero.sharding.state_tiers import TierStep
 
 if TYPE_CHECKING:
     from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
-
-
-_FUSED_ON_CPU = (torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad)  # AdamW is an Adam
-"""torch optimizers with fused CPU kernels (``fused=True``); a subclass counts if it keeps their ``step``."""
-
-
-def choose_step_kernels(optimizer: torch.optim.Optimizer, multi_tensor: bool) -> None:
-    """The kernels of a tiered step, per param group the user left to torch (Note [tier step kernels])."""
-    step = without_step_hooks(type(optimizer).step)  # torch wraps each class's step once, for its hooks
-    fusable = any(isinstance(optimizer, cls) and step is without_step_hooks(cls.step) for cls in _FUSED_ON_CPU)
-    for group in optimizer.param_groups:
-        if "foreach" not in group or group["foreach"] is not None or group.get("fused"):
-            continue  # no choice to make, or the user's
-        params: list[Tensor] = group["params"]
-        host_floats = all(p.device.type == "cpu" and p.is_floating_point() for p in params)
-        # torch's fused SGD takes a momentum step only when every parameter of the call has a momentum buffer or
-        # none has: a parameter stepped for the first time beside ones stepped before (a LoRA adapter or an expert
-        # whose first gradient comes late, Note [unused parameters]) fails inside the kernel. So SGD with momentum
-        # keeps the multi-tensor kernels.
-        sgd_momentum = isinstance(optimizer, torch.optim.SGD) and group.get("momentum", 0) != 0
-        if (
-            fusable
-            and host_floats
-            and not sgd_momentum
-            and group.get("fused", False) is None
-            and not group.get("differentiable")
-        ):
-            group["fused"] = True
-        elif multi_tensor:
-            group["foreach"] = True
 
 
 def param_key(bucket: FlatBucket) -> tuple[str, int]:
@@ -117,6 +88,7 @@ class OptimizerTiers:
         place: Callable[[list[FlatBucket]], set[int]],
         host: HostTier | None = None,
         steps_tiers: bool = False,
+        host_steps: HostSteps | None = None,
     ) -> None:
         self.swapper = swapper
         self.steps_tiers = steps_tiers
@@ -124,6 +96,12 @@ class OptimizerTiers:
         kernels] even where the tier moves nothing (the host tier on a CPU device)."""
         self._place = place
         self.host = host
+        self.host_steps = host_steps
+        """Runs the updates of the buckets ``HostAdam`` covers (Note [host step threads]); None: the optimizer's."""
+        self._adam: HostAdam | None = None
+        self._own: set[int] = set()
+        """ids of the buckets stepped by ``HostAdam`` (Note [bucketed host Adam])."""
+        self.placed: set[int] = set()
         self.on_disk: set[int] = set()
         """ids of the buckets whose masters and optimizer state are on disk (placed in ``masters_for``)."""
         self._in_step = False
@@ -147,11 +125,14 @@ class OptimizerTiers:
     def masters_for(
         self, buckets: Sequence[FlatBucket], segments: Sequence[Segment], fp32: bool
     ) -> tuple[list[Tensor], list[MasterRun]]:
-        placed = self._place(list(buckets))
+        placed = self.placed = self._place(list(buckets))
         if self.host is None and self.swapper is not None:
             self.on_disk = placed
         masters: list[Tensor] = []
         runs: list[MasterRun] = []
+        if self.host is not None:
+            spans = [(b, sum(s.stop - s.start for s in segments if s.bucket is b)) for b in buckets if id(b) in placed]
+            self.host.reserve([(b, n) for b, n in spans if n], fp32)
         for bucket in buckets:  # one bucket at a time: a tier keeps only that one's shard in memory
             mine = [s for s in segments if s.bucket is bucket]
             if not mine:
@@ -173,15 +154,61 @@ class OptimizerTiers:
         if reducer is not None and optimizer.loss_scaler is not None:
             reducer.check_finite = True  # Note [gradients on disk]
         if self.host is not None:
-            optimizer.reducer.reduced_hooks.append(partial(self.host.on_reduced, optimizer.reducer))
+            optimizer.reducer.reduced_hooks.append(self._on_reduced)
         if self.host is not None or self.steps_tiers:
             choose_step_kernels(optimizer.optimizer, multi_tensor=self.host is not None)
+        if self.host_steps is not None:
+            self._adopt_host_adam(optimizer)
         if self.swapper is None:
             return
         for run in optimizer.master_runs:
             if id(run.bucket) in self.on_disk:
                 self.swapper.add(("master", id(run.bucket), run.start), run.master)
         self.swapper.evict_all()
+
+    def _adopt_host_adam(self, optimizer: ZeroOptimizer) -> None:
+        """The buckets of the host tier (every bucket on a CPU device) all of whose param groups ``HostAdam`` covers,
+        decided from what every rank shares (the bucket's parameters, not this rank's segments of it): a bucket
+        stepped here is published at another point of the step, and its all-gather must be issued in the same
+        order on every rank."""
+        adam = HostAdam(optimizer.optimizer)
+        group_of = {id(p): g for g, view in enumerate(optimizer.param_groups) for p in view["params"]}
+        for bucket in optimizer.buckets:
+            in_host = id(bucket) in self.placed if self.host is not None else id(bucket) not in self.on_disk
+            groups = {group_of[id(p)] for p in bucket.params if id(p) in group_of}
+            if not in_host or not adam.covers(sorted(groups)):
+                continue
+            chunk = self._chunks.get(id(bucket))
+            segments = [optimizer.segments[i] for i in chunk.segments] if chunk is not None else []
+            indices = chunk.segments if chunk is not None else []
+            adam.add_bucket(id(bucket), indices, [s.start for s in segments], [s.stop for s in segments])
+            self._own.add(id(bucket))
+        self._adam = adam if self._own else None
+
+    def _on_reduced(self, bucket: FlatBucket) -> None:
+        assert self.host is not None
+        if self.host_steps is not None and id(bucket) in self.host_steps.in_flight():
+            return  # still read by the deferred update: copied at the step (Note [delayed parameter update])
+        self.host.on_reduced(self._opt.reducer, bucket)
+
+    def start_step(self, bucket: FlatBucket) -> TierStep:
+        if self._adam is None or self.host_steps is None or id(bucket) not in self._own:
+            return TierStep.GENERIC
+        opt = self._opt
+        groups = [s.group for s in opt.segments]
+        return self.host_steps.start(id(bucket), self._adam.prepare(id(bucket), opt.masters, groups))
+
+    def finish_step(self, bucket: FlatBucket) -> None:
+        if self.host_steps is not None:
+            self.host_steps.finish(id(bucket))
+
+    def in_flight(self) -> set[int]:
+        return self.host_steps.in_flight() if self.host_steps is not None else set()
+
+    def _join(self) -> None:
+        """No update still writes masters or moments (Note [delayed parameter update])."""
+        if self.host_steps is not None:
+            self.host_steps.join()
 
     @contextmanager
     def resident(self, bucket: FlatBucket) -> Iterator[None]:
@@ -202,6 +229,7 @@ class OptimizerTiers:
         return reducer is not None and reducer.offloads(bucket)
 
     def gradient_norms(self, norm_type: float) -> list[Tensor]:
+        self._join()  # a deferred update still reads the host gradients the norm pass would copy over
         opt = self._opt
         norms: list[Tensor] = []
         for bucket in opt.buckets:
@@ -252,6 +280,8 @@ class OptimizerTiers:
     def load(self, bucket: FlatBucket, only: Collection[str] | None = None) -> None:
         chunk = self._chunks.get(id(bucket))
         step = self._in_step and only is None
+        if not step:
+            self._join()  # an update of the masters' own state outside the step: Note [delayed parameter update]
         if chunk is not None and self.host is not None and bucket in self.host:
             if step:  # outside a step (an EMA update) the host masters are all there is to load
                 self.host.adopt_edits(bucket)
@@ -370,6 +400,7 @@ class OptimizerTiers:
     # -- outside the step ---------------------------------------------------------------------------------------------
     def load_all(self) -> None:
         """Every tiered bucket resident (a swap of the whole model reads or writes all of this rank's state)."""
+        self._join()
         for bucket in self._opt.buckets:
             self.load(bucket)
 

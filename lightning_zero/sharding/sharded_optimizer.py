@@ -78,7 +78,7 @@ from lightning_zero.sharding.param_groups import (
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
 from lightning_zero.sharding.sharded_parameters import ShardedParameters as ShardedParameters  # re-exported
 from lightning_zero.sharding.state_tiers import StateTiers
-from lightning_zero.sharding.step_chunks import StepChunk, build_step_chunks, step_in_chunks
+from lightning_zero.sharding.step_chunks import StepChunk, build_step_chunks, publish_in_flight, step_in_chunks
 
 # Stages compose by choosing where gradients live; everything else is shared. (Stage 3 adds parameter gathering on
 # top of stage 2's reducer, built with the sharded model.)
@@ -301,6 +301,14 @@ class ZeroOptimizer(Optimizer):
         self.ledger.end_step()
         return loss
 
+    def settle(self) -> None:
+        """Publish the tiers' delayed update still in flight, if any (Note [delayed parameter update] in
+        ``offload/host_steps.py``): afterwards parameters, masters and optimizer state are those after every step
+        taken. Collective: every rank calls it at the same point."""
+        if self.tiers is not None and self.tiers.in_flight():
+            publish_in_flight(self._step_chunks, self.tiers, self.ledger, self.group)
+            self.tiers.end_step()
+
     def _end_of_step(self) -> None:
         self.reducer.consume(self.gradient_owner)  # Note [gradients of several optimizers]
         self._forget_gradients()
@@ -364,6 +372,7 @@ class ZeroOptimizer(Optimizer):
         a tier have no memory between uses, Note [tiered step]). Checkpoints do not call this: they stream."""
         if self.tiers is None:
             return state_dict_with_hooks(self, self.optimizer)
+        self.settle()
         self.tiers.load_all()
         try:
             state_dict = state_dict_with_hooks(self, self.optimizer)
@@ -376,6 +385,7 @@ class ZeroOptimizer(Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.settle()
         load_state_dict_with_hooks(self, self.optimizer, state_dict)
         # torch replaces the group dicts on load: point the user-facing views at the new ones.
         self._views = [

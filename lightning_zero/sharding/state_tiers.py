@@ -6,6 +6,7 @@ state and gradient shards go, and how they move, is the tiers' business.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -16,6 +17,19 @@ from lightning_zero.sharding.param_groups import MasterRun, Segment
 
 if TYPE_CHECKING:
     from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
+
+
+class TierStep(enum.Enum):
+    """Who steps a bucket the tiers have loaded, and when its new values are published (Note [host step threads]
+    and Note [delayed parameter update] in ``offload/``)."""
+
+    GENERIC = "generic"
+    """The user's ``optimizer.step()`` on the bucket's narrowed param groups, now."""
+    STARTED = "started"
+    """The tiers' own step has started (maybe on a worker thread); published once the next bucket has started."""
+    DEFERRED = "deferred"
+    """The tiers' own step runs while the next forward and backward do; published at the next step (or when the
+    optimizer settles)."""
 
 
 class StateTiers(Protocol):
@@ -57,6 +71,19 @@ class StateTiers(Protocol):
         """Make the bucket's masters, optimizer state and, in a step, tiered gradients usable (``.grad`` set).
         ``only``: an update of the masters' own state outside the step (``ShardedEMA``): just the masters and the
         optimizer-state entries of these names, nothing read ahead (Note [tiered step])."""
+        ...
+
+    def start_step(self, bucket: FlatBucket) -> TierStep:
+        """After ``load``: step the bucket with the tiers' own kernels if they cover it, or leave it to the
+        optimizer (``GENERIC``)."""
+        ...
+
+    def finish_step(self, bucket: FlatBucket) -> None:
+        """Before the bucket is published: its step (started by ``start_step``, if any) has landed."""
+        ...
+
+    def in_flight(self) -> Collection[int]:
+        """ids of the buckets whose deferred step has not been published yet."""
         ...
 
     def unload(self, bucket: FlatBucket) -> None:

@@ -29,7 +29,7 @@ from lightning_zero.comm.collectives import ProcessGroup, all_gather
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.param_groups import MasterRun, Segment, adopt_edits, copy_masters_to_shards
-from lightning_zero.sharding.state_tiers import StateTiers
+from lightning_zero.sharding.state_tiers import StateTiers, TierStep
 
 StepChunk = tuple[FlatBucket, list[int], list[Tensor], list[MasterRun]]
 """One bucket's segments' groups, masters and master runs."""
@@ -56,26 +56,70 @@ def step_in_chunks(
     group: ProcessGroup,
 ) -> None:
     """Step the shard bucket by bucket, all-gathering each bucket while the next is stepped (Note [step in
-    chunks])."""
+    chunks]). A bucket the tiers step themselves is published (its masters into the shard, its all-gather) once
+    the next one has started, or, delayed, in the next step (Note [host step threads])."""
     groups = optimizer.param_groups
     everything = [g["params"] for g in groups]
-    pending = []
+    pending: list[Any] = []
+    started: StepChunk | None = None
     try:
-        for bucket, group_of, masters, runs in chunks:
-            for g, param_group in enumerate(groups):
-                param_group["params"] = [m for k, m in zip(group_of, masters, strict=True) if k == g]
+        if tiers is not None:
+            publish_in_flight(chunks, tiers, ledger, group, pending)
+        for chunk in chunks:
+            bucket, group_of, masters, runs = chunk
             if tiers is not None:
                 tiers.load(bucket)
                 adopt_edits(runs)
+                how = tiers.start_step(bucket)
+                if how is not TierStep.GENERIC:
+                    if started is not None:
+                        _publish(started, tiers, ledger, group, pending)
+                    started = chunk if how is TierStep.STARTED else None
+                    continue
+            for g, param_group in enumerate(groups):
+                param_group["params"] = [m for k, m in zip(group_of, masters, strict=True) if k == g]
             raw_step(optimizer)
-            copy_masters_to_shards(runs)
-            if tiers is not None:
-                tiers.unload(bucket)
-            if bucket.resident:
-                assert bucket.data is not None
-                pending.append(ledger.record(all_gather(bucket.data, bucket.param_shard, group)))
+            _publish(chunk, tiers, ledger, group, pending)
+        if started is not None:
+            _publish(started, tiers, ledger, group, pending)
     finally:
         for param_group, params in zip(groups, everything, strict=True):
             param_group["params"] = params
         for p in pending:
             p.wait()
+
+
+def publish_in_flight(
+    chunks: list[StepChunk],
+    tiers: StateTiers,
+    ledger: CommLedger,
+    group: ProcessGroup,
+    pending: list[Any] | None = None,
+) -> None:
+    """Publish the buckets whose delayed step is still in flight (Note [delayed parameter update]), in bucket
+    order on every rank; waits for their all-gathers unless ``pending`` collects them."""
+    flying = tiers.in_flight()
+    if not flying:
+        return
+    mine = [] if pending is None else pending
+    for chunk in chunks:
+        if id(chunk[0]) in flying:
+            _publish(chunk, tiers, ledger, group, mine)
+    if pending is None:
+        for p in mine:
+            p.wait()
+
+
+def _publish(
+    chunk: StepChunk, tiers: StateTiers | None, ledger: CommLedger, group: ProcessGroup, pending: list[Any]
+) -> None:
+    """The bucket's step is done: masters into the parameter shard, back to the tiers, and its all-gather."""
+    bucket, _, _, runs = chunk
+    if tiers is not None:
+        tiers.finish_step(bucket)
+    copy_masters_to_shards(runs)
+    if tiers is not None:
+        tiers.unload(bucket)
+    if bucket.resident:
+        assert bucket.data is not None
+        pending.append(ledger.record(all_gather(bucket.data, bucket.param_shard, group)))

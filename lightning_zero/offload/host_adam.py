@@ -1,0 +1,197 @@
+"""``HostAdam``: torch's Adam and AdamW stepped on host memory one bucket at a time, over flat per-bucket moments.
+
+Note [bucketed host Adam]
+The host tier's step is bound by memory traffic (Note [tier step kernels]): an AdamW update reads and writes each
+master and both moments and reads the gradient, 28 bytes per fp32 parameter, once, in torch's fused CPU kernel. What
+``torch.optim.AdamW.step()`` adds around that kernel is Python per parameter (``_init_group``, grouping by device and
+dtype), state allocated one tensor per parameter, and the param groups read while the step runs. ``HostAdam`` does the
+same arithmetic with none of that:
+
+- the moments of a bucket's segments (``exp_avg``, ``exp_avg_sq``, with ``amsgrad`` ``max_exp_avg_sq``) are views
+  into one flat tensor per bucket and name, allocated at the bucket's first step as torch allocates them (zeros, the
+  master's dtype); ``optimizer.state[master]`` holds exactly torch's entries (a float32 0-d ``step`` per segment, then
+  the moments), so ``state_dict()`` is torch's format and checkpoints stay exchangeable with any run. A state loaded
+  from a checkpoint (``load_state_dict`` replaces the tensors) is copied into the flat tensors at the next step and
+  the entries point at the views again;
+- ``prepare`` runs on the training thread: it picks the segments with a gradient (torch's rule: a parameter whose
+  ``.grad`` is None takes no step, Note [unused parameters]) and reads the hyperparameters from their param group
+  now (a learning rate changed later by a scheduler belongs to the next step). What it returns touches only tensors
+  and may run on a worker thread (Note [host step threads]);
+- the update is one call of torch's own fused kernel (``torch._fused_adamw_``, or ``_fused_adam_`` without
+  decoupled weight decay) per bucket and param group, over views of the bucket's flat masters, gradients and
+  moments, with the per-parameter step counts incremented first as torch does: element for element the same
+  arithmetic as ``AdamW(fused=True)``, so a run through ``HostAdam`` and one through torch's step agree bit for bit.
+
+It covers the groups for which the tiers chose (or the user set) torch's fused kernels on an unmodified
+``torch.optim.Adam`` or ``AdamW`` (Note [tier step kernels]); any other optimizer or group keeps the generic path,
+``optimizer.step()`` on the bucket's narrowed param groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_zero.sharding.optimizer_hooks import without_step_hooks
+
+_FUSED_ON_CPU = (torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad)  # AdamW is an Adam
+"""torch optimizers with fused CPU kernels (``fused=True``); a subclass counts if it keeps their ``step``."""
+
+
+def choose_step_kernels(optimizer: torch.optim.Optimizer, multi_tensor: bool) -> None:
+    """The kernels of a tiered step, per param group the user left to torch (Note [tier step kernels])."""
+    step = without_step_hooks(type(optimizer).step)  # torch wraps each class's step once, for its hooks
+    fusable = any(isinstance(optimizer, cls) and step is without_step_hooks(cls.step) for cls in _FUSED_ON_CPU)
+    for group in optimizer.param_groups:
+        if "foreach" not in group or group["foreach"] is not None or group.get("fused"):
+            continue  # no choice to make, or the user's
+        params: list[Tensor] = group["params"]
+        host_floats = all(p.device.type == "cpu" and p.is_floating_point() for p in params)
+        # torch's fused SGD takes a momentum step only when every parameter of the call has a momentum buffer or
+        # none has: a parameter stepped for the first time beside ones stepped before (a LoRA adapter or an expert
+        # whose first gradient comes late, Note [unused parameters]) fails inside the kernel. So SGD with momentum
+        # keeps the multi-tensor kernels.
+        sgd_momentum = isinstance(optimizer, torch.optim.SGD) and group.get("momentum", 0) != 0
+        if (
+            fusable
+            and host_floats
+            and not sgd_momentum
+            and group.get("fused", False) is None
+            and not group.get("differentiable")
+        ):
+            group["fused"] = True
+        elif multi_tensor:
+            group["foreach"] = True
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_AMSGRAD = "max_exp_avg_sq"
+
+
+def covers_optimizer(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` is torch's Adam or AdamW (or a subclass that keeps their ``step``)."""
+    if not isinstance(optimizer, torch.optim.Adam):
+        return False
+    step = without_step_hooks(type(optimizer).step)
+    return step is without_step_hooks(torch.optim.Adam.step) or step is without_step_hooks(torch.optim.AdamW.step)
+
+
+def covers_group(group: dict[str, Any]) -> bool:
+    """Whether a param group of a covered optimizer steps with torch's fused kernels on the host."""
+    return bool(group.get("fused")) and not group.get("differentiable") and not group.get("capturable")
+
+
+@dataclass(eq=False)
+class _Bucket:
+    segments: list[int]
+    """Indices of the bucket's segments (into the optimizer's segment and master lists)."""
+    starts: list[int]
+    """Each segment's first element, relative to the bucket's first segment."""
+    numel: int
+    flats: dict[str, Tensor] = field(default_factory=dict)
+    """Per moment name: (numel,) flat tensor whose views are the segments' state entries."""
+    views: dict[str, list[Tensor]] = field(default_factory=dict)
+
+
+class HostAdam:
+    """The bucketed Adam/AdamW of Note [bucketed host Adam] for ``optimizer`` (the user's, re-targeted at masters)."""
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+        self._buckets: dict[int, _Bucket] = {}
+        self.allocate: Callable[[int, torch.dtype], Tensor] = lambda n, dtype: torch.zeros(n, dtype=dtype)
+        """Where a bucket's flat moments come from (zeros); the tiers may place them elsewhere."""
+
+    def covers(self, groups: Sequence[int]) -> bool:
+        """Whether every param group in ``groups`` (indices) is stepped here."""
+        param_groups = self.optimizer.param_groups
+        return covers_optimizer(self.optimizer) and all(covers_group(param_groups[g]) for g in groups)
+
+    def add_bucket(self, key: int, segments: list[int], starts: list[int], stops: list[int]) -> None:
+        """Register a bucket: its segments' indices and their ``[start, stop)`` in shard coordinates."""
+        first = min(starts, default=0)
+        self._buckets[key] = _Bucket(segments, [s - first for s in starts], max(stops, default=0) - first)
+
+    def flat_state(self, key: int) -> dict[str, Tensor]:
+        """The bucket's flat moments (empty before its first step)."""
+        return self._buckets[key].flats
+
+    def prepare(self, key: int, masters: Sequence[Tensor], groups: Sequence[int]) -> Callable[[], None] | None:
+        """On the training thread: the bucket's update, as a function of tensors only (None: nothing to step).
+        ``masters`` and ``groups``: every segment's master (with ``.grad`` set where it steps) and param group."""
+        bucket = self._buckets[key]
+        state = self.optimizer.state
+        by_group: dict[int, list[int]] = {}
+        for k, i in enumerate(bucket.segments):
+            if masters[i].grad is not None:
+                by_group.setdefault(groups[i], []).append(k)
+        if not by_group:
+            return None
+        calls: list[tuple[Any, ...]] = []
+        for g, positions in by_group.items():
+            group = self.optimizer.param_groups[g]
+            amsgrad = bool(group["amsgrad"])
+            self._ensure_state(bucket, masters, amsgrad, positions)
+            params = [masters[bucket.segments[k]] for k in positions]
+            entries = [state[p] for p in params]
+            grads = [p.grad for p in params]
+            moments = [[e[name] for e in entries] for name in (*_MOMENTS, *((_AMSGRAD,) if amsgrad else ()))]
+            beta1, beta2 = (float(b) if isinstance(b, Tensor) else b for b in group["betas"])
+            decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
+            kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+            hyper = {
+                "lr": group["lr"],
+                "beta1": beta1,
+                "beta2": beta2,
+                "weight_decay": group["weight_decay"],
+                "eps": group["eps"],
+                "amsgrad": amsgrad,
+                "maximize": group["maximize"],
+            }
+            steps = [e["step"] for e in entries]
+            calls.append((kernel, params, grads, moments, steps, hyper))
+
+        def run() -> None:
+            for kernel, params, grads, moments, steps, hyper in calls:
+                torch._foreach_add_(steps, 1)
+                kernel(params, grads, moments[0], moments[1], moments[2] if len(moments) > 2 else [], steps, **hyper)
+
+        return run
+
+    def _ensure_state(self, bucket: _Bucket, masters: Sequence[Tensor], amsgrad: bool, positions: list[int]) -> None:
+        """torch's state entries for these segments, their moments views of the flat tensors (created at the first
+        step, adopted after a load)."""
+        state = self.optimizer.state
+        names = (*_MOMENTS, _AMSGRAD) if amsgrad else _MOMENTS
+        dtype = masters[bucket.segments[0]].dtype
+        for name in names:
+            if name not in bucket.flats:
+                flat = bucket.flats[name] = self.allocate(bucket.numel, dtype)
+                sizes = [masters[i].numel() for i in bucket.segments]
+                bucket.views[name] = [flat[a : a + n] for a, n in zip(bucket.starts, sizes, strict=True)]
+        for k in positions:
+            master = masters[bucket.segments[k]]
+            entry = state[master]
+            if not entry:  # torch's _init_group: a float32 step for the fused kernels, then the moments
+                entry["step"] = torch.zeros((), dtype=torch.float32)
+                for name in names:
+                    entry[name] = bucket.views[name][k].zero_()
+                continue
+            for name in names:
+                view = bucket.views[name][k]
+                value = entry.get(name)
+                if value is view:
+                    continue
+                if value is None:  # amsgrad switched on after steps without it: torch starts it from zero
+                    view.zero_()
+                else:
+                    view.copy_(value)  # loaded from a checkpoint: the flat tensors take it
+                entry[name] = view
+            step = entry["step"]
+            if step.dtype != torch.float32 or step.device.type != "cpu":
+                entry["step"] = step.to(device="cpu", dtype=torch.float32)

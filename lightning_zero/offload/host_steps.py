@@ -1,0 +1,100 @@
+"""``HostSteps``: when and on which thread the tiers' own bucket steps (``HostAdam``) run: exact or delayed.
+
+Note [host step threads]
+A bucket ``HostAdam`` covers is prepared on the training thread (its gradients loaded, unscaled and clipped, its
+hyperparameters read) and its update runs on a worker thread, while the training thread loads the next bucket and
+publishes the previous one (rounds its masters into the parameter shard, issues the upload and the all-gather). So
+the step of bucket k overlaps the copies of buckets k-1 and k+1; on a GPU those copies are DMA on the copy streams
+and the training thread only issues and orders them. The update itself runs on torch's intra-op threads (the fused
+kernel splits each tensor across them): measured on this machine against Python threads each stepping other
+buckets on one intra-op thread (``benchmarks/host_step.py``, ``benchmarks/README.md``), see the figures there. The
+worker takes the intra-op thread count of the thread that built the tiers (``torch.get_num_threads()``).
+
+Note [delayed parameter update]
+``ZeroConfig.offload_overlap="delayed"`` is ZeRO-Offload's one-step delayed parameter update: after
+``offload_overlap_warmup`` exact steps (counted by the Lightning ``Trainer``'s ``global_step``, which every rank
+shares and a checkpoint restores), the step returns as soon as the host updates are submitted: the host steps
+step i's gradients while the device runs the forward and backward of step i + 1 with the weights it has, and the
+new weights are published (uploaded, all-gathered) at the start of step i + 1's own step. So the gradient of step
+i + 1 is computed on the weights before step i's update and applied after it: one step stale. While a step is in
+flight nothing may read the host masters or moments: clipping (which reads the host gradients), an EMA of the
+masters, ``state_dict()``, checkpoints and the end of training first wait for it, and all but clipping publish it
+(``ZeroOptimizer.settle()``): a checkpoint holds the weights, masters and moments after every step taken so far,
+and a run resumed from it continues exactly as the run that saved it (whose next step, like the resumed run's
+first, starts a new update with nothing to publish).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from lightning_zero.sharding.state_tiers import TierStep
+
+
+class HostSteps:
+    """Runs the tiers' own bucket updates on one worker thread; ``delayed_after``: the ``global_step`` from which
+    updates are deferred (None: exact)."""
+
+    def __init__(self, delayed_after: int | None = None) -> None:
+        self.delayed_after = delayed_after
+        self.step_number = 0
+        """The Lightning ``Trainer``'s ``global_step`` at this step (set by the strategy before each step)."""
+        self._threads = torch.get_num_threads()
+        self._pool: ThreadPoolExecutor | None = None
+        self._started: dict[int, Future[None]] = {}
+        self._deferred: set[int] = set()
+        self.busy_s = 0.0
+        """Seconds the worker has spent in updates so far (the GPU check's split of a step)."""
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            threads = self._threads
+            self._pool = ThreadPoolExecutor(1, "host-step", initializer=lambda: torch.set_num_threads(threads))
+        return self._pool
+
+    @property
+    def delays(self) -> bool:
+        return self.delayed_after is not None and self.step_number >= self.delayed_after
+
+    def start(self, key: int, update: Callable[[], None] | None) -> TierStep:
+        """Run ``update`` (a bucket's, None: nothing to step) on the worker: started, or deferred past this step."""
+        if update is not None:
+            self._started[key] = self._worker().submit(self._timed, update)
+        if self.delays:
+            self._deferred.add(key)
+            return TierStep.DEFERRED
+        return TierStep.STARTED
+
+    def _timed(self, update: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        try:
+            update()
+        finally:
+            self.busy_s += time.perf_counter() - start  # one worker: no race
+
+    def finish(self, key: int) -> None:
+        """The bucket's update has landed (its error, if any, is raised here, on the training thread)."""
+        future = self._started.pop(key, None)
+        self._deferred.discard(key)
+        if future is not None:
+            future.result()
+
+    def join(self) -> None:
+        """Every update started so far has landed (deferred ones stay to be published)."""
+        for future in list(self._started.values()):
+            future.result()
+
+    def in_flight(self) -> set[int]:
+        return set(self._deferred)
+
+    def close(self) -> None:
+        """Stop the worker after what it runs (an error there no longer matters: the run is over)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._started.clear()
+        self._deferred.clear()

@@ -1,0 +1,145 @@
+"""The host tier's own step (Note [bucketed host Adam], Note [pinned bytes]): bit for bit torch's fused AdamW and Adam,
+with param groups, weight decay, amsgrad, maximize, clipping and unused parameters, state in torch's format that
+loads back; and the host memory per parameter of masters, moments and the gradient buffer, counted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_zero import ZeroConfig, ZeroOptimizer
+from lightning_zero.offload import host_copies
+from lightning_zero.offload.host_arena import HostArena
+from lightning_zero.offload.memory_tiers import MemoryTiers
+from tests.harness import run_distributed
+
+
+class _Net(nn.Module):
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32, dtype=dtype)
+        self.unused = nn.Linear(4, 4, dtype=dtype)  # no gradient ever: never stepped, as by torch
+        self.b = nn.Linear(32, 4, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+def _train(tier: bool, copies: bool, options: dict[str, Any], cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
+    host_copies.FORCE_COPIES = copies
+    try:
+        torch.manual_seed(0)
+        model = _Net()
+        decay = [p for p in model.parameters() if p.ndim == 2]
+        other = [p for p in model.parameters() if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0, "lr": 3e-3}]
+        optimizer = cls(groups, lr=1e-2, fused=None if tier else True, **options)  # type: ignore[call-arg]
+        config = ZeroConfig(stage=2, offload_optimizer="cpu" if tier else "none", bucket_numel=300)
+        tiers = MemoryTiers(config, None, io_entries=2) if tier else None
+        zero = ZeroOptimizer(model, optimizer, dist.group.WORLD, config, tiers=tiers.for_optimizer() if tiers else None)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        losses = []
+        for _ in range(4):
+            loss = model(x).square().mean()
+            loss.backward()
+            losses.append(loss.item())
+            zero.clip_grad_norm_(0.05)
+            zero.step()
+            zero.zero_grad()
+        state = zero.state_dict()
+        zero.load_state_dict(state)  # the flat moments take the loaded values at the next step
+        loss = model(x).square().mean()
+        loss.backward()
+        losses.append(loss.item())
+        zero.step()
+        own = len(tiers.optimizer_tiers[0]._own) if tiers else 0
+        if tiers is not None:
+            tiers.close()
+        return {"losses": losses, "weights": [p.detach().clone() for p in model.parameters()], "own": own,
+                "state": zero.state_dict()["state"]}  # fmt: skip
+    finally:
+        host_copies.FORCE_COPIES = False
+
+
+def _all(cases: list[tuple[dict[str, Any], type[torch.optim.Optimizer]]]) -> list[list[dict[str, Any]]]:
+    return [[_train(False, False, o, c), _train(True, False, o, c), _train(True, True, o, c)] for o, c in cases]
+
+
+@pytest.mark.timeout(60)
+def test_host_adam_steps_bit_for_bit_as_torchs_fused_adamw_and_adam_with_its_state_in_torchs_format():
+    cases = [({}, torch.optim.AdamW), ({"amsgrad": True, "maximize": True}, torch.optim.AdamW), ({}, torch.optim.Adam)]
+    (found,) = run_distributed(_all, 1, cases, timeout=50)
+    for (options, cls), (torch_fused, tier, copies) in zip(cases, found, strict=True):
+        label = f"{cls.__name__}{options}"
+        assert tier["own"] > 0, label  # the host tier's own step ran
+        assert copies["own"] > 0, label
+        for run in (tier, copies):
+            assert run["losses"] == torch_fused["losses"], label
+            for mine, theirs in zip(run["weights"], torch_fused["weights"], strict=True):
+                assert torch.equal(mine, theirs), label
+            assert run["state"].keys() == torch_fused["state"].keys(), label  # the unused layer: no state
+            for i, entries in torch_fused["state"].items():
+                assert list(run["state"][i]) == list(entries), label  # torch's entries, in torch's order
+                for name, value in entries.items():
+                    assert value.dtype == run["state"][i][name].dtype, (label, name)
+                    assert torch.equal(run["state"][i][name], value), (label, i, name)
+
+
+def _host_bytes_per_parameter(dtype: torch.dtype) -> tuple[float, float]:
+    host_copies.FORCE_COPIES = True
+    try:
+        torch.manual_seed(0)
+        # Blocks of uneven sizes, as a GPT's units are: none is a power of two in bytes.
+        model = nn.Sequential(*[nn.Linear(300 + 7 * i, 307 + 7 * i, dtype=dtype) for i in range(6)])
+        config = ZeroConfig(stage=2, offload_optimizer="cpu", bucket_numel=150_000)
+        tiers = MemoryTiers(config, None, io_entries=2)
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        zero = ZeroOptimizer(model, adamw, dist.group.WORLD, config, tiers=tiers.for_optimizer())
+        for _ in range(2):
+            model(torch.randn(4, 300, dtype=dtype)).float().square().mean().backward()
+            zero.step()
+            zero.zero_grad()
+        host = tiers.optimizer_tiers[0].host
+        assert host is not None
+        moments = {id(t.untyped_storage()): t.untyped_storage().nbytes() for s in adamw.state.values()
+                   for t in s.values() if t.dim()}  # fmt: skip
+        parameters = sum(p.numel() for p in model.parameters())
+        tiers.close()
+        return (host.nbytes() + sum(moments.values())) / parameters, host.arena.used_bytes / host.nbytes()
+    finally:
+        host_copies.FORCE_COPIES = False
+
+
+def _both() -> list[tuple[float, float]]:
+    return [_host_bytes_per_parameter(torch.float32), _host_bytes_per_parameter(torch.bfloat16)]
+
+
+@pytest.mark.timeout(60)
+def test_host_tier_holds_at_most_16_bytes_per_parameter_for_masters_moments_and_gradients():
+    """Note [pinned bytes]: fp32 master 4 + Adam's moments 8 + gradient 4 (fp32) or 2 (bf16, whose upload reuses
+    the gradient's bytes), counted as the host allocator hands them out."""
+    (found,) = run_distributed(_both, 1, timeout=50)
+    (fp32, fp32_fill), (bf16, bf16_fill) = found
+    assert fp32 <= 16.001, fp32  # and each buffer's 64-byte alignment
+    assert bf16 <= 16.0, bf16  # 14, and the edit check's buffer (one bucket here, at most 4M elements)
+    assert fp32_fill > 0.99, fp32_fill
+    assert bf16_fill > 0.99, bf16_fill
+
+
+def test_the_arena_hands_out_exact_sizes_from_what_was_reserved():
+    arena = HostArena(torch.device("cpu"))
+    sizes = [201_000, 100_500] * 10
+    arena.reserve([s * 4 for s in sizes])
+    tensors = [arena.empty(n, torch.float32) for n in sizes]
+    assert [t.numel() for t in tensors] == sizes
+    assert len(arena._slabs) == 1
+    assert arena.reserved_bytes == arena.used_bytes  # exact: nothing rounded
+    tensors.append(arena.empty(1000, torch.bfloat16))  # beyond the reservation: a slab of its own size
+    assert arena.reserved_bytes == arena.used_bytes == sum(-(-s * 4 // 64) * 64 for s in sizes) + 2048
+    for i, t in enumerate(tensors):  # no overlap
+        t.fill_(i)
+    assert all(bool((t == i).all()) for i, t in enumerate(tensors))
