@@ -126,8 +126,8 @@ def gpu_tests(config: Config) -> dict[str, Any]:
 # -- host synchronizations per steady-state step -------------------------------------------------------------------
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
 BUDGET = {"32-true": 1, "bf16-mixed": 2}
-"""README, "Host synchronizations": one per step, the read of the all-reduced "got a gradient" flags; mixed precision
-adds one for the edit check (Note [edits reach the masters])."""
+"""docs/gpus.md, "Host synchronizations": one per step, the read of the all-reduced "got a gradient" flags; mixed
+precision adds one for the edit check (Note [edits reach the masters])."""
 
 
 def _frames(event: Any) -> list[str]:
