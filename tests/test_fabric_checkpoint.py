@@ -235,7 +235,7 @@ def test_load_raw_streams_a_full_state_dict_and_a_filtered_save_keeps_only_what_
         assert_same(result["loaded"], result["expected"])
         assert "frozen" not in result["trainable"]
         assert "frozen" in result["refused"]  # strict loading names what the filtered checkpoint lacks
-    assert saved["fabric_names"]["model"] == "model"
+    assert saved["fabric_names"]["models"] == {"model": ""}  # the one model, its own keys
 
 
 def _load_corrupted(root: str) -> str:

@@ -7,6 +7,7 @@
 - ``storage``: local paths and fsspec URLs (``s3://``, ``gs://``, ``memory://``); the commit on an object store.
 - ``full``: DDP / full checkpoints and plain state dicts as input.
 - ``frozen``: ``exclude_frozen_parameters``: adapter-sized checkpoints, the frozen base restored from its source.
+- ``sections``: several models in one checkpoint, each under its name; a model loaded from its section.
 - ``full_save``: ``state_dict_type="full"``: one ``torch.save`` file as DDP writes it, streamed from the shards.
 - ``pretrained``: pretrained weights as input: safetensors files, Hugging Face directories, keys matched to the model.
 - ``tiered``: checkpoint IO through the memory tiers (``TierStorage``): slices moved one at a time.

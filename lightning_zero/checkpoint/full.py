@@ -87,9 +87,14 @@ def full_checkpoint_sources(
         names = {id(p): state_dict_name(name) for name, p in module.named_parameters()}
         shapes = {state_dict_name(name): p.shape for name, p in module.named_parameters()}
         for i, (saved, zero) in enumerate(zip(optimizer_states, zero_optimizers, strict=True)):
+            if saved is None:  # not loaded (Note [several models in one checkpoint] in sections.py)
+                toc["optimizers"].append({})
+                continue
             groups = [[names[id(p)] for p in group["params"]] for group in zero.param_groups]  # the user's order
             toc["optimizers"].append(_optimizer_sources(i, saved, groups, shapes, sources, toc, origin))
-    checkpoint["optimizer_states"] = [{"param_groups": saved["param_groups"]} for saved in optimizer_states]
+    checkpoint["optimizer_states"] = [
+        None if saved is None else {"param_groups": saved["param_groups"]} for saved in optimizer_states
+    ]
     return sources, toc
 
 

@@ -270,16 +270,20 @@ def _state_layout(
 def _torch_optimizer_states(
     module: nn.Module,
     zero_optimizers: Sequence[ZeroOptimizer],
-    sharded: list[dict[str, Any]],
+    sharded: list[dict[str, Any] | None],
     flat: Mapping[tuple[int, str], torch.dtype],
     which: Mapping[tuple[int, str], Mapping[str, Tensor | None]],
     by_param: Mapping[int, OwnedSlice],
     records: _Records,
-) -> list[dict[str, Any]]:
-    """Each optimizer's ``state_dict()`` as torch builds it under DDP: state by position in its param groups."""
+) -> list[dict[str, Any] | None]:
+    """Each optimizer's ``state_dict()`` as torch builds it under DDP: state by position in its param groups (None
+    for an optimizer whose state the checkpoint leaves out)."""
     names = {id(p): n for n, p in module.named_parameters()}
-    states = []
+    states: list[dict[str, Any] | None] = []
     for i, (zero, saved) in enumerate(zip(zero_optimizers, sharded, strict=True)):
+        if saved is None:  # not saved: its state is left out of the file
+            states.append(None)
+            continue
         state: dict[int, dict[str, Any]] = {}
         groups = []
         position = 0

@@ -62,6 +62,7 @@ from lightning_zero.checkpoint.frozen import FROZEN_KEY, adapter_prefixes, froze
 from lightning_zero.checkpoint.full import full_checkpoint_sources
 from lightning_zero.checkpoint.local_commit import recover_interrupted_commit
 from lightning_zero.checkpoint.pretrained import is_pretrained_source, open_pretrained, pretrained_sources
+from lightning_zero.checkpoint.sections import Section, section_state, section_toc
 from lightning_zero.checkpoint.slices import LoadPlan, owned_parameter_slices, read_whole
 from lightning_zero.checkpoint.storage import ChecksummingWriter, Location, locate
 from lightning_zero.checkpoint.tiered import Span, TierStorage, chunk_of
@@ -215,6 +216,7 @@ def load_checkpoint(
     gatherer: ShardedParameters | None = None,
     tiers: TierStorage | None = None,
     built_on_meta: bool = False,
+    section: Section | None = None,
 ) -> dict[str, Any]:
     """Load a sharded checkpoint directory (any world size, stage or bucket size) or a full ``.ckpt`` file.
 
@@ -224,6 +226,8 @@ def load_checkpoint(
     ``state_dict`` the full averaged copy of the model if the save had one (``save_sharded_checkpoint(averaged=)``).
     A checkpoint that left the frozen parameters out restores them from the source it records first (Note [frozen
     base restored from its source]); ``built_on_meta``: this run's model was built on meta and only initialized.
+    ``section``: what ``module`` and each of ``zero_optimizers`` load of a checkpoint holding several models (Note
+    [several models in one checkpoint] in ``sections.py``); it replaces ``load_optimizer``.
     """
     checkpoint = locate(path)
     if not checkpoint.remote and (process_group is None or process_group.rank() == 0):
@@ -234,8 +238,13 @@ def load_checkpoint(
     if is_pretrained_source(checkpoint):  # weights only, e.g. `fit(ckpt_path=hf_dir)`: Lightning restores nothing else
         load_pretrained(module, path, zero_optimizers, gatherer, prefix=None, strict=strict, tiers=tiers)
         return {}
+    if section is not None:
+        load_optimizer = any(i is not None for i in section.optimizers)
+        strict = strict and section.model
     if checkpoint.isfile():  # e.g. a DDP run's checkpoint: full tensors, sliced here
         state = load_lightning_state(checkpoint, mmap=True)
+        if section is not None:
+            section_state(state, section)
         load_full_checkpoint(
             state,
             checkpoint,
@@ -250,6 +259,9 @@ def load_checkpoint(
         return state
     slices = owned_parameter_slices(zero_optimizers, gatherer)
     state, toc, data, metadata = open_committed(checkpoint)
+    if section is not None:
+        section_state(state, section)
+        toc = section_toc(toc, section)
     excluded = _restore_frozen(state, module, checkpoint, zero_optimizers, gatherer, tiers, built_on_meta)
     plan = LoadPlan(module, slices, toc, strict=strict, origin=checkpoint, tiers=tiers, excluded=excluded)
     if load_optimizer and toc["optimizers"]:

@@ -193,7 +193,8 @@ class LoadPlan:
                 f"configure_optimizers returned {len(zero_optimizers)}. HINT: resume with the same optimizers."
             )
         for i, zero in enumerate(zero_optimizers):
-            self.after.append(self._plan_optimizer(i, zero, saved[i]["param_groups"]))
+            if saved[i] is not None:  # None: not loaded (Note [several models in one checkpoint] in sections.py)
+                self.after.append(self._plan_optimizer(i, zero, saved[i]["param_groups"]))
 
     def _plan_optimizer(self, i: int, zero: ZeroOptimizer, saved_groups: list[dict[str, Any]]) -> Callable[[], None]:
         """Read optimizer ``i``'s state for every owned range into per-segment tensors; load them afterwards."""

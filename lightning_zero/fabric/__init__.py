@@ -2,12 +2,14 @@
 
 - ``strategy``: ``ZeroFabricStrategy`` (setup, sharded initialization, backward, accumulation, clipping, collectives,
   presets in Fabric's registry).
+- ``models``: the set-up models, each with its units and optimizers (several per Fabric).
+- ``zero_grad``: ``model.zero_grad()`` on a set-up model reaches the gradients ZeRO holds for it.
 - ``precision``: ``ZeroFabricPrecision``, ``ZeroPrecision`` under Fabric's backward and step protocol.
 - ``module``: ``ZeroForwardModule``, what ``setup_module`` returns, so that Fabric routes marked methods through the
   model's call; the guard against saving stage-3 placeholders.
 - ``backward_sync``: ``fabric.no_backward_sync``, accumulation through the reducers' ``no_sync``.
 - ``checkpoint``: ``fabric.save``/``load``/``load_raw`` in the Trainer's sharded directory format, or one file
-  (``state_dict_type="full"``).
+  (``state_dict_type="full"``); ``checkpoint_layout``: where each object of a state goes, what each load takes.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,
 lightning_zero.offload, lightning_zero.checkpoint, and from lightning_zero.lightning what both front doors share

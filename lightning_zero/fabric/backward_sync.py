@@ -13,11 +13,12 @@ from typing_extensions import override
 from lightning_zero.compat import FabricBackwardSyncControl
 
 if TYPE_CHECKING:
+    from lightning_zero.fabric.models import SetUpModel
     from lightning_zero.fabric.strategy import ZeroFabricStrategy
 
 
 class ZeroBackwardSyncControl(FabricBackwardSyncControl):
-    """``fabric.no_backward_sync(model)``: every optimizer's reducer accumulates locally inside."""
+    """``fabric.no_backward_sync(model)``: the model's reducers accumulate locally inside."""
 
     def __init__(self, strategy: ZeroFabricStrategy) -> None:
         self._strategy = strategy
@@ -28,20 +29,23 @@ class ZeroBackwardSyncControl(FabricBackwardSyncControl):
         outside reduces them all (as DDP's ``no_sync``)."""
         if not enabled:
             return nullcontext()
-        if self._strategy._set_up_model(module) is not self._strategy._module:
+        model = self._strategy.models.of(module)
+        if model is None:
             raise TypeError(
                 f"`no_backward_sync` got a {type(module).__name__} that ZeroFabricStrategy did not set up. HINT: pass "
                 "the model `fabric.setup` returned."
             )
-        return self._accumulating()
+        return self._accumulating(model)
 
     @contextmanager
-    def _accumulating(self) -> Generator[None, None, None]:
+    def _accumulating(self, model: SetUpModel) -> Generator[None, None, None]:
+        """This model's reducers accumulate locally, as DDP's ``no_sync`` of this model's ``DistributedDataParallel``
+        does: the backward passes of other models inside still communicate."""
         with ExitStack() as stack:
-            for reducer in self._strategy.reducers():
+            for reducer in model.reducers():
                 stack.enter_context(reducer.no_sync())
-            self._strategy._accumulating = True  # Note [buffers follow rank 0]
+            model.accumulating = True  # Note [buffers follow rank 0]
             try:
                 yield
             finally:
-                self._strategy._accumulating = False
+                model.accumulating = False

@@ -1,39 +1,41 @@
-"""Fabric's ``save``/``load``/``load_raw`` in the Trainer's sharded checkpoint format (``lightning_zero.checkpoint``).
-
-Note [Fabric state in the Trainer's format]
-A Fabric checkpoint is a dictionary of named objects (``{"model": model, "optimizer": optimizer, "step": 3}``);
-the Trainer's holds the model under ``state_dict`` and the optimizers, in order, under ``optimizer_states``. A Fabric
-save writes the set-up model's sharded state as ``state_dict`` and the optimizers' as ``optimizer_states`` (all of
-them, in the order they were set up), everything else of the dictionary as it is (a ``state_dict()`` for stateful
-objects), and under ``FABRIC_NAMES`` the names the model and optimizers had (for readers; a load does not need
-them). So one directory format serves both front doors: a load gives the checkpoint's model to the module of the
-dictionary and its optimizers to the optimizers, whatever their names, a Trainer's checkpoint as a Fabric's; the
-other entries are restored by name as Fabric restores them; a Trainer resumes a Fabric checkpoint
-from its weights and optimizer state (it finds no loops there: it starts counting steps from 0); a Fabric save adds
-what a Trainer requires to resume (``_TRAINER_REQUIRES``: the Lightning version, the LR schedulers' states) when the
-state lacks it, and a Fabric load takes it out again. Any world size, stage or bucket size loads any other, as for
-the Trainer.
+"""Fabric's ``save``/``load``/``load_raw`` in the Trainer's sharded checkpoint format (``lightning_zero.checkpoint``):
+where each object goes and what each load takes is ``checkpoint_layout.py``'s (Note [Fabric state in the Trainer's
+format]); this file writes and reads it.
 
 ``ZeroConfig.state_dict_type="full"`` writes instead one file as Fabric's DDP (and FSDP's full state dict) does
 (Note [one-file Fabric checkpoints]); ``exclude_frozen_parameters=True`` leaves the frozen parameters out and records
 the pretrained source ``fabric.load_raw`` loaded, restored first by ``fabric.load`` (Note [frozen base restored from its
 source] in ``checkpoint/frozen.py``). Both go through the Trainer's own functions.
+
+Note [one-file Fabric checkpoints]
+Fabric's DDP (and single-device) strategies save ``fabric.save(path, state)`` as one ``torch.save`` file of the
+state with every object replaced by its state dict; so does ``ZeroConfig.state_dict_type="full"``, as Fabric's
+FSDP does with its full state dict: the model's full state dict under its name, each optimizer's full state under
+its name, in torch's format (state keyed by position in its param groups, as DDP's ``optimizer.state_dict()``,
+which is what DDP's ``fabric.load`` reads, rather than FSDP's keyed by parameter name), everything else as it is,
+streamed from the shards by rank 0 (Note [full checkpoint streamed] in ``checkpoint/full_save.py``, arranged by
+``_fabric_layout``). Nothing of the sharded format is added: a DDP loop's ``fabric.load`` gets back only what was
+saved (and, with ``exclude_frozen_parameters``, the record of what was left out). ``fabric.load`` of such a file
+under ZeRO arranges it as a DDP Trainer's ``.ckpt`` (model under ``state_dict``, the optimizers the state names
+under ``optimizer_states`` in set-up order) and loads it as the Trainer does (``load_full_checkpoint``): each
+rank copies out its ranges of the weights and, through the optimizers' param groups, which name the parameter at
+each position, of the optimizer state; the rest is restored as Fabric restores it. A one-file Lightning
+checkpoint (a DDP Trainer's) has the ``state_dict`` layout and goes through ``load_checkpoint``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from os import PathLike
 from typing import TYPE_CHECKING, Any
 
-import lightning
 from torch.nn import Module
-from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.files import CheckpointError, load_lightning_state
 from lightning_zero.checkpoint.frozen import FROZEN_KEY, frozen_keys, frozen_record, source_path
 from lightning_zero.checkpoint.full_save import save_full_checkpoint
 from lightning_zero.checkpoint.pretrained import is_pretrained_source
+from lightning_zero.checkpoint.sections import prefixed, prefixed_optimizer_state, read_checkpoint_state
 from lightning_zero.checkpoint.sharded_checkpoint import (
     load_checkpoint,
     load_full_checkpoint,
@@ -42,9 +44,20 @@ from lightning_zero.checkpoint.sharded_checkpoint import (
     sharded_model_state,
     sharded_optimizer_state,
 )
-from lightning_zero.checkpoint.storage import locate
-from lightning_zero.compat import FabricStateful, validate_keys_for_strict_loading
-from lightning_zero.lightning.strategy_checkpoint import as_zero_optimizer
+from lightning_zero.checkpoint.storage import Location, locate
+from lightning_zero.compat import validate_keys_for_strict_loading
+from lightning_zero.fabric.checkpoint_layout import (
+    FABRIC_NAMES,
+    FORMAT_KEYS,
+    TRAINER_REQUIRES,
+    SaveLayout,
+    restore_others,
+    restore_plan,
+    save_layout,
+    saved_contents,
+)
+from lightning_zero.fabric.models import SetUpModel
+from lightning_zero.fabric.module import refuse_released_parameters
 
 if TYPE_CHECKING:
     from lightning_zero.fabric.strategy import ZeroFabricStrategy
@@ -52,14 +65,8 @@ if TYPE_CHECKING:
 CheckpointPath = str | PathLike[str]
 """A checkpoint's location: a local path or an fsspec URL."""
 
-FABRIC_NAMES = "fabric_names"
-"""The names of the model and the optimizers in the Fabric state saved (Note [Fabric state in the Trainer's
-format])."""
-_FORMAT_KEYS = ("state_dict", "optimizer_states", FABRIC_NAMES, FROZEN_KEY)
-_TRAINER_REQUIRES: dict[str, Any] = {"lr_schedulers": [], "pytorch-lightning_version": lightning.__version__}
-"""What a Trainer's resume reads that a Fabric state need not have (Note [Fabric state in the Trainer's format])."""
 
-
+# -- save ------------------------------------------------------------------------------------------------------------
 def save_fabric_checkpoint(
     strategy: ZeroFabricStrategy,
     path: CheckpointPath,
@@ -67,78 +74,95 @@ def save_fabric_checkpoint(
     filter: dict[str, Callable[[str, Any], bool]],
 ) -> None:
     """Write ``state`` as the sharded directory ``path`` (Note [Fabric state in the Trainer's format]), or with
-    ``state_dict_type="full"`` as one file (Note [one-file Fabric checkpoints])."""
-    module_name, optimizer_names = _named_objects(strategy, state, "save")
+    ``state_dict_type="full"`` as one file (Note [one-file Fabric checkpoints]). Every refusal comes before anything
+    is written."""
+    layout = save_layout(strategy.models, state, filter)
     config = strategy.config
     full = config.state_dict_type == "full"
     if config.exclude_frozen_parameters:
         refuse_unrestorable_frozen_base(strategy)
-    if optimizer_names and any(name in filter for name in optimizer_names):
+    for model in strategy.models:
+        if model.gatherer is not None:
+            refuse_released_parameters(layout.plain, model.module)
+    if full and len(layout.sections) > 1:
+        names = [name.rstrip(".") for name, _ in layout.sections]
         raise ValueError(
-            "`fabric.save(filter=...)` on an optimizer is not supported by ZeroFabricStrategy: its state is "
-            "sharded with the model. HINT: filter the model's entries only."
+            f"ZeroConfig.state_dict_type='full' writes one set-up model and its optimizers per file, as Fabric's FSDP "
+            f"does, and `fabric.save` got the parts of {len(names)}: {names}. HINT: save each model (with its "
+            "optimizers) to a file of its own, or use state_dict_type='sharded', which holds them all in one "
+            "checkpoint (`python -m lightning_zero consolidate` makes one file of it)."
         )
-    checkpoint: dict[str, Any] = {}
-    added = []
-    for name, obj in state.items():
-        if name in (module_name, *optimizer_names):
-            continue
-        if name in _FORMAT_KEYS:
-            raise ValueError(
-                f"`fabric.save` state key {name!r} is reserved by the sharded checkpoint format. HINT: rename it."
+    checkpoint = dict(layout.plain)
+    added = [key for key in TRAINER_REQUIRES if key not in checkpoint and not full]
+    checkpoint.update({key: TRAINER_REQUIRES[key] for key in added})  # a Trainer refuses a checkpoint without them
+    tiers = strategy._tiers
+    if layout.models:
+        checkpoint["state_dict"] = {}
+        for name, model in layout.models.items():
+            model_state = sharded_model_state(
+                model.module, model.optimizers, model.gatherer, tiers, config.exclude_frozen_parameters
             )
-        value = obj.state_dict() if isinstance(obj, FabricStateful) else obj
-        checkpoint[name] = _filtered(value, filter.get(name))
-    for key, value in _TRAINER_REQUIRES.items():  # a Trainer refuses a checkpoint without them
-        if key not in checkpoint and not full:
-            checkpoint[key] = value
-            added.append(key)
-    module = strategy._module
-    if module_name is not None:
-        assert module is not None
-        model_state = sharded_model_state(
-            module, strategy._optimizers, strategy._gatherer, strategy._tiers, config.exclude_frozen_parameters
-        )
-        keep = filter.get(module_name)
-        if keep is not None:
-            parameters = module.state_dict(keep_vars=True)
-            model_state = {k: v for k, v in model_state.items() if keep(k, parameters[k])}
-        checkpoint["state_dict"] = model_state
-        if config.exclude_frozen_parameters:  # Note [frozen base restored from its source]
-            checkpoint[FROZEN_KEY] = frozen_record(module, strategy.pretrained_source)
-    if optimizer_names:
-        checkpoint["optimizer_states"] = [
-            sharded_optimizer_state(strategy._optimizers, i, strategy._tiers) for i in range(len(optimizer_names))
-        ]
-    if full:  # Note [one-file Fabric checkpoints]
-        if module is None:
-            raise ValueError(
-                "ZeroConfig.state_dict_type='full' writes the set-up model's full state dict, and `fabric.save` got "
-                "no model in `state`. HINT: `fabric.save(path, {'model': model, ...})`."
-            )
-        save_full_checkpoint(
-            checkpoint,
-            path,
-            module,
-            strategy._optimizers,
-            strategy.process_group,
-            strategy._gatherer,
-            strategy._tiers,
-            arrange=lambda full_state: _fabric_layout(full_state, module_name, optimizer_names),
-        )
+            keep = filter.get(name)
+            if keep is not None:
+                parameters = model.module.state_dict(keep_vars=True)
+                model_state = {k: v for k, v in model_state.items() if keep(k, parameters[k])}
+            checkpoint["state_dict"].update(prefixed(model_state, layout.prefix(model)))
+            if config.exclude_frozen_parameters:  # one set-up model (setup_module refuses a second)
+                checkpoint[FROZEN_KEY] = frozen_record(model.module, strategy.pretrained_source)
+    if full:
+        _save_one_file(strategy, path, checkpoint, layout)
         return
-    checkpoint[FABRIC_NAMES] = {"model": module_name, "optimizers": optimizer_names, "added": added}
+    if layout.optimizers:
+        checkpoint["optimizer_states"] = [
+            prefixed_optimizer_state(
+                sharded_optimizer_state(o.model.optimizers, o.model.optimizers.index(o.optimizer), tiers),
+                layout.prefix(o.model),
+            )
+            for o in layout.optimizers
+        ]
+    checkpoint[FABRIC_NAMES] = layout.record(added)
     saved_with = {"world_size": strategy.world_size, "stage": config.stage}
     save_sharded_checkpoint(checkpoint, path, strategy.process_group, saved_with)
 
 
-def _fabric_layout(checkpoint: dict[str, Any], module_name: str | None, optimizer_names: list[str]) -> dict[str, Any]:
+def _save_one_file(
+    strategy: ZeroFabricStrategy, path: CheckpointPath, checkpoint: dict[str, Any], layout: SaveLayout
+) -> None:
+    """The one model of ``layout`` (or none) and its optimizers saved, as one file (Note [one-file Fabric
+    checkpoints])."""
+    model = layout.sections[0][1] if layout.sections else None
+    module_name = next(iter(layout.models), None)
+    names = {id(o.optimizer): o.name for o in layout.optimizers}
+    optimizers = model.optimizers if model is not None else []
+    optimizer_names = [names.get(id(zero)) for zero in optimizers]
+    if names:
+        checkpoint["optimizer_states"] = [
+            sharded_optimizer_state(optimizers, i, strategy._tiers) if name is not None else None
+            for i, name in enumerate(optimizer_names)
+        ]
+    save_full_checkpoint(
+        checkpoint,
+        path,
+        model.module if model is not None else Module(),
+        optimizers,
+        strategy.process_group,
+        model.gatherer if model is not None else None,
+        strategy._tiers,
+        arrange=lambda full_state: _fabric_layout(full_state, module_name, optimizer_names),
+    )
+
+
+def _fabric_layout(
+    checkpoint: dict[str, Any], module_name: str | None, optimizer_names: list[str | None]
+) -> dict[str, Any]:
     """A full checkpoint in Lightning's layout as Fabric's DDP saves ``state``: each object under its name."""
     arranged = {}
     if module_name is not None:
         arranged[module_name] = checkpoint.pop("state_dict")
-    for name, optimizer_state in zip(optimizer_names, checkpoint.pop("optimizer_states", []), strict=True):
-        arranged[name] = optimizer_state
+    states = checkpoint.pop("optimizer_states", None) or [None] * len(optimizer_names)
+    for name, optimizer_state in zip(optimizer_names, states, strict=True):
+        if name is not None:
+            arranged[name] = optimizer_state
     return {**arranged, **checkpoint}
 
 
@@ -161,60 +185,111 @@ def refuse_unrestorable_frozen_base(strategy: ZeroFabricStrategy) -> None:
         )
 
 
+# -- load ------------------------------------------------------------------------------------------------------------
 def load_fabric_checkpoint(
     strategy: ZeroFabricStrategy, path: CheckpointPath, state: dict[str, Any], strict: bool
 ) -> dict[str, Any]:
-    """Restore the objects of ``state`` from the directory (or full ``.ckpt`` file) ``path``, in place; plain values
-    are replaced in ``state``. Returns what of the checkpoint was not restored."""
-    module_name, optimizer_names = _named_objects(strategy, state, "load")
-    if module_name is None:
-        raise ValueError(
-            "ZeroFabricStrategy.load_checkpoint needs the set-up model in `state`: the model's shards and the rest "
-            "of the checkpoint are read together. HINT: `fabric.load(path, {'model': model, ...})`."
+    """Restore the objects of ``state`` from the directory (or one file) ``path``, in place; plain values are
+    replaced in ``state``. Returns what of the checkpoint was not restored: all of it but the models' and
+    optimizers' shards when ``state`` is empty (a sharded checkpoint's model and optimizer states are read only into
+    set-up objects)."""
+    location = locate(path)
+    if location.isfile():
+        contents = load_lightning_state(location, mmap=True)
+        if "state_dict" not in contents:  # Note [one-file Fabric checkpoints]
+            return _load_one_file(strategy, location, contents, state, strict)
+        # A Lightning checkpoint in one file (a DDP Trainer's): its model and optimizers by position.
+        optimizer_states = contents.get("optimizer_states") or []
+        others = {k: v for k, v in contents.items() if k not in FORMAT_KEYS}
+        saved = saved_contents(None, contents["state_dict"].keys(), len(optimizer_states), others.keys())
+    elif is_pretrained_source(location):  # weights only, as for the Trainer's `fit(ckpt_path=hf_dir)`
+        return _load_pretrained(strategy, path, state, strict)
+    else:
+        lightning_state, toc = read_checkpoint_state(path, strategy.process_group)
+        record = lightning_state.get(FABRIC_NAMES)
+        drop = {*FORMAT_KEYS, *(record.get("added", ()) if isinstance(record, dict) else ())}
+        others = {k: v for k, v in lightning_state.items() if k not in drop}
+        saved = saved_contents(record, toc["state_dict"].keys(), len(toc["optimizers"]), others.keys())
+    if not state:
+        return others
+    plan = restore_plan(strategy.models, state, saved, strict)
+    for model, section in plan.sections:
+        loaded = load_checkpoint(
+            path,
+            model.module,
+            model.optimizers,
+            strategy.process_group,
+            load_optimizer=False,  # the section says which
+            strict=strict,
+            gatherer=model.gatherer,
+            tiers=strategy._tiers,
+            built_on_meta=_unloaded_meta(strategy, model),
+            section=section,
         )
-    assert strategy._module is not None
-    built_on_meta = strategy.built_on_meta and strategy.pretrained_source is None  # nothing loaded into it yet
-    single = _single_file_fabric_checkpoint(path, module_name)
-    if single is not None:  # Note [one-file Fabric checkpoints]
-        validate_keys_for_strict_loading(list(state), single.keys(), strict=strict)
-        present = [name for name in optimizer_names if name in single]
-        if present and len(present) != len(optimizer_names):
+        _note_frozen_source(strategy, loaded)
+    return restore_others(others, state, plan.restored, strict)
+
+
+def _load_one_file(
+    strategy: ZeroFabricStrategy, origin: Location, contents: dict[str, Any], state: dict[str, Any], strict: bool
+) -> dict[str, Any]:
+    """Note [one-file Fabric checkpoints]: each set-up model and optimizer of ``state`` from the entry of its name."""
+    if not state:
+        return contents
+    validate_keys_for_strict_loading(list(state), contents.keys(), strict=strict)
+    restored: list[str] = []
+    for model in strategy.models:
+        module_name = next((n for n, o in state.items() if strategy.models.of(o) is model and n in contents), None)
+        optimizer_names = [
+            next((n for n, o in state.items() if strategy.models.optimizer(o) is zero), None)
+            for zero in model.optimizers
+        ]
+        optimizer_names = [n if n in contents else None for n in optimizer_names]
+        if module_name is None and not any(optimizer_names):
+            continue
+        if module_name is not None and not isinstance(contents[module_name], Mapping):
             raise CheckpointError(
-                f"{path} holds the state of optimizers {present}, not of {optimizer_names}: ZeRO loads the optimizers "
-                "of the model together. HINT: pass every optimizer the checkpoint holds, or none."
+                f"{origin} holds a {type(contents[module_name]).__name__} under {module_name!r}, not a state dict. "
+                "HINT: load the entry of that name into a plain value, or save the model under it."
             )
-        full_state = {"state_dict": single.pop(module_name), "optimizer_states": [single.pop(n) for n in present]}
-        if FROZEN_KEY in single:
-            full_state[FROZEN_KEY] = single.pop(FROZEN_KEY)
+        full_state: dict[str, Any] = {
+            "state_dict": contents.pop(module_name) if module_name is not None else {},
+            "optimizer_states": [contents.pop(n) if n is not None else None for n in optimizer_names],
+        }
+        if FROZEN_KEY in contents and module_name is not None:
+            full_state[FROZEN_KEY] = contents.pop(FROZEN_KEY)
         load_full_checkpoint(
             full_state,
-            locate(path),
-            strategy._module,
-            strategy._optimizers,
-            load_optimizer=bool(present),
-            strict=strict,
-            gatherer=strategy._gatherer,
+            origin,
+            model.module,
+            model.optimizers,
+            load_optimizer=any(n is not None for n in optimizer_names),
+            strict=strict and module_name is not None,
+            gatherer=model.gatherer,
             tiers=strategy._tiers,
-            built_on_meta=built_on_meta,
+            built_on_meta=_unloaded_meta(strategy, model),
         )
         _note_frozen_source(strategy, full_state)
-        return _restore_others(single, state, [module_name, *present], strict)
-    loaded = load_checkpoint(
-        path,
-        strategy._module,
-        strategy._optimizers,
-        strategy.process_group,
-        load_optimizer=bool(optimizer_names),
-        strict=strict,
-        gatherer=strategy._gatherer,
-        tiers=strategy._tiers,
-        built_on_meta=built_on_meta,
-    )
-    _note_frozen_source(strategy, loaded)
-    names = loaded.pop(FABRIC_NAMES, None) or {}
-    for key in (*_FORMAT_KEYS, *names.get("added", ())):
-        loaded.pop(key, None)
-    return _restore_others(loaded, state, [module_name, *optimizer_names], strict)
+        restored += [n for n in (module_name, *optimizer_names) if n is not None]
+    return restore_others(contents, state, restored, strict)
+
+
+def _load_pretrained(
+    strategy: ZeroFabricStrategy, path: CheckpointPath, state: dict[str, Any], strict: bool
+) -> dict[str, Any]:
+    models = [m for m in (strategy.models.of(o) for o in state.values()) if m is not None]
+    if len(models) != 1 or len(state) != 1:
+        raise CheckpointError(
+            f"{path} holds pretrained weights of one model, and `state` holds {list(state)}. HINT: "
+            "`fabric.load_raw(path, model)`, or `fabric.load(path, {'model': model})`."
+        )
+    load_raw(strategy, path, models[0].module, strict)
+    return {}
+
+
+def _unloaded_meta(strategy: ZeroFabricStrategy, model: SetUpModel) -> bool:
+    """Built on meta and only initialized: nothing loaded into it yet."""
+    return model.built_on_meta and strategy.pretrained_source is None
 
 
 def _note_frozen_source(strategy: ZeroFabricStrategy, loaded: dict[str, Any]) -> None:
@@ -224,106 +299,58 @@ def _note_frozen_source(strategy: ZeroFabricStrategy, loaded: dict[str, Any]) ->
         strategy.pretrained_source = frozen["source"]
 
 
-def _restore_others(loaded: dict[str, Any], state: dict[str, Any], restored: list[str], strict: bool) -> dict[str, Any]:
-    """Fabric's semantics for the entries of ``state`` that are not the model or its optimizers: a stateful object
-    loads its state, a plain value is replaced; what the checkpoint has beyond them is returned."""
-    others = [k for k in state if k not in restored]
-    validate_keys_for_strict_loading(others, loaded.keys(), strict=strict)
-    for name in others:
-        if name not in loaded:
-            continue
-        obj = state[name]
-        if isinstance(obj, FabricStateful):
-            obj.load_state_dict(loaded.pop(name))
+def load_raw(strategy: ZeroFabricStrategy, path: CheckpointPath, obj: Any, strict: bool) -> None:
+    """``fabric.load_raw(path, obj)``. A set-up model takes a full state-dict file (``torch.save(model.state_dict())``,
+    or a Lightning checkpoint, a ``.safetensors`` file or a Hugging Face directory), streamed into its shards
+    (``load_full_state_dict``), or a sharded directory's weights; a set-up optimizer takes a torch optimizer's
+    ``state_dict()`` file, by parameter position as DDP's does; anything not set up loads the file as under Fabric's
+    DDP."""
+    location = locate(path)
+    model = strategy.models.of(obj)
+    zero = strategy.models.optimizer(obj)
+    if model is None and zero is None:
+        if _is_directory(path):
+            raise CheckpointError(
+                f"{path} is a directory, and `fabric.load_raw` got a {type(obj).__name__} that was not set up, which "
+                "loads one file. HINT: load a sharded checkpoint into set-up objects, `fabric.load(path, state)`."
+            )
+        contents = load_lightning_state(location, mmap=True)
+        if isinstance(obj, Module):
+            obj.load_state_dict(contents, strict=strict)
         else:
-            state[name] = loaded.pop(name)
-    return loaded
-
-
-def load_raw(strategy: ZeroFabricStrategy, path: CheckpointPath, module: Module, strict: bool) -> None:
-    """``fabric.load_raw(path, model)``: a full state-dict file (``torch.save(model.state_dict())``, or a
-    Lightning checkpoint, a ``.safetensors`` file or a Hugging Face directory) into the sharded model, streamed
-    (``load_full_state_dict``); a sharded directory's weights too."""
-    if module is not strategy._module:
-        raise ValueError(
-            f"`fabric.load_raw` got a {type(module).__name__} that ZeroFabricStrategy did not set up. HINT: set it up "
-            "first (`fabric.setup(model)`), then load into it; ZeRO loads only into shards."
-        )
-    if _is_directory(path) and not is_pretrained_source(locate(path)):  # a sharded checkpoint, not a HF directory
+            obj.load_state_dict(contents)
+        return
+    if zero is not None:
+        owner = strategy.models.model_of(zero)
+        optimizer_states = [load_lightning_state(location) if o is zero else None for o in owner.optimizers]
+        full_state = {"state_dict": {}, "optimizer_states": optimizer_states}
+        load_full_checkpoint(
+            full_state, location, owner.module, owner.optimizers, load_optimizer=True, strict=False,
+            gatherer=owner.gatherer, tiers=strategy._tiers, built_on_meta=False,
+        )  # fmt: skip
+        return
+    assert model is not None
+    if _is_directory(path) and not is_pretrained_source(location):  # a sharded checkpoint, not a HF directory
         loaded = load_checkpoint(
             path,
-            module,
-            strategy._optimizers,
+            model.module,
+            model.optimizers,
             strategy.process_group,
             load_optimizer=False,
             strict=strict,
-            gatherer=strategy._gatherer,
+            gatherer=model.gatherer,
             tiers=strategy._tiers,
-            built_on_meta=strategy.built_on_meta and strategy.pretrained_source is None,
+            built_on_meta=_unloaded_meta(strategy, model),
         )
         _note_frozen_source(strategy, loaded)
         return
     # A torch.save file, a .safetensors file or a Hugging Face directory: its keys under the prefix that names the
     # model's entries (found, e.g. none for the model itself), each rank reading only its ranges.
-    load_pretrained(module, path, strategy._optimizers, strategy._gatherer, prefix=None, strict=strict,
+    load_pretrained(model.module, path, model.optimizers, model.gatherer, prefix=None, strict=strict,
                     tiers=strategy._tiers)  # fmt: skip
     # The frozen base came from here: checkpoints that leave it out record it (Note [frozen base restored from its
     # source]).
     strategy.pretrained_source = source_path(path)
-
-
-def _named_objects(strategy: ZeroFabricStrategy, state: dict[str, Any], verb: str) -> tuple[str | None, list[str]]:
-    """The name of the set-up model in ``state`` (or None), and those of its optimizers, all of them or none."""
-    modules = [k for k, v in state.items() if isinstance(v, Module)]
-    for name in modules:
-        if state[name] is not strategy._module:
-            raise ValueError(
-                f"`fabric.{verb}` state {name!r} is a {type(state[name]).__name__} that ZeroFabricStrategy did not set "
-                "up; a sharded checkpoint holds the one model set up. HINT: pass the model `fabric.setup` returned."
-            )
-    optimizers = [k for k, v in state.items() if isinstance(v, Optimizer)]
-    indices = [strategy._optimizers.index(as_zero_optimizer(state[k])) for k in optimizers]
-    if optimizers and sorted(indices) != list(range(len(strategy._optimizers))):
-        raise ValueError(
-            f"`fabric.{verb}` state holds optimizers {optimizers}, not all {len(strategy._optimizers)} optimizers set "
-            "up: their sharded states are saved and loaded together. HINT: pass every optimizer, or none."
-        )
-    ordered = [name for _, name in sorted(zip(indices, optimizers, strict=True))]
-    return (modules[0] if modules else None), ordered
-
-
-def _single_file_fabric_checkpoint(path: CheckpointPath, module_name: str) -> dict[str, Any] | None:
-    """The contents of ``path`` if it is one file holding the model's state dict under ``module_name`` (not a
-    Lightning checkpoint's ``state_dict``), memory-mapped; else None.
-
-    Note [one-file Fabric checkpoints]
-    Fabric's DDP (and single-device) strategies save ``fabric.save(path, state)`` as one ``torch.save`` file of the
-    state with every object replaced by its state dict; so does ``ZeroConfig.state_dict_type="full"``, as Fabric's
-    FSDP does with its full state dict: the model's full state dict under its name, each optimizer's full state under
-    its name, in torch's format (state keyed by position in its param groups, as DDP's ``optimizer.state_dict()``,
-    which is what DDP's ``fabric.load`` reads, rather than FSDP's keyed by parameter name), everything else as it is,
-    streamed from the shards by rank 0 (Note [full checkpoint streamed] in ``checkpoint/full_save.py``, arranged by
-    ``_fabric_layout``). Nothing of the sharded format is added: a DDP loop's ``fabric.load`` gets back only what was
-    saved (and, with ``exclude_frozen_parameters``, the record of what was left out). ``fabric.load`` of such a file
-    under ZeRO arranges it as a DDP Trainer's ``.ckpt`` (model under ``state_dict``, the optimizers the state names
-    under ``optimizer_states`` in set-up order) and loads it as the Trainer does (``load_full_checkpoint``): each
-    rank copies out its ranges of the weights and, through the optimizers' param groups, which name the parameter at
-    each position, of the optimizer state; the rest is restored as Fabric restores it. A one-file Lightning
-    checkpoint (a DDP Trainer's) has the ``state_dict`` layout and goes through ``load_checkpoint``.
-    """
-    location = locate(path)
-    if not location.isfile():
-        return None
-    contents = load_lightning_state(location, mmap=True)
-    if "state_dict" in contents or not isinstance(contents.get(module_name), dict):
-        return None
-    return contents
-
-
-def _filtered(value: Any, keep: Callable[[str, Any], bool] | None) -> Any:
-    if keep is None or not isinstance(value, dict):
-        return value
-    return {k: v for k, v in value.items() if keep(k, v)}
 
 
 def _is_directory(path: CheckpointPath) -> bool:

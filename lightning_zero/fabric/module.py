@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 from lightning_zero.checkpoint.sharded_checkpoint import load_pretrained
 
 if TYPE_CHECKING:
+    from lightning_zero.fabric.models import SetUpModel
     from lightning_zero.fabric.strategy import ZeroFabricStrategy
 
 
@@ -60,7 +61,11 @@ class LoadedKeys(NamedTuple):
 
 
 def load_state_dict_into_shards(
-    strategy: ZeroFabricStrategy, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    strategy: ZeroFabricStrategy,
+    model: SetUpModel,
+    state_dict: Mapping[str, Any],
+    strict: bool = True,
+    assign: bool = False,
 ) -> LoadedKeys:
     """``load_state_dict`` of the model set up at stage 3 (Note [load_state_dict into shards])."""
     if assign:
@@ -68,10 +73,9 @@ def load_state_dict_into_shards(
             "`load_state_dict(assign=True)` on a stage-3 model would replace its sharded parameters. HINT: load "
             "with `assign=False`, or with `fabric.load_raw(path, model)`."
         )
-    module = strategy._module
-    assert module is not None, "installed by setup_module"
+    module = model.module
     load_pretrained(
-        module, state_dict, strategy._optimizers, strategy._gatherer, prefix="", strict=strict, tiers=strategy._tiers
+        module, state_dict, model.optimizers, model.gatherer, prefix="", strict=strict, tiers=strategy._tiers
     )
     expected = module.state_dict(keep_vars=True).keys()
     return LoadedKeys([k for k in expected if k not in state_dict], [k for k in state_dict if k not in expected])

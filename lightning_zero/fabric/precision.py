@@ -31,6 +31,8 @@ from lightning_zero.sharding.loss_scaler import scale_for_backward
 class ZeroFabricPrecision(ZeroPrecision):
     """ZeRO's precision plugin for ``Fabric(strategy="zero*", precision=...)``: see ``ZeroPrecision``."""
 
+    _strategy_name = "ZeroFabricStrategy"
+
     @override
     def convert_input(self, data: Any) -> Any:
         return self._converted(data, self.param_dtype)

@@ -9,7 +9,8 @@ Thin glue, in the order a Fabric loop calls it:
   ``setup_module`` materializes it unit by unit, initialized as the Trainer's ``configure_model`` models are
   (``stage3/sharded_init.py``). Otherwise (stages 1 and 2, or without ``empty_init``) it is DDP's.
 - ``setup_module``: stage 3 shards the model; stages 1 and 2 synchronize it from rank 0; it returns the model in a
-  ``ZeroForwardModule`` (Note [marked forward methods] in ``fabric/module.py``). ``setup_optimizer``: each
+  ``ZeroForwardModule`` (Note [marked forward methods] in ``fabric/module.py``). Any number of models, each with its
+  own units and optimizers (Note [several models in one Fabric] in ``fabric/models.py``). ``setup_optimizer``: each
   optimizer becomes a ``ZeroOptimizer`` over the set-up model (so ``fabric.setup(model, optimizer)`` and
   ``fabric.setup_module`` then ``fabric.setup_optimizers`` both work, at every stage: sharding keeps the parameter
   objects, Note [placeholders] in ``sharding/flat_bucket.py``).
@@ -42,7 +43,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.comm.fault_monitor import FaultMonitor
-from lightning_zero.compat import FabricSharded, sync_module_states
+from lightning_zero.compat import FabricSharded
 from lightning_zero.config import ZeroConfig
 from lightning_zero.fabric.backward_sync import ZeroBackwardSyncControl
 from lightning_zero.fabric.checkpoint import (
@@ -52,9 +53,11 @@ from lightning_zero.fabric.checkpoint import (
     refuse_unrestorable_frozen_base,
     save_fabric_checkpoint,
 )
-from lightning_zero.fabric.module import ZeroForwardModule, load_state_dict_into_shards, refuse_released_parameters
+from lightning_zero.fabric.models import SetUpModel, SetUpModels, on_meta, set_up_model, set_up_optimizer
+from lightning_zero.fabric.module import load_state_dict_into_shards
 from lightning_zero.fabric.precision import ZeroFabricPrecision
-from lightning_zero.lightning.engine_setup import broadcast_buffers, shard_for_stage3, wrap_optimizers
+from lightning_zero.fabric.zero_grad import apply_zero_grad, engine_call, mark, watched
+from lightning_zero.lightning.engine_setup import broadcast_buffers
 from lightning_zero.lightning.grad_norm import hide_partial_gradients
 from lightning_zero.lightning.offload_setup import build_memory_tiers
 from lightning_zero.lightning.precision import to_zero_precision
@@ -62,7 +65,6 @@ from lightning_zero.lightning.presets import register_presets
 from lightning_zero.lightning.strategy_checkpoint import as_zero_optimizer
 from lightning_zero.lightning.strategy_processes import StartMethod
 from lightning_zero.offload.memory_tiers import MemoryTiers
-from lightning_zero.sharding.activation_checkpointing import apply_activation_checkpointing_policy
 from lightning_zero.sharding.gradient_reducer import GradientReducer
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.library_init import ParamInitFn, pretrained_on_meta_hint
@@ -117,23 +119,34 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         )
         self._backward_sync_control = ZeroBackwardSyncControl(self)
         self._param_init_fn = param_init_fn
-        self._module: Module | None = None
-        """The model set up (one per strategy: the checkpoint format holds one model)."""
-        self._forward_module: ZeroForwardModule | None = None
-        """What ``setup_module`` returned for it (Note [marked forward methods] in ``fabric/module.py``)."""
-        self._gatherer: ParameterGatherer | None = None
-        self._optimizers: list[ZeroOptimizer] = []
+        self.models = SetUpModels()
+        """The models set up, each with its units and optimizers (Note [several models in one Fabric] in
+        ``fabric/models.py``)."""
         self._tiers: MemoryTiers | None = None
         self._fault_monitor: FaultMonitor | None = None
         self._excepthook: Callable[[type[BaseException], BaseException, TracebackType | None], Any] | None = None
-        self._broadcast_next_forward = True  # Note [buffers follow rank 0] in lightning/strategy.py
-        self._accumulating = False  # inside no_backward_sync
         self.pretrained_source: str | None = None
         """The pretrained weights ``fabric.load_raw`` loaded, recorded by checkpoints that leave frozen parameters
         out (Note [frozen base restored from its source])."""
-        self.built_on_meta = False
-        """Whether stage 3 built the model on the meta device and initialized it (no weights of its own)."""
         self._frozen_base_checked = False
+
+    # The first model set up, its units and every optimizer: what a loop with one model reads.
+    @property
+    def _module(self) -> Module | None:
+        return self.models.models[0].module if self.models else None
+
+    @property
+    def _gatherer(self) -> ParameterGatherer | None:
+        return self.models.models[0].gatherer if self.models else None
+
+    @property
+    def _optimizers(self) -> list[ZeroOptimizer]:
+        return self.models.optimizers
+
+    @property
+    def built_on_meta(self) -> bool:
+        """Whether stage 3 built the (first) model on the meta device and initialized it (no weights of its own)."""
+        return bool(self.models) and self.models.models[0].built_on_meta
 
     # -- precision: ZeRO's own (lightning/precision.py) -------------------------------------------------------------
     @property
@@ -195,25 +208,18 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
 
     @override
     def module_to_device(self, module: Module) -> None:
-        if not _on_meta(module):  # a model on meta is allocated on the device by setup_module
+        if not on_meta(module):  # a model on meta is allocated on the device by setup_module
             module.to(self.root_device)
 
     @override
     def setup_module(self, module: Module) -> Module:  # type: ignore[override]  # not wrapped in DDP
-        if self._module is not None:
+        if self.config.exclude_frozen_parameters and self.models:
             raise ValueError(
-                f"ZeroFabricStrategy sets up one model, and {type(self._module).__name__} was set up already. HINT: "
-                "put the models in one `nn.Module` and set that up, or use one Fabric per model."
+                f"ZeroConfig.exclude_frozen_parameters=True records one pretrained source per checkpoint, and "
+                f"{type(module).__name__} would be the second model set up (after "
+                f"{type(self.models.models[0].module).__name__}). HINT: set up one model with this option (a frozen "
+                "teacher need not be set up), or set exclude_frozen_parameters=False."
             )
-        if self.config.stage != 3 and _on_meta(module):
-            raise ValueError(
-                f"{type(module).__name__} has parameters on the meta device, which only stage 3 materializes. HINT: "
-                "build it under `fabric.init_module(empty_init=False)` (or without it) at stages 1 and 2, or use "
-                "stage 3."
-            )
-        self._module = module
-        # Before stage 3 forms its units, so that a checkpointed layer is still a unit (as under the Trainer).
-        apply_activation_checkpointing_policy(module, self.config.activation_checkpointing_policy)
         if self._tiers is None:  # a relative offload_dir is under the working directory
             self._tiers = build_memory_tiers(
                 self.config,
@@ -224,59 +230,41 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
                 self.world_size,
                 self.num_processes,
             )
-        if self.config.stage == 3:
-            self.built_on_meta = _on_meta(module)
-            self._gatherer = shard_for_stage3(
-                module,
-                self.config,
-                self.process_group,
-                self.root_device,
-                self.num_processes,
-                self._param_init_fn,
-                self._tiers,
-            )
-            broadcast_buffers(module, self.process_group)
-            # Note [load_state_dict into shards] in fabric/module.py
-            module.load_state_dict = partial(load_state_dict_into_shards, self)  # type: ignore[method-assign]
-        else:
-            module.to(self.root_device)
-            # Parameters are broadcast again bucket by bucket when an optimizer shards them; buffers only here.
-            sync_module_states(module)
-        module.register_forward_pre_hook(self._forward_of_the_loop, prepend=True)
+        model = set_up_model(
+            module,
+            self.config,
+            self.process_group,
+            self.root_device,
+            self.num_processes,
+            self._param_init_fn,
+            self._tiers,
+        )
+        self.models.models.append(model)
+        if model.gatherer is not None:  # Note [load_state_dict into shards] in fabric/module.py
+            module.load_state_dict = partial(load_state_dict_into_shards, self, model)  # type: ignore[method-assign]
+        module.register_forward_pre_hook(partial(self._forward_of_the_loop, model), prepend=True)
         self.precision.after_backward = self._hide_partial_gradients
-        self._forward_module = ZeroForwardModule(module)
-        return self._forward_module
+        return model.forward_module
 
     def _set_up_model(self, module: Any) -> Any:
         """The model for what Fabric hands over of it (Note [marked forward methods] in ``fabric/module.py``)."""
-        return self._module if module is self._forward_module and module is not None else module
+        model = self.models.of(module)
+        return module if model is None else model.module
 
-    def _forward_of_the_loop(self, module: Module, args: Any) -> None:
+    def _forward_of_the_loop(self, model: SetUpModel, module: Module, args: Any) -> None:
         """Broadcast rank 0's buffers where DDP would (Note [buffers follow rank 0] in ``lightning/strategy.py``):
-        at the first forward, and after a forward with gradients outside ``no_backward_sync``."""
-        if self._broadcast_next_forward and self.config.broadcast_buffers:
+        at the model's first forward, and after a forward with gradients outside its ``no_backward_sync``."""
+        if model.broadcast_next_forward and self.config.broadcast_buffers:
             broadcast_buffers(module, self.process_group)
-        self._broadcast_next_forward = torch.is_grad_enabled() and not self._accumulating
+        model.broadcast_next_forward = torch.is_grad_enabled() and not model.accumulating
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        if self._module is None:
-            raise RuntimeError(
-                "ZeroFabricStrategy wraps an optimizer over a set-up model. HINT: call `fabric.setup(model, "
-                "optimizer)`, or `model = fabric.setup_module(model)` before `fabric.setup_optimizers(optimizer)`."
-            )
-        optimizers: list[Optimizer] = [*self._optimizers, optimizer]
-        self._optimizers = wrap_optimizers(
-            self._module,
-            optimizers,
-            self.process_group,
-            self.config,
-            self.precision,
-            self._gatherer,
-            self._tiers,
-            self.num_processes,
+        zero = set_up_optimizer(
+            self.models, optimizer, self.process_group, self.config, self.precision, self._tiers, self.num_processes
         )
-        return self._optimizers[-1]
+        self.models.model_of(zero).watched[id(zero)] = watched(zero)  # Note [model.zero_grad() reaches the shards]
+        return zero
 
     def _hide_partial_gradients(self) -> None:
         hide_partial_gradients(self._optimizers)  # Note [no partial gradients] in lightning/grad_norm.py
@@ -286,24 +274,35 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         if self.config.exclude_frozen_parameters and not self._frozen_base_checked:
             refuse_unrestorable_frozen_base(self)  # before training, as the Trainer refuses it when fit starts
             self._frozen_base_checked = True
+        apply_zero_grad(self.models)  # Note [model.zero_grad() reaches the shards] in fabric/zero_grad.py
         super().backward(tensor, module, *args, **kwargs)
+        mark(self.models)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        zero = self.models.optimizer(optimizer)
+        if zero is not None:
+            apply_zero_grad(self.models, only=zero)
+        with engine_call(self.models):
+            return super().optimizer_step(optimizer, **kwargs)
 
     def reducers(self) -> list[GradientReducer]:
-        """The gradient reducers of the set-up model: stage 3's (shared by its optimizers), or each optimizer's."""
-        found = [o.reducer for o in self._optimizers]
-        if self._gatherer is not None:
-            found.append(self._gatherer.reducer)
-        return list({id(r): r for r in found}.values())
+        """The gradient reducers of every set-up model."""
+        return [r for model in self.models for r in model.reducers()]
 
     @contextmanager
     def gathered_parameters(self, module: Module | None = None, writeback: bool = False) -> Generator[None, None, None]:
-        """Full parameters of ``module`` (default: the whole model) on every rank inside the context: for sampling,
-        EMA or export. Call it on every rank; ``writeback=True`` keeps changes. Stages 1 and 2 hold full parameters
-        already."""
-        if self._gatherer is None:
-            yield
-            return
-        with self._gatherer.gathered(self._set_up_model(module), writeback=writeback):
+        """Full parameters of ``module`` (a set-up model, or a module of one; default: every set-up model) on every
+        rank inside the context: for sampling, EMA or export. Call it on every rank; ``writeback=True`` keeps
+        changes. Stages 1 and 2 hold full parameters already."""
+        target = self._set_up_model(module)
+        wanted = None if target is None else {id(p) for p in target.parameters()}
+        with ExitStack() as stack:
+            for model in self.models:
+                held = {id(p) for p in model.module.parameters()}
+                if model.gatherer is None or (wanted is not None and wanted.isdisjoint(held)):
+                    continue
+                stack.enter_context(model.gatherer.gathered(target, writeback=writeback))
             yield
 
     # -- clipping over shards (Note [reduced gradients live in the optimizer] in lightning/precision.py) -------------
@@ -317,7 +316,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         zero = as_zero_optimizer(optimizer)
-        norm = zero.clip_grad_norm_(float(max_norm), float(norm_type))
+        with engine_call(self.models):  # Note [model.zero_grad() reaches the shards] in fabric/zero_grad.py
+            norm = zero.clip_grad_norm_(float(max_norm), float(norm_type))
         # A step that overflowed under loss scaling is skipped by every rank: its norm is expected to be infinite.
         if error_if_nonfinite and not zero._found_inf and not bool(torch.isfinite(norm)):
             raise RuntimeError(
@@ -329,7 +329,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        as_zero_optimizer(optimizer).clip_grad_value_(float(clip_val))
+        with engine_call(self.models):
+            as_zero_optimizer(optimizer).clip_grad_value_(float(clip_val))
 
     # -- checkpoints: the Trainer's sharded directory (fabric/checkpoint.py) -----------------------------------------
     @override
@@ -347,8 +348,6 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
                 "checkpoints are written by every rank, not through a CheckpointIO plugin. HINT: drop storage_options."
             )
         state = {name: self._set_up_model(value) for name, value in state.items()}
-        if self._module is not None and self._gatherer is not None:
-            refuse_released_parameters(state, self._module)
         save_fabric_checkpoint(self, self.broadcast(path), state, filter or {})
 
     @override
@@ -359,21 +358,17 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Load a sharded directory (any world size or stage, a Fabric's or a Trainer's) or a full ``.ckpt`` file
-        into the objects of ``state``; a module alone (``fabric.load_raw``) takes a full state-dict file.
+        """Load a sharded directory (any world size or stage, a Fabric's or a Trainer's) or one file into the objects
+        of ``state``: any part of what was saved. A module or an optimizer alone (``fabric.load_raw``) takes a raw
+        state-dict file.
 
         Always as ``weights_only=True`` would (Note [safe loading] in ``checkpoint/files.py``).
         """
         path = self.broadcast(path)
-        if isinstance(state, Module):
+        if isinstance(state, Module | Optimizer):
             load_raw(self, path, self._set_up_model(state), strict)
             return {}
-        if isinstance(state, Optimizer) or not state:
-            raise ValueError(
-                f"ZeroFabricStrategy.load_checkpoint(state={type(state).__name__}) cannot restore that: optimizer "
-                "state is sharded with the model. HINT: pass the objects together, "
-                "`fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`."
-            )
+        state = {} if state is None else state
         for name, value in state.items():  # in place: Fabric copies the plain entries back from this dictionary
             state[name] = self._set_up_model(value)
         return load_fabric_checkpoint(self, path, state, strict)
@@ -397,7 +392,3 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_presets(cls, strategy_registry)
-
-
-def _on_meta(module: Module) -> bool:
-    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))

@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.offload.directory import OffloadDirectory, check_free_space, resolve_offload_dir
 from lightning_zero.offload.memory_tiers import MemoryTiers
+from lightning_zero.offload.optimizer_tiers import OptimizerTiers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
 _IO_ENTRIES = 4
@@ -58,7 +59,10 @@ def check_optimizer_space(tiers: MemoryTiers, optimizers: list[ZeroOptimizer], l
     if tiers.directory is None:
         return
     needed = 0
-    for optimizer, placed in zip(optimizers, tiers.optimizer_tiers, strict=True):
+    for optimizer in optimizers:
+        placed = optimizer.tiers  # its own: a Fabric strategy's tiers also serve the optimizers of other models
+        if not isinstance(placed, OptimizerTiers):
+            continue
         per_element = _state_bytes_per_element(optimizer.optimizer)
         for seg, master in zip(optimizer.segments, optimizer.masters, strict=True):
             if id(seg.bucket) in placed.on_disk:

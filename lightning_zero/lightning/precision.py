@@ -83,10 +83,13 @@ _PARAM_DTYPE: dict[str, torch.dtype] = {
 class ZeroPrecision(Precision):
     """Parameters in ``param_dtype``; fp32 masters unless ``-true``; dynamic loss scaling for ``16-mixed``."""
 
+    _strategy_name = "ZeroStrategy"
+    """The strategy this plugin serves, as errors name it."""
+
     def __init__(self, precision: ZeroPrecisionName = "32-true", loss_scaler: DynamicLossScaler | None = None) -> None:
         if precision not in SUPPORTED:
             raise ValueError(
-                f"Invalid precision for ZeroStrategy: {precision!r}. Expected one of {', '.join(SUPPORTED)}. "
+                f"Invalid precision for {self._strategy_name}: {precision!r}. Expected one of {', '.join(SUPPORTED)}. "
                 "HINT: '16-true' (fp16 without loss scaling or master weights) diverges; use '16-mixed' or "
                 "'bf16-true' instead."
             )
@@ -349,6 +352,7 @@ def to_zero_precision(plugin: FabricPrecision | None, zero_type: type[ZeroPrecis
     if plugin is None or isinstance(plugin, zero_type):
         return plugin or zero_type()
     front = "Trainer" if zero_type is ZeroPrecision else "Fabric"
+    strategy = zero_type._strategy_name
     if isinstance(plugin, ZeroPrecision):
         raise ValueError(
             f"{type(plugin).__name__} is the Trainer's ZeRO precision plugin; this strategy needs a "
@@ -374,13 +378,13 @@ def to_zero_precision(plugin: FabricPrecision | None, zero_type: type[ZeroPrecis
     if isinstance(plugin, _TRANSLATED) and type(plugin) not in _TRANSLATED:
         base = "MixedPrecision" if isinstance(plugin, (MixedPrecision, FabricMixedPrecision)) else "HalfPrecision"
         raise ValueError(
-            f"ZeroStrategy cannot use {type(plugin).__name__}, a customized {base}: "
+            f"{strategy} cannot use {type(plugin).__name__}, a customized {base}: "
             "ZeRO replaces the precision plugin with its own (bf16/fp16 parameters, fp32 master weights), which "
             f"would silently drop the customization. HINT: subclass lightning_zero.{zero_type.__name__}({name!r}) "
             "instead and pass it in `plugins`."
         )
     raise ValueError(
-        f"ZeroStrategy does not support the precision plugin {type(plugin).__name__}"
+        f"{strategy} does not support the precision plugin {type(plugin).__name__}"
         f"{f' (precision={name!r})' if name else ''}. HINT: use {front}(precision=...) with one of "
         f"{', '.join(SUPPORTED)}, or pass lightning_zero.{zero_type.__name__}(...) in `plugins`."
     )

@@ -131,11 +131,12 @@ class MemoryTiers:
         on_complete: Callable[[FlatBucket], None] | None = None,
     ) -> ShardedGradReducer:
         """Stage 3's gradient reducer: with the optimizer on disk, the shards of the placed buckets go there too."""
-        self._placed = place_by_ratio(buckets, config.offload_ratio)
+        # Each stage-3 model placed by the ratio among its own buckets (a Fabric strategy sets up several models).
+        placed = place_by_ratio(buckets, config.offload_ratio)
+        self._placed = placed | (self._placed or set())
         if not self.optimizer_on_disk:
             return ShardedGradReducer(buckets, group, config, ledger, on_complete)
         assert self.swapper is not None
-        placed = self._placed
         return TieredGradReducer(
             buckets, group, config, ledger, on_complete, swapper=self.swapper, on_disk=lambda b: id(b) in placed
         )

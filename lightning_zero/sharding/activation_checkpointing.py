@@ -59,23 +59,31 @@ def apply_activation_checkpointing_policy(root: nn.Module, policy: Checkpointing
     wrapper, in place; returns how many were wrapped.
 
     Call it before stage 3 forms its units (``shard_module``): a wrapped layer then becomes a unit as the layer would
-    have. Idempotent: a model whose wrappers the same policy made is left as it is (a second ``setup`` of the same
-    model). A model that already holds checkpoint wrappers of its own is left as it is too, with a warning, as FSDP's
-    strategy does.
+    have. Idempotent: a model whose wrappers a policy made here is left as it is (a second ``setup`` of the same
+    model). A model that already holds checkpoint wrappers of its own, even around the very layers the policy
+    selects, is left as it is too, with a warning, as FSDP's strategies do.
     """
     if policy is None:
         return 0
     selects = checkpointing_predicate(policy, root)
     wrappers = [m for m in root.modules() if isinstance(m, CheckpointWrapper)]
     if wrappers:
-        if not all(selects(w._checkpoint_wrapped_module) for w in wrappers):
+        theirs = [w for w in wrappers if not getattr(w, _MADE_BY_POLICY, False)]
+        if theirs:
             warnings.warn(
                 f"ZeroConfig.activation_checkpointing_policy is set, but {type(root).__name__} already holds "
-                f"checkpointed layers ({type(wrappers[0]._checkpoint_wrapped_module).__name__}): the policy is not "
-                "applied. HINT: use either the policy or your own checkpoint wrappers.",
+                f"checkpointed layers ({len(theirs)}, e.g. {type(theirs[0]._checkpoint_wrapped_module).__name__}): "
+                "the policy is not applied. HINT: use either the policy or your own checkpoint wrappers.",
                 UserWarning,
                 stacklevel=2,
             )
         return 0
     apply_activation_checkpointing(root, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=selects)
-    return sum(isinstance(m, CheckpointWrapper) for m in root.modules())
+    made = [m for m in root.modules() if isinstance(m, CheckpointWrapper)]
+    for wrapper in made:
+        setattr(wrapper, _MADE_BY_POLICY, True)
+    return len(made)
+
+
+_MADE_BY_POLICY = "_lightning_zero_policy"
+"""Marks the checkpoint wrappers a policy made here, told apart from a model's own."""

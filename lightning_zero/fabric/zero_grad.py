@@ -1,0 +1,109 @@
+"""``model.zero_grad()`` on a set-up model reaches the gradients ZeRO holds for it.
+
+Note [model.zero_grad() reaches the shards]
+Fabric loops zero gradients with the model's ``zero_grad()`` as often as with the optimizer's (Lightning's Fabric
+DCGAN example: ``discriminator.zero_grad()`` before the discriminator's backward passes). Under DDP that sets every
+``.grad`` to None. Under ZeRO a reduced gradient lives in the reducer (a bucket's shard, or stage 1's flat buffer
+with ``.grad`` hidden, Note [no partial gradients] in ``lightning/grad_norm.py``), not in ``.grad``, so
+``nn.Module.zero_grad`` finds nothing to clear, and what a backward left since the model's optimizers last stepped
+would be added to the next step. In the DCGAN loop that is the discriminator's gradient of the generator's loss: the
+discriminator would step on it, silently, where DDP drops it.
+
+So after each ``fabric.backward`` the strategy puts a *marker* in the empty ``.grad`` of two trainable parameters of
+each set-up optimizer, both in the first of its buckets (the first and the last of its parameters there): a zero tensor
+of the parameter's shape over one element. A ``zero_grad()`` of the model sets them to None. At the next
+``fabric.backward`` (before any gradient is accumulated), and at that optimizer's step (before its gradients are read),
+the strategy finds them gone and zeroes the optimizer's gradients with its own ``zero_grad()`` (every rank alike: the
+loop's calls are the same on every rank); before a backward it takes the other markers out, as autograd cannot
+accumulate into them. ZeRO itself empties ``.grad`` where it completes a reduction (stage 3 may complete the last bucket
+at the first clip or step): around those calls the markers it empties are put back (``engine_call``). The optimizer's
+own ``zero_grad()`` takes both out too (ZeRO empties ``.grad`` of a bucket it zeroes whole, and of both or neither of
+the two), so zeroing again is harmless. One marker gone and the other not is a ``zero_grad()`` of part of the model
+splitting that bucket, which ZeRO cannot apply to a shared bucket: refused. A ``zero_grad()`` of a submodule that does
+not hold them is not seen: zero a set-up model's gradients whole. The checks are two identity tests per optimizer,
+whatever the model's size. Under stage 1 a ``.grad`` that still holds an unreduced gradient (inside
+``no_backward_sync``) keeps it, and a ``zero_grad()`` that replaces it is seen by the reducer itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+from lightning_zero.fabric.models import SetUpModel
+from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
+
+
+def watched(optimizer: ZeroOptimizer) -> list[Parameter]:
+    """The parameters whose ``.grad`` carries ``optimizer``'s markers: its first and last trainable ones in its first
+    bucket holding any."""
+    own = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for bucket in optimizer.buckets:
+        mine = [p for p in bucket.params if id(p) in own and p.requires_grad]
+        if mine:
+            return list({id(p): p for p in (mine[0], mine[-1])}.values())
+    return []
+
+
+def mark(models: Iterable[SetUpModel]) -> None:
+    """After a backward: a marker in each watched parameter's empty ``.grad``."""
+    for model in models:
+        for params in model.watched.values():
+            for param in params:
+                if param.grad is None:
+                    param.grad = _marker(param)
+                    model.markers[id(param)] = param.grad
+
+
+@contextmanager
+def engine_call(models: Iterable[SetUpModel]) -> Iterator[None]:
+    """Around a call into ZeRO that may empty the ``.grad`` of parameters it reduces (a reduction completed for a
+    clip or a step): the markers intact before it are put back after it, so that only the loop's ``zero_grad()``
+    takes them."""
+    intact = [(m, p) for m in models for ps in m.watched.values() for p in ps if _marked(m, p)]
+    yield
+    for model, param in intact:
+        if param.grad is None:
+            param.grad = _marker(param)
+            model.markers[id(param)] = param.grad
+        elif param.grad is not model.markers[id(param)]:  # a gradient of its own now (stage 1's views)
+            del model.markers[id(param)]
+
+
+def _marked(model: SetUpModel, param: Parameter) -> bool:
+    return id(param) in model.markers and param.grad is model.markers[id(param)]
+
+
+def _marker(param: Parameter) -> Tensor:
+    return torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+
+
+def apply_zero_grad(models: Iterable[SetUpModel], only: ZeroOptimizer | None = None) -> None:
+    """Zero the gradients of each optimizer (``only``: that one, before its step) whose markers a ``zero_grad()``
+    took; before a backward (``only`` None) take the other markers out too."""
+    for model in models:
+        for optimizer in model.optimizers:
+            if only is not None and optimizer is not only:
+                continue
+            marked = [p for p in model.watched.get(id(optimizer), []) if id(p) in model.markers]
+            gone = [p for p in marked if p.grad is not model.markers[id(p)]]
+            if gone and len(gone) < len(marked):
+                name = next(n for n, p in model.module.named_parameters() if p is gone[0])
+                raise RuntimeError(
+                    f"The gradients of part of {type(model.module).__name__} were zeroed (`zero_grad()` of a "
+                    f"submodule holding {name!r}): ZeRO holds the reduced gradients in buckets that parameters share,"
+                    " and cannot zero some of them. HINT: zero the whole model's gradients, `model.zero_grad()` or "
+                    "its optimizers' `zero_grad()`."
+                )
+            if gone:
+                optimizer.zero_grad()
+            gone_ids = {id(p) for p in gone}
+            for param in marked:
+                if id(param) in gone_ids or only is None:
+                    if param.grad is model.markers[id(param)]:
+                        param.grad = None
+                    del model.markers[id(param)]
