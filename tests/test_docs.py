@@ -204,6 +204,28 @@ def test_relative_links_point_at_files_that_exist(path):
         assert file.exists(), f"{path.relative_to(ROOT)} links to {target}, which does not exist"
 
 
+def _repository_paths(path: Path) -> list[str]:
+    """The code spans of ``path`` that name a file or folder of the repository: under a top-level folder
+    (``tests/test_docs.py``) or a subpackage of ``lightning_zero`` (``comm/ledger.py``, as the pages name them)."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.MULTILINE | re.DOTALL)
+    roots = {p.name for p in ROOT.iterdir() if p.is_dir()} | {p.name for p in (ROOT / "lightning_zero").iterdir()}
+    spans = re.findall(r"`([\w.*/-]+/[\w.*/-]*)`", text)
+    return [span for span in spans if span.split("/")[0] in roots - {".git", ".venv"}]
+
+
+@pytest.mark.parametrize("path", [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))], ids=lambda p: p.name)
+def test_files_the_pages_name_exist(path):
+    for span in _repository_paths(path):
+        found = [ROOT / span, ROOT / "lightning_zero" / span, ROOT / "conf" / span]  # conf/'s groups by their name
+        assert any(p.exists() or list(p.parent.glob(p.name)) for p in found), (
+            f"{path.relative_to(ROOT)} names `{span}`, which is not in the repository: moved or renamed?"
+        )
+
+
+def test_the_pages_name_many_files():
+    assert sum(len(_repository_paths(p)) for p in PAGES) > 100  # the check above is not vacuous
+
+
 # What a newcomer looks for first, and the page (and section) the README must link to for it.
 FIRST_QUESTIONS = {
     "train with the Trainer": "docs/trainer.md",
