@@ -43,6 +43,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from torch import Tensor
@@ -59,18 +60,23 @@ from torch.distributed.checkpoint.planner import LoadPlanner, WriteItem
 from torch.distributed.checkpoint.state_dict_loader import load, load_state_dict
 from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.distributed.distributed_c10d import _get_default_store
+from torch.utils._device import DeviceContext as _DeviceContext
+from torch.utils._device import _device_constructors
+from torch.utils._pytree import tree_map as _tree_map
 
 __all__ = [
     "CHECKPOINT_WRAPPER_PREFIX",
     "DCP_WRITER_HAS_WRITE_DATA",
     "SWAPS_STORAGE_MEMORY",
     "CheckpointWrapper",
+    "DeviceContext",
     "DtypeContextManager",
     "FabricBackwardSyncControl",
     "FabricSharded",
     "FabricStateful",
     "FsspecReader",
     "FsspecWriter",
+    "MockOptimizer",
     "MultiProcessingLauncher",
     "PrefixStore",
     "StorageInfo",
@@ -86,11 +92,15 @@ __all__ = [
     "current_graph_task_id",
     "dcp_load",
     "default_process_group_backend_for_device",
+    "device_constructors",
+    "disabled_torch_function_impl",
     "distributed_is_initialized",
     "fabric_run_command",
+    "fused_adam_kernel",
     "get_default_store",
     "init_dist_connection",
     "layer_sync",
+    "make_wrapper_subclass",
     "non_finite_check_and_unscale_",
     "open_torch_save_archive",
     "queue_autograd_callback",
@@ -99,6 +109,7 @@ __all__ = [
     "swap_storage_memory",
     "sync_ddp_if_available",
     "sync_module_states",
+    "tree_map",
     "validate_keys_for_strict_loading",
     "write_dcp_item",
     "writes_torch_save",
@@ -152,6 +163,23 @@ def dcp_load(
 get_default_store: Callable[[], Store] = _get_default_store
 """The c10d store of the default process group."""
 
+# -- tensor subclasses -------------------------------------------------------------------------------------------------
+# What a wrapper subclass sets as its __torch_function__ so that only __torch_dispatch__ sees its operations.
+disabled_torch_function_impl: Any = torch._C._disabled_torch_function_impl
+# What ``with torch.device(...)`` pushes: a mode that gives tensor factories a default device, and the factories it
+# covers; stage 3 builds on meta with a subclass of it (Note [metrics stay off meta] in ``stage3/library_init.py``).
+DeviceContext = _DeviceContext
+device_constructors: Callable[[], set[Callable[..., Any]]] = _device_constructors
+
+# A tensor subclass without storage of its own, whose ops run in its ``__torch_dispatch__`` (DTensor's mechanism;
+# Note [gradients visible to hooks] in ``lightning/grad_norm.py``), and the pytree map over an op's arguments.
+tree_map: Callable[..., Any] = _tree_map
+
+
+def make_wrapper_subclass(cls: type[Tensor], like: Tensor) -> Tensor:
+    """An instance of ``cls`` with ``like``'s shape, dtype and device and no storage."""
+    return Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+
 
 def broadcast_coalesced(group: dist.ProcessGroup, tensors: Sequence[Tensor], bucket_bytes: int, src: int) -> None:
     """DDP's own coalesced broadcast of ``tensors`` from ``src``, in buckets of ``bucket_bytes``."""
@@ -187,6 +215,11 @@ SWAPS_STORAGE_MEMORY = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 def swap_storage_memory(storage: torch.UntypedStorage, other: torch.UntypedStorage) -> None:
     """Exchange the memory of two storages in place (views of each keep pointing at their own storage)."""
     storage._swap_data_ptr_(other)  # type: ignore[attr-defined]
+
+
+def fused_adam_kernel(decoupled_weight_decay: bool) -> Callable[..., None]:
+    """torch's fused multi-tensor Adam step (``_fused_adamw_``, or ``_fused_adam_`` with L2 weight decay)."""
+    return torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
 
 
 def non_finite_check_and_unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
@@ -228,6 +261,8 @@ convert_fp_tensor = _convert_fp_tensor
 DtypeContextManager = _DtypeContextManager
 MultiProcessingLauncher = _MultiProcessingLauncher
 SubprocessScriptLauncher = _SubprocessScriptLauncher
+MockOptimizer = _MockOptimizer
+"""What Lightning puts in ``trainer.optimizers`` when ``configure_optimizers`` returns None (it trains without one)."""
 distributed_is_initialized = _distributed_is_initialized
 default_process_group_backend_for_device = _get_default_process_group_backend_for_device
 init_dist_connection = _init_dist_connection

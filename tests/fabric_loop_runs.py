@@ -356,9 +356,10 @@ def nanogpt_runs(stage: int, precision: str = "32-true") -> list[NanoGPT]:
 
 
 def state_dict_saves(out_dir: str) -> dict[str, Any]:
-    """lit-llama's adapter save, ``fabric.save(path, {"weights": <the model's state dict>})``, at stage 3: refused
-    outside a gather (the values there are placeholders), written inside ``gathered_parameters``. Also a method
-    that calls the model's layers, unmarked: refused as under DDP (Note [marked forward methods])."""
+    """lit-llama's adapter save, ``fabric.save(path, {"weights": <the model's state dict>})``, at stage 3: written
+    outside a gather (DTensors saved whole) and inside ``gathered_parameters`` (copies); the parameters themselves
+    (``keep_vars=True``: placeholders) refused. Also a method that calls the model's layers, unmarked: refused as
+    under DDP (Note [marked forward methods])."""
 
     fabric = Fabric(strategy=ZeroFabricStrategy(stage=3), accelerator="cpu", devices=2)
     fabric.launch()
@@ -368,9 +369,10 @@ def state_dict_saves(out_dir: str) -> dict[str, Any]:
         model.score(torch.tensor([[1, 2]]))
     except RuntimeError as error:
         unmarked = str(error)
+    fabric.save(Path(out_dir) / "outside.pth", {"weights": model.state_dict()})
     refused = ""
     try:
-        fabric.save(Path(out_dir) / "outside.pth", {"weights": model.state_dict()})
+        fabric.save(Path(out_dir) / "parameters.pth", {"weights": model.state_dict(keep_vars=True)})
     except ValueError as error:
         refused = str(error)
     strategy = fabric.strategy

@@ -38,3 +38,43 @@ def reset_peak() -> None:
 
 def peak_rss_bytes() -> int:
     return _status_bytes("VmHWM:")
+
+
+class NewStorageBytes:
+    """The peak of the bytes held at once by tensor storages created inside the context, counted at every torch op
+    (a ``TorchDispatchMode``): what a phase allocates on top of what existed before it, whatever the device.
+
+    A storage is new when an op returns it and none of the op's inputs held it (views share their input's); it
+    counts its current size (a storage resized to zero, as a released stage-3 unit is, counts zero) while it lives.
+    """
+
+    def __init__(self) -> None:
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.peak = 0
+        live: list[weakref.ref] = []
+
+        class _Count(TorchDispatchMode):
+            def __torch_dispatch__(mode, func, types, args=(), kwargs=None):  # noqa: N805
+                import torch
+                from torch.utils._pytree import tree_leaves
+
+                out = func(*args, **(kwargs or {}))
+                held = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in held:
+                        live.append(weakref.ref(t.untyped_storage()))
+                live[:] = [ref for ref in live if ref() is not None]
+                self.peak = max(self.peak, sum(ref().nbytes() for ref in live if ref() is not None))
+                return out
+
+        self._mode = _Count()
+
+    def __enter__(self) -> NewStorageBytes:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)

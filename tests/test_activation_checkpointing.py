@@ -153,3 +153,39 @@ def test_checkpointing_every_block_saves_most_activation_memory():
     checkpointed = _peak_of_forward_and_backward(model, tokens)
     print(f"peak of forward+backward: {kept / 1e6:.1f} MB kept, {checkpointed / 1e6:.1f} MB checkpointed")
     assert checkpointed < 0.4 * kept, (kept / 1e6, checkpointed / 1e6)
+
+
+def _full_saves_with_the_policy_resume_ddp(root: str) -> dict[int, tuple[Any, ...]]:
+    """At stages 2 and 3 under the policy: one full ``.ckpt`` at step 2, and DDP resumed from it (one more step)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.test_checkpoint_trainer import Snapshot, fit
+
+    runs = {}
+    for stage in (2, 3):
+        at_save, at_load = Snapshot(at="save"), Snapshot(at="start")
+        saves = ModelCheckpoint(dirpath=f"{root}/{stage}", every_n_train_steps=2, save_top_k=-1)
+        policy = ZeroStrategy(
+            stage=stage, bucket_numel=3_000, state_dict_type="full", activation_checkpointing_policy={Block}
+        )
+        wrapped = _wrapped(fit(policy, 2, 2, root, callbacks=[at_save, saves]))
+        fit("ddp", 2, 3, root, ckpt=f"{root}/{stage}/epoch=0-step=2.ckpt", callbacks=[at_load])
+        runs[stage] = (at_save.taken, at_load.taken, wrapped)
+    return runs
+
+
+@pytest.mark.timeout(180)
+def test_full_checkpoint_under_the_policy_holds_every_parameters_optimizer_state_and_resumes_ddp(tmp_path):
+    """Item: a full save names the optimizer state of wrapped layers as the unwrapped model does (their Adam state
+    was dropped when the names kept the wrapper's segment)."""
+    from tests.test_checkpoint_trainer import TinyGPT, assert_same_training_state
+
+    results = run_distributed(_full_saves_with_the_policy_resume_ddp, 2, str(tmp_path), init_process_group=False)
+    trainable = sum(p.requires_grad for p in TinyGPT().parameters())
+    for stage in (2, 3):
+        assert all(r[stage][2] == 2 for r in results)  # both blocks of TinyGPT's GPT were wrapped
+        # DDP starts from ZeRO's exact weights and the Adam state of every parameter.
+        assert_same_training_state([r[stage][1] for r in results], [r[stage][0] for r in results])
+        (adam,) = torch.load(tmp_path / str(stage) / "epoch=0-step=2.ckpt", weights_only=True)["optimizer_states"]
+        assert len(adam["state"]) == trainable, stage
+        assert all(set(entry) == {"step", "exp_avg", "exp_avg_sq"} for entry in adam["state"].values())

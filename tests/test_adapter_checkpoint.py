@@ -86,8 +86,8 @@ def _fit(strategy: Any, module: LoraFineTune, ckpt: str | None, saves: str | Non
     return module
 
 
-def _adapters(stage: int) -> ZeroStrategy:
-    return ZeroStrategy(stage=stage, bucket_numel=4_000, exclude_frozen_parameters=True)
+def _adapters(stage: int, **options: Any) -> ZeroStrategy:
+    return ZeroStrategy(stage=stage, bucket_numel=4_000, exclude_frozen_parameters=True, **options)
 
 
 def _resume_like_ddp(root: str, hf_dir: str, stage: int) -> tuple[Any, ...]:
@@ -162,3 +162,75 @@ def test_frozen_base_is_restored_from_the_pretrained_directory_or_refused_before
         assert resumed_losses == losses[2:]  # bit-identical: the base came back from the directory
         assert all(torch.equal(resumed[k], v) for k, v in final.items())
         assert refusals == ["gone", "never loaded"]
+
+
+POLICY = {"activation_checkpointing_policy": ("LlamaDecoderLayer",)}
+NO_CACHE = {**BASE, "use_cache": False}
+"""Recomputing a decoder layer whose forward appends to a key-value cache would append twice; Hugging Face's own
+gradient checkpointing turns the cache off for training the same way."""
+
+
+def _checkpointed(module: nn.Module) -> int:
+    from lightning_zero.compat import CheckpointWrapper
+
+    return sum(isinstance(m, CheckpointWrapper) for m in module.modules())
+
+
+class _LoraNoCache(LoraFineTune):
+    def configure_model(self) -> None:
+        if self.model is None:
+            from transformers import LlamaForCausalLM
+
+            torch.manual_seed(0)  # the same adapters in every run of a stage
+            self.model = lora(LlamaForCausalLM(llama_config(**NO_CACHE)))
+
+
+def _fabric_lora_steps(options: dict[str, Any], hf_dir: str) -> tuple[list[float], int]:
+    from transformers import LlamaForCausalLM
+
+    from tests.test_fabric_checkpoint_options import _lora_steps, _zero
+
+    fabric = _zero(3, **options)
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=True):
+        raw = lora(LlamaForCausalLM(llama_config(**NO_CACHE)))
+    model = fabric.setup_module(raw)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW([p for p in raw.parameters() if p.requires_grad], lr=1e-2))
+    fabric.load_raw(hf_dir, model, strict=True)
+    return _lora_steps(fabric, model, optimizer, 0, 2), _checkpointed(raw)
+
+
+def _lora_under_the_policy(root: str, hf_dir: str) -> dict[Any, Any]:
+    runs: dict[Any, Any] = {}
+    for stage in (2, 3):
+        first = _fit(_adapters(stage, **POLICY), _LoraNoCache(), hf_dir, saves=f"{root}/{stage}")  # a strict load
+        resumed = _fit(_adapters(stage, **POLICY), _LoraNoCache(), f"{root}/{stage}/epoch=0-step=2.ckpt")
+        runs[stage] = (first.losses, full_state(first), resumed.losses, full_state(resumed), _checkpointed(first))
+    runs["no policy"] = _fit(_adapters(3), _LoraNoCache(), hf_dir).losses
+    runs["fabric"] = _fabric_lora_steps(POLICY, hf_dir)
+    runs["fabric, no policy"] = _fabric_lora_steps({}, hf_dir)
+    return runs
+
+
+@pytest.mark.timeout(200)
+def test_lora_under_an_activation_checkpointing_policy_loads_strictly_and_saves_and_resumes_its_adapters(tmp_path):
+    """peft's adapter layers are named as the unwrapped model's: a strict pretrained load (``fit(ckpt_path=<HF
+    dir>)``, ``fabric.load_raw``) knows them as adapters the file does not hold, and an adapter-only checkpoint
+    resumes exactly, at stages 2 and 3; the policy changes no number."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(7)
+    LlamaForCausalLM(llama_config(**BASE)).save_pretrained(tmp_path / "hf")
+    for runs in run_distributed(
+        _lora_under_the_policy, 2, str(tmp_path), str(tmp_path / "hf"), init_process_group=False
+    ):
+        for stage in (2, 3):
+            losses, final, resumed_losses, resumed, checkpointed = runs[stage]
+            assert checkpointed == 2  # both decoder layers
+            assert resumed_losses == losses[2:]  # bit-identical: base from the directory, adapters from the file
+            assert final.keys() == resumed.keys()
+            assert all(torch.equal(resumed[k], v) for k, v in final.items())
+        torch.testing.assert_close(runs[3][0], runs["no policy"], rtol=1e-5, atol=0)
+        fabric_losses, checkpointed = runs["fabric"]
+        assert checkpointed == 2
+        torch.testing.assert_close(fabric_losses, runs["fabric, no policy"][0], rtol=1e-5, atol=0)

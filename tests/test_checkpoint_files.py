@@ -374,3 +374,70 @@ def test_without_exchange_or_links_a_commit_renames_through_the_previous_name(tm
         assert not final.is_symlink()
         assert _same(_loaded_weights(final), _weights_of(offset))
         assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+# -- a process killed while removing a checkpoint: Note [atomic removal] -----------------------------------------------
+_SLOW_REMOVALS = """
+import importlib.util, os, sys, threading, time
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("local_commit", sys.argv[1])  # torch, not the whole package
+local_commit = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(local_commit)
+unlink = os.unlink
+def slow_unlink(*args, **kwargs):  # removals long enough to be killed in the middle of
+    time.sleep(0.02)
+    return unlink(*args, **kwargs)
+os.unlink = slow_unlink
+for path in sys.argv[2:]:
+    threading.Thread(target=local_commit.remove_local, args=(Path(path),)).start()
+"""
+
+
+def _kill_while_removing(paths: list[Path]) -> None:
+    """Remove the checkpoints ``paths`` at once in another process and SIGKILL it once part of each one's files are
+    deleted."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    files = min(sum(1 for _ in path.resolve().rglob("*")) for path in paths)
+    script = [sys.executable, "-c", _SLOW_REMOVALS, local_commit.__file__, *map(str, paths)]
+    child = subprocess.Popen(script)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            trash = [t.resolve() for t in paths[0].parent.glob(".*.trash-*")]
+            left = [sum(1 for _ in t.rglob("*")) for t in trash if t.exists()]
+            if len(left) == len(paths) and all(0 < n < files - 3 for n in left):
+                break
+            assert child.poll() is None, "the removals finished before they could be killed"
+            time.sleep(0.005)
+        else:
+            raise AssertionError("the removals never started")
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+
+
+def test_removals_killed_midway_leave_nothing_hidden_past_the_next_save_of_any_checkpoint(tmp_path, monkeypatch):
+    as_directory = _save(_mlp(), tmp_path / "epoch=0-step=2.ckpt")
+    with monkeypatch.context() as patch:  # a filesystem that cannot exchange: the checkpoint is a link to its data
+        patch.setattr(local_commit, "_exchange", lambda a, b: False)
+        as_link = _save(_mlp(), tmp_path / "epoch=0-step=3.ckpt")
+    assert as_link.is_symlink()
+    assert not as_directory.is_symlink()
+    for doomed in (as_directory, as_link):
+        for i in range(60):  # enough files for a removal to be caught in the middle
+            (doomed / f"extra-{i}").write_bytes(b"x")
+    (tmp_path / "notes.txt").write_text("the user's")
+    (tmp_path / ".hidden-by-the-user").write_text("the user's too")
+    _kill_while_removing([as_directory, as_link])
+    for doomed in (as_directory, as_link):  # removed in one step: the name held the whole checkpoint or nothing
+        assert not os.path.lexists(doomed)
+    assert len(list(tmp_path.glob(".*.trash-*"))) == 2  # killed in the middle: each left as trash
+    # The next save, of another name (epoch=N-step=M names never come back), deletes both, and nothing else.
+    _save(_weights_of(1.0), tmp_path / "epoch=0-step=4.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hidden-by-the-user", "epoch=0-step=4.ckpt", "notes.txt"]
+    assert _same(_loaded_weights(tmp_path / "epoch=0-step=4.ckpt"), _weights_of(1.0))

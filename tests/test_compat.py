@@ -24,6 +24,7 @@ PRIVATE = {
     "torch.distributed.checkpoint.filesystem._write_item": "write_dcp_item",
     "torch.distributed.checkpoint.filesystem.SerializationFormat (torch >= 2.8)": "writes_torch_save",
     "torch.distributed.distributed_c10d._get_default_store": "get_default_store",
+    "torch._C._disabled_torch_function_impl": "disabled_torch_function_impl",
     "torch._C._distributed_c10d.PrefixStore": "PrefixStore",
     "torch._C._distributed_c10d.Store": "Store",
     "torch._C._distributed_c10d.TCPStore": "TCPStore",
@@ -39,6 +40,7 @@ PRIVATE = {
     "torch.autograd.Variable._execution_engine.queue_callback": "queue_autograd_callback",
     "torch.UntypedStorage._swap_data_ptr_ (newer than 2.7)": "swap_storage_memory",
     "torch._amp_foreach_non_finite_check_and_unscale_": "non_finite_check_and_unscale_",
+    "torch._fused_adamw_, torch._fused_adam_": "fused_adam_kernel",
     "torch._utils._rebuild_tensor_v2": "rebuild_tensor",
     "torch.storage.TypedStorage._pickle_storage_type": "storage_type",
     "torch._C.PyTorchFileWriter, torch.serialization._get_storage_alignment": "open_torch_save_archive",
@@ -47,6 +49,11 @@ PRIVATE = {
     "lightning.fabric.plugins.precision.utils._DtypeContextManager": "DtypeContextManager",
     "lightning.pytorch.strategies.launchers._MultiProcessingLauncher": "MultiProcessingLauncher",
     "lightning.pytorch.strategies.launchers._SubprocessScriptLauncher": "SubprocessScriptLauncher",
+    "lightning.pytorch.core.optimizer._MockOptimizer": "MockOptimizer",
+    "torch.utils._device.DeviceContext": "DeviceContext",
+    "torch.utils._device._device_constructors": "device_constructors",
+    "torch.utils._pytree.tree_map": "tree_map",
+    "torch.Tensor._make_wrapper_subclass": "make_wrapper_subclass",
     "lightning.fabric.utilities.distributed._distributed_is_initialized": "distributed_is_initialized",
     "lightning.fabric.utilities.distributed._get_default_process_group_backend_for_device": (
         "default_process_group_backend_for_device"
@@ -95,6 +102,7 @@ def test_the_extension_points_of_lightning_classes_we_override_exist():
     from lightning.pytorch.strategies import ParallelStrategy, Strategy
 
     assert callable(Strategy._configure_launcher)
+    assert callable(compat.MultiProcessingLauncher._collect_rank_zero_results)  # FullWeightsLauncher's override
     assert "_launcher" in inspect.getsource(Strategy.__init__)
     assert "_precision_plugin" in inspect.getsource(Strategy.__init__)
     assert "_layer_sync" in inspect.getsource(ParallelStrategy.__init__)

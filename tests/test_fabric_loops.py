@@ -123,18 +123,21 @@ def test_nanogpt_style_loop_with_ranks_seeded_apart_and_marked_forward_methods_m
 
 
 @pytest.mark.timeout(60)
-def test_saving_a_stage3_state_dict_outside_a_gather_and_an_unmarked_method_are_refused(tmp_path):
+def test_a_stage3_state_dict_saved_by_fabric_holds_the_weights_and_an_unmarked_method_is_refused(tmp_path):
+    """lit-llama's ``fabric.save(path, {"weights": model.state_dict()})``: outside a gather (DTensors, saved whole)
+    and inside one (copies) the file holds the weights; the parameters themselves are refused (placeholders)."""
     results = run_distributed(state_dict_saves, 2, str(tmp_path), init_process_group=False, timeout=50)
-    saved = torch.load(tmp_path / "gathered.pth" / "lightning_state.pt", weights_only=True)["weights"]
-    for result in results:
-        assert "placeholders" in result["refused"]
-        assert "mark_forward_method('score')" in result["unmarked"]  # Fabric's own error, as under DDP
-        assert "gathered_parameters" in result["refused"]  # the fix
-        assert saved.keys() == result["weights"].keys()
-        for name, expected in result["weights"].items():
-            assert torch.equal(saved[name], expected), name
-            assert not saved[name].isnan().any(), name
-    assert not (tmp_path / "outside.pth").exists()
+    for where in ("outside.pth", "gathered.pth"):
+        saved = torch.load(tmp_path / where / "lightning_state.pt", weights_only=True)["weights"]
+        for result in results:
+            assert "mark_forward_method('score')" in result["unmarked"]  # Fabric's own error, as under DDP
+            assert "placeholders" in result["refused"]
+            assert "model.state_dict()" in result["refused"]  # the fix
+            assert saved.keys() == result["weights"].keys()
+            for name, expected in result["weights"].items():
+                assert torch.equal(saved[name], expected), (where, name)
+                assert not saved[name].isnan().any(), name
+    assert not (tmp_path / "parameters.pth").exists()
 
 
 @pytest.mark.slow

@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ["environment", "gloo_cuda_probe", "gpu_tests", "host_syncs", "gpt_stage3_vs_fsdp2", "offload_largest_model"]
+SECTIONS = [
+    "environment",
+    "gloo_cuda_probe",
+    "gpu_tests",
+    "host_syncs",
+    "gpt_stage3_vs_fsdp2",
+    "full_save_nccl",
+    "offload_largest_model",
+    "offload_speed",
+]
 
 
 def _check(out: Path, *args: str, timeout: float) -> tuple[dict, float]:
@@ -45,6 +54,7 @@ def test_dry_run_reports_every_section_and_goes_on_after_a_failing_one(tmp_path)
     assert syncs["stage1 32-true"]["syncs_per_step"] == 1, syncs  # the README's budget, counted on the CPU
     assert syncs["stage3 bf16-mixed"]["syncs_per_step"] == 2, syncs
     assert set(sections["gpt_stage3_vs_fsdp2"]["result"]["runs"]) == {"zero3", "fsdp2"}
+    assert len(sections["full_save_nccl"]["result"]["per_rank"]) == 2  # the dry run: two gloo ranks
     largest = sections["offload_largest_model"]["result"]["largest_trained_parameters"]
     assert all(largest.values()), largest
     markdown = (tmp_path / "summary.md").read_text()

@@ -26,7 +26,8 @@ STEPS_PER_EPOCH = 3
 
 class Net(pl.LightningModule):
     """A small MLP (one parameter unused every step) that records, in ``on_before_optimizer_step``, the norms
-    ``lightning_zero.grad_norm`` gives and what Lightning's own ``grad_norm`` finds in ``.grad``."""
+    ``lightning_zero.grad_norm`` gives, what Lightning's own ``grad_norm`` finds in ``.grad``, another reduction of a
+    ``.grad`` and what an in-place write to one does."""
 
     def __init__(self, norm_type: float | str = 2.0, record: bool = True) -> None:
         super().__init__()
@@ -40,6 +41,8 @@ class Net(pl.LightningModule):
         self.norms: list[dict[str, float]] = []
         self.lightning_norms: list[dict[str, float]] = []
         self.after_backward: list[dict[str, float]] = []
+        self.largest: list[float] = []
+        self.write: str | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.backbone(x))
@@ -59,6 +62,13 @@ class Net(pl.LightningModule):
             return
         self.norms.append(_floats(lightning_zero.grad_norm(self, self.norm_type)))
         self.lightning_norms.append(_floats(lightning_grad_norm(self, self.norm_type)))
+        grad = self.backbone[0].weight.grad
+        self.largest.append(float(grad.abs().max()))  # not a norm: under ZeRO, the whole gradient is gathered
+        try:
+            grad.mul_(1.0)
+            self.write = "written"
+        except RuntimeError as error:
+            self.write = str(error)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
@@ -165,17 +175,20 @@ def _grad_norm_runs(root: str, norm_type: float) -> dict[str, Any]:
     for name, strategy in strategies:
         module = Net(norm_type)
         _trainer(strategy, [], root).fit(module)
-        out[name] = (module.norms, module.lightning_norms, module.after_backward)
+        out[name] = (module.norms, module.lightning_norms, module.after_backward, module.largest, module.write)
     return out
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("norm_type", [2.0, 1, "inf"])
-def test_grad_norm_gives_ddps_norms_with_lightnings_keys_and_grad_is_never_partial(norm_type):
+def test_grad_norm_lightnings_and_ours_give_ddps_norms_and_grad_is_never_partial(norm_type):
+    """Lightning's ``grad_norm``, unchanged, reads DDP's values through ``.grad`` in ``on_before_optimizer_step``
+    (Note [gradients visible to hooks]); ``lightning_zero.grad_norm`` gives them in one collective."""
     with tempfile.TemporaryDirectory() as root:
         results = run_distributed(_grad_norm_runs, 2, root, norm_type, init_process_group=False, timeout=110)
     for rank in results:
-        ddp_norms, ddp_lightning, _ = rank["ddp"]
+        ddp_norms, ddp_lightning, _, ddp_largest, ddp_write = rank["ddp"]
+        assert ddp_write == "written"
         assert ddp_norms == ddp_lightning, "under DDP lightning_zero.grad_norm is Lightning's"
         assert len(ddp_norms) == STEPS_PER_EPOCH
         p = float(norm_type)
@@ -183,13 +196,17 @@ def test_grad_norm_gives_ddps_norms_with_lightnings_keys_and_grad_is_never_parti
         assert f"grad_{p}_norm_total" in ddp_norms[0]
         assert not any("unused" in k for k in ddp_norms[0]), "no gradient, no key (as Lightning)"
         for stage in (1, 2, 3):
-            norms, lightning_norms, after_backward = rank[f"zero{stage}"]
-            assert len(norms) == len(ddp_norms)
-            for step, expected in zip(norms, ddp_norms, strict=True):
-                assert step.keys() == expected.keys(), f"stage {stage}"
+            norms, lightning_norms, after_backward, largest, write = rank[f"zero{stage}"]
+            assert len(norms) == len(lightning_norms) == len(ddp_norms)
+            for step, lightnings, expected in zip(norms, lightning_norms, ddp_norms, strict=True):
+                assert step.keys() == lightnings.keys() == expected.keys(), f"stage {stage}"
                 assert step == pytest.approx(expected, rel=1e-5), f"stage {stage}"
-            # Where users read .grad, it holds no partial (shard-filled) gradient: Lightning's grad_norm finds none.
-            assert all(n == {} for n in lightning_norms), f"stage {stage}: .grad is partial: {lightning_norms}"
+                assert lightnings == pytest.approx(expected, rel=1e-5), f"stage {stage}"
+            assert largest == pytest.approx(ddp_largest, rel=1e-5), f"stage {stage}"
+            assert write is not None
+            assert "would write a parameter's `.grad`" in write
+            assert "HINT" in write
+            # After backward .grad holds no partial (shard-filled) gradient: Lightning's grad_norm finds none.
             assert all(n == {} for n in after_backward), f"stage {stage}: .grad is partial after backward"
 
 
@@ -255,9 +272,9 @@ def test_grad_norm_and_weights_match_ddp_with_gradient_accumulation():
         assert len(ddp_norms) == 4  # 2 epochs of 3 batches: steps after batches 2 and 3
         for name in ("zero1", "zero1_no_overlap", "zero3"):
             norms, lightning_norms, final = rank[name]
-            assert len(norms) == len(ddp_norms)
-            for step, expected in zip(norms, ddp_norms, strict=True):
+            assert len(norms) == len(lightning_norms) == len(ddp_norms)
+            for step, lightnings, expected in zip(norms, lightning_norms, ddp_norms, strict=True):
                 assert step == pytest.approx(expected, rel=1e-5), name
-            assert all(n == {} for n in lightning_norms), name
+                assert lightnings == pytest.approx(expected, rel=1e-5), name  # .grad: the accumulated average
             for k, expected in ddp_weights.items():
                 torch.testing.assert_close(final[k], expected, rtol=1e-5, atol=1e-6, msg=f"{name} {k}")

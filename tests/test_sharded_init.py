@@ -281,6 +281,35 @@ def test_sharding_moves_what_is_materialized_to_the_device_and_keeps_the_paramet
         root.net = nn.Linear(2, 2)
     net_weight = root.net.weight
     move_materialized(root, torch.device("meta"))
-    assert root.scale.is_meta  # (CPU to CUDA keeps the Parameter object, as Module.to does)
     assert root.seen.is_meta
+    assert not root.scale.is_meta  # parameters move with their unit, as it is sharded (move_unit_parameters)
     assert root.net.weight is net_weight  # already on the target: untouched
+
+
+def _shard_a_model_built_on_the_cpu(layers: int) -> tuple[int, int, int]:
+    """(peak bytes allocated while sharding onto another device, the model's bytes, its largest unit's bytes)."""
+    from lightning_zero.lightning.engine_setup import shard_for_stage3
+    from lightning_zero.models.gpt import GPT, GPTConfig
+    from tests.memory_probe import NewStorageBytes
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny(n_layer=layers, n_embd=64, n_head=2, vocab_size=64, block_size=16))  # on the CPU
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    unit = max(sum(p.numel() * p.element_size() for p in block.parameters()) for block in model.blocks)
+    # "cpu:0" is another device to the sharding code (tensors moved there are copies), and still the host's memory:
+    # every byte moved to, or allocated on, the target is a storage created inside the context.
+    with NewStorageBytes() as allocated:
+        shard_for_stage3(model, ZeroConfig(stage=3), dist.group.WORLD, torch.device("cpu", 0), 2, None, None)
+    return allocated.peak, full, unit
+
+
+@pytest.mark.timeout(60)
+def test_a_model_built_on_the_cpu_is_moved_to_the_device_unit_by_unit_as_it_is_sharded():
+    """FSDP and DeepSpeed move a model built normally (on the CPU, ``from_pretrained``, ``init_module()`` without
+    ``empty_init``) unit by unit; moved whole first, a model larger than one device could not be sharded at all."""
+    for peak, full, unit in run_distributed(_shard_a_model_built_on_the_cpu, 2, 12, timeout=50):
+        # This rank's shards (half the model) and a unit in flight (its parameters moved, then flattened), never
+        # the whole model; which the bound excludes with room to spare.
+        bound = full // 2 + 3 * unit
+        assert bound < 0.9 * full, (bound, full)
+        assert peak < bound, (peak, full, unit)

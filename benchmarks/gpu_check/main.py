@@ -28,7 +28,7 @@ for path in (str(ROOT), str(ROOT / "benchmarks")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from gpu_check import gpt, offload_speed, sections  # noqa: E402  (after the path set-up above)
+from gpu_check import full_save, gpt, offload_speed, sections  # noqa: E402  (after the path set-up above)
 from gpu_check.common import Config, Ledger, brief  # noqa: E402
 
 Section = Callable[[Config], dict[str, Any]]
@@ -39,6 +39,7 @@ SECTIONS: list[tuple[str, Section, float, float]] = [
     ("gpu_tests", sections.gpu_tests, 190, 30),
     ("host_syncs", sections.host_syncs, 30, 20),
     ("gpt_stage3_vs_fsdp2", gpt.stage3_vs_fsdp2, 65, 25),
+    ("full_save_nccl", full_save.full_save_nccl, 20, 15),
     ("offload_largest_model", gpt.offload_largest, 160, 25),
     ("offload_speed", offload_speed.offload_speed, 150, 25),
 ]

@@ -10,6 +10,15 @@ present and long enough). DCP also stores non-tensor values as pickles that ``De
 with ``weights_only=False``; we never write those and ``SafeLoadPlanner`` refuses to read them.
 
 The local commit itself (Note [atomic commit]) is ``local_commit.py``'s.
+
+Note [what a save may replace]
+Lightning's ``save_checkpoint`` overwrites what is at its path: a ``.ckpt`` file, and under FSDP a sharded checkpoint
+directory (its full save deletes one). Here every save replaces its path as a whole (the commit exchanges
+directories), so a path that is a directory holding anything but a checkpoint's own files (a run directory passed
+by mistake, a note left in a checkpoint) would lose those files. A save is therefore refused there, before any rank
+writes anything, with FSDP's ``IsADirectoryError`` for a directory that is not a checkpoint; a checkpoint
+directory, an empty one, a file or a link is replaced as before, and ``ModelCheckpoint``'s saves never meet the
+refusal (they write only checkpoints under their own names).
 """
 
 from __future__ import annotations
@@ -19,12 +28,14 @@ import dataclasses
 import io
 import os
 import pickle
+import re
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
@@ -53,6 +64,11 @@ DCP_METADATA_FILE = ".metadata"
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded; the message names the file or key and what to do."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """Nothing is at a checkpoint path: a ``FileNotFoundError``, as Lightning's ``CheckpointIO`` raises for a missing
+    ``ckpt_path``, and a ``CheckpointError`` like every other refusal of a checkpoint."""
 
 
 # -- reading: restricted metadata, validated files, errors that name the file ---------------------------------------
@@ -211,7 +227,7 @@ def load_lightning_state(path: Location, mmap: bool = False) -> dict[str, Any]:
             source = path.local
         state = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
-        raise CheckpointError(f"Checkpoint file {path} does not exist.") from None
+        raise CheckpointNotFoundError(f"Checkpoint file {path} does not exist.") from None
     except pickle.UnpicklingError as error:
         raise CheckpointError(
             f"Refused to load {path}: rebuilding it would run code named in the file ({error}). HINT: checkpoints "
@@ -226,6 +242,30 @@ def load_lightning_state(path: Location, mmap: bool = False) -> dict[str, Any]:
 
 
 # -- a save's commit, local (Note [atomic commit]) or remote (Note [commit on an object store]) ---------------------
+_CHECKPOINT_FILES = re.compile(rf"{re.escape(LIGHTNING_STATE_FILE)}|{re.escape(DCP_METADATA_FILE)}|__\d+_\d+\.distcp")
+"""What a local checkpoint directory holds (Note [what a save may replace])."""
+
+
+def refuse_replacing_other_files(target: Location, process_group: dist.ProcessGroup | None) -> None:
+    """Collective, before anything is written: raise ``IsADirectoryError`` on every rank if saving at ``target``
+    would delete files that are not a checkpoint's (Note [what a save may replace])."""
+    rank = 0 if process_group is None else process_group.rank()
+    refusal: list[str | None] = [None]
+    if rank == 0 and not target.remote and target.local.is_dir() and not target.local.is_symlink():
+        foreign = sorted(name for name in os.listdir(target.local) if not _CHECKPOINT_FILES.fullmatch(name))
+        if foreign:
+            refusal[0] = (
+                f"Cannot save a checkpoint at {target}: it is a directory holding {len(foreign)} file(s) that are "
+                f"not part of a checkpoint ({foreign[:5]}), which the save would delete, as it replaces the whole "
+                f"path. HINT: save under a path of its own (e.g. `{target.local / 'checkpoint.ckpt'}`), or move "
+                "those files away first."
+            )
+    if process_group is not None and process_group.size() > 1:
+        dist.broadcast_object_list(refusal, src=dist.get_global_rank(process_group, 0), group=process_group)
+    if refusal[0] is not None:
+        raise IsADirectoryError(refusal[0])
+
+
 def stage_save(target: Location) -> Location:
     """Rank 0: the directory every rank writes this save's DCP files into before the commit."""
     if target.remote:

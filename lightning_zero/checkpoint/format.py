@@ -51,6 +51,7 @@ from lightning_zero.checkpoint.files import (
     DCP_METADATA_FILE,
     LIGHTNING_STATE_FILE,
     CheckpointError,
+    CheckpointNotFoundError,
     load_lightning_state,
     read_metadata,
 )
@@ -307,9 +308,9 @@ def open_committed(checkpoint: Location) -> tuple[dict[str, Any], Toc, Location,
     """A committed checkpoint directory's Lightning state (without its table of contents), the checked table of
     contents, its data directory and DCP metadata, checked against each other; a clear error for anything else."""
     if not (checkpoint / LIGHTNING_STATE_FILE).isfile():
-        missing = f"has no {LIGHTNING_STATE_FILE}, so it is not a checkpoint"
-        what = "does not exist" if not checkpoint.exists() else missing
-        raise CheckpointError(
+        found = checkpoint.exists()
+        what = f"has no {LIGHTNING_STATE_FILE}, so it is not a checkpoint" if found else "does not exist"
+        raise (CheckpointError if found else CheckpointNotFoundError)(
             f"Checkpoint path {checkpoint} {what}. HINT: pass a directory written by ZeroStrategy (an interrupted "
             "save never leaves one under its final name, nor commits one on a remote URL) or a single .ckpt file."
         )

@@ -24,6 +24,7 @@ from torch import nn
 
 from lightning_zero.checkpoint.files import CheckpointError
 from lightning_zero.checkpoint.storage import Location, locate
+from lightning_zero.sharding.activation_checkpointing import state_dict_name
 
 FROZEN_KEY = "lightning_zero_frozen"
 """Key in a checkpoint's Lightning state: ``{"excluded": [state-dict keys], "source": path or None}``."""
@@ -79,9 +80,12 @@ def frozen_source(record: object, origin: Location, *, built_on_meta: bool) -> t
 
 def adapter_prefixes(module: nn.Module) -> Sequence[str]:
     """State-dict key prefixes of the adapters peft injected (``...q_proj.lora_A.``): a pretrained file of the base
-    model does not hold them, and they keep their initialization."""
+    model does not hold them, and they keep their initialization. Named as ``state_dict()`` keys them, without
+    checkpoint wrappers' segments (Note [checkpoint wrappers keep the names] in
+    ``sharding/activation_checkpointing.py``)."""
     prefixes = []
-    for name, child in module.named_modules():
+    for wrapped_name, child in module.named_modules():
+        name = state_dict_name(wrapped_name)
         for adapter in getattr(child, "adapter_layer_names", ()):  # peft's BaseTunerLayer
             prefixes.append(f"{name}.{adapter}." if name else f"{adapter}.")
     return prefixes

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from lightning_zero.checkpoint.files import CheckpointError
 from lightning_zero.checkpoint.format import Toc, empty_toc, model_key, optimizer_key, tensor_info
 from lightning_zero.checkpoint.storage import Location
-from lightning_zero.sharding.activation_checkpointing import state_dict_name
+from lightning_zero.sharding.activation_checkpointing import parameter_names
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
 
@@ -84,8 +84,8 @@ def full_checkpoint_sources(
                 f"returned {len(zero_optimizers)}. HINT: resume with the same optimizers."
             )
         # Names as state_dict() keys them: Note [checkpoint wrappers keep the names]
-        names = {id(p): state_dict_name(name) for name, p in module.named_parameters()}
-        shapes = {state_dict_name(name): p.shape for name, p in module.named_parameters()}
+        names = parameter_names(module)
+        shapes = {names[id(p)]: p.shape for p in module.parameters()}
         for i, (saved, zero) in enumerate(zip(optimizer_states, zero_optimizers, strict=True)):
             if saved is None:  # not loaded (Note [several models in one checkpoint] in sections.py)
                 toc["optimizers"].append({})

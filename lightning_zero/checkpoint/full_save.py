@@ -16,6 +16,17 @@ written by rank 0 from memory. Low-precision floating tensors are written in fp3
 masters' exact values where the run keeps them). Rank 0 writes into a hidden sibling and commits it under the final
 name (Note [atomic commit]); if writing fails there, rank 0 still takes part in every gather and every rank raises the
 error at the end, so nothing hangs and nothing is committed.
+
+Note [full checkpoint on NCCL]
+Where a shard is staged and sent depends on what the group carries: NCCL has no host backend (a host tensor sent over
+it fails at the first send), and gloo's point-to-point ops take host tensors only (its ``send`` of a CUDA tensor
+aborts the rank: Note [native collectives] in ``comm/collectives.py``). So the staged shard and rank 0's assembled
+parameter live on the device of the bucket unless the group is gloo for that device, and rank 0 copies each
+assembled parameter to the host just before appending it. On NCCL a rank thus holds one staged bucket shard on its
+device (rank 0 one parameter more), as FSDP's full state dict gathers on the device; the object collectives
+(``all_gather_object``, ``broadcast_object_list``) go through the device as torch does for NCCL. Creating a gloo side
+group at setup would have avoided device memory, at the cost of a second communicator on every rank for the life
+of the job and the host network for every byte of the model.
 """
 
 from __future__ import annotations
@@ -32,13 +43,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_zero.checkpoint.files import CheckpointError
+from lightning_zero.checkpoint.files import CheckpointError, refuse_replacing_other_files
 from lightning_zero.checkpoint.format import FlatChunk
 from lightning_zero.checkpoint.local_commit import commit, partial_sibling, remove_stale_siblings
 from lightning_zero.checkpoint.slices import OwnedSlice, owned_parameter_slices
 from lightning_zero.checkpoint.storage import locate
 from lightning_zero.checkpoint.tiered import Span, TierStorage
 from lightning_zero.compat import open_torch_save_archive, rebuild_tensor, storage_type
+from lightning_zero.sharding.activation_checkpointing import parameter_names
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.sharded_optimizer import ShardedParameters, ZeroOptimizer
 
@@ -149,6 +161,7 @@ def save_full_checkpoint(
             "state_dict_type='sharded' (the default) for remote storage and `python -m lightning_zero consolidate` "
             "for one file."
         )
+    refuse_replacing_other_files(target, process_group)  # Note [what a save may replace]
     rank = 0 if process_group is None else process_group.rank()
     slices = owned_parameter_slices(zero_optimizers, gatherer)
     by_param = {id(s.param): s for s in slices}
@@ -188,12 +201,13 @@ def save_full_checkpoint(
         mine = [s for s in slices if id(s.param) in held and s.stop > s.start]
         values = [(s, s.master_span if s.own_master else s.values_span) for s in mine]
         dtype = _out_dtype(bucket.param_shard.dtype)
+        device = staging_device(bucket.device, process_group)  # Note [full checkpoint on NCCL]
         error = _stream(
-            bucket, _staged(bucket, values, tiers, dtype), _param_key, records, writer, error, process_group
+            bucket, _staged(bucket, values, tiers, dtype, device), _param_key, records, writer, error, process_group
         )
         for (i, name), dtype in sorted(flat.items(), key=lambda item: item[0]):
             spans = [(s, _state_span(zero_optimizers[i], s, name)) for s in mine if s.optimizer == i]
-            state = _staged(bucket, spans, tiers, dtype)
+            state = _staged(bucket, spans, tiers, dtype, device)
             error = _stream(
                 bucket, state, lambda p, i=i, n=name: _state_key(i, p, n), records, writer, error, process_group
             )
@@ -278,7 +292,7 @@ def _torch_optimizer_states(
 ) -> list[dict[str, Any] | None]:
     """Each optimizer's ``state_dict()`` as torch builds it under DDP: state by position in its param groups (None
     for an optimizer whose state the checkpoint leaves out)."""
-    names = {id(p): n for n, p in module.named_parameters()}
+    names = parameter_names(module)  # as the slices name them: Note [checkpoint wrappers keep the names]
     states: list[dict[str, Any] | None] = []
     for i, (zero, saved) in enumerate(zip(zero_optimizers, sharded, strict=True)):
         if saved is None:  # not saved: its state is left out of the file
@@ -311,11 +325,33 @@ def _buckets(zero_optimizers: Sequence[ZeroOptimizer], gatherer: ShardedParamete
     return list({id(b): b for b in held}.values())  # the same order on every rank
 
 
+def staging_device(device: torch.device, process_group: dist.ProcessGroup | None) -> torch.device:
+    """Where a bucket on ``device`` is staged and sent over ``process_group`` (Note [full checkpoint on NCCL])."""
+    if process_group is None or device.type == "cpu":
+        return torch.device("cpu")
+    return torch.device("cpu") if backend_for(device, process_group) == "gloo" else device
+
+
+def backend_for(device: torch.device, process_group: dist.ProcessGroup) -> str:
+    """The backend ``process_group`` runs ``device``'s tensors on: ``"nccl"``, ``"gloo"``, or one of a per-device
+    mapping such as ``"cpu:gloo,cuda:nccl"``."""
+    backend = str(dist.get_backend(process_group))
+    if ":" not in backend:
+        return backend
+    per_device = dict(entry.split(":", 1) for entry in backend.split(","))
+    return per_device.get(device.type, "")
+
+
 def _staged(
-    bucket: FlatBucket, spans: list[tuple[OwnedSlice, Span | None]], tiers: TierStorage | None, dtype: torch.dtype
+    bucket: FlatBucket,
+    spans: list[tuple[OwnedSlice, Span | None]],
+    tiers: TierStorage | None,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> Tensor:
-    """This rank's shard of the bucket as written: the given span of each of its slices (zeros elsewhere)."""
-    local = torch.zeros(bucket.shard_numel, dtype=dtype)
+    """This rank's shard of the bucket as written, on ``device``: the given span of each of its slices (zeros
+    elsewhere)."""
+    local = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
     for s, span in spans:
         if span is not None:
             local[s.shard_offset : s.shard_offset + span.numel] = span.read(tiers)
@@ -339,7 +375,7 @@ def _stream(
         record = records.known.get(what(param))
         if record is None:  # the same on every rank: records are made alike everywhere before the pickle
             continue
-        out = torch.empty(slot.numel, dtype=local.dtype) if rank == 0 else None
+        out = torch.empty(slot.numel, dtype=local.dtype, device=local.device) if rank == 0 else None
         for r in range(world):  # rank r's part of the bucket is [r * shard_numel, (r + 1) * shard_numel)
             first = max(slot.offset, r * bucket.shard_numel)
             last = min(slot.offset + slot.numel, (r + 1) * bucket.shard_numel)
@@ -358,7 +394,7 @@ def _stream(
                 dist.recv(view, dist.get_global_rank(process_group, r), group=process_group)
         if out is not None and writer is not None and error is None:
             try:
-                data = out.to(record.dtype)
+                data = out.to("cpu", record.dtype)  # the device's copy goes once it is on the host
                 writer.write_record(f"data/{record.key}", data.untyped_storage(), data.nbytes)
                 records.written.add(record.key)
             except Exception as failure:  # go on receiving: the other ranks are sending

@@ -14,18 +14,28 @@ Where the filesystem cannot exchange (NFS, Lustre, FUSE), two renames of directo
 link to it is made beside ``<name>`` and renamed over it (replacing a link or a file by a rename is atomic on every
 POSIX filesystem), and only then is the old data deleted. The first save of a name checks whether its directory can
 exchange (two empty probe directories) and, if not, commits as a link from the start. Lightning's lookups and our
-loaders follow the link; ``remove_local`` deletes the link first, then the data it named.
+loaders follow the link; ``remove_local`` renames the link away first, then deletes the data it named.
 
 So at every instant ``<name>`` is either the old complete checkpoint or the new complete one, and a crash leaves at most
 hidden leftovers (``.partial-``, ``.data-`` not linked, ``.link-``, ``.trash-``, ``.probe-``), removed by the next save
-of the same name. Removal renames before deleting, for the same reason. One case is left: a filesystem that cannot
-exchange and finds a real directory already under ``<name>`` (made elsewhere, or copied there), or that has no links
-either. There the old checkpoint is renamed to ``.<name>.previous-<token>`` and the new one to ``<name>``, so that a
-crash between the two renames leaves it under a name that says what it is: ``recover_interrupted_commit`` renames it
-back when the checkpoint is loaded by its name (``consolidate`` too) and when the next save of that name starts, and it
-is deleted only once ``<name>`` exists again (a directory cannot become a link without such a moment, so every save of
-that name goes this way). Lightning resolves ``ckpt_path="last"`` before any strategy code runs, so in this one case a
-resume by ``"last"`` right after such a crash does not see it: pass the path.
+of the same name (``.trash-`` by the next save of any name). Removal renames before deleting, for the same reason (Note
+[atomic removal]). One case is left: a filesystem that cannot exchange and finds a real directory already under
+``<name>`` (made elsewhere, or copied there), or that has no links either. There the old checkpoint is renamed to
+``.<name>.previous-<token>`` and the new one to ``<name>``, so that a crash between the two renames leaves it under a
+name that says what it is: ``recover_interrupted_commit`` renames it back when the checkpoint is loaded by its name
+(``consolidate`` too) and when the next save of that name starts, and it is deleted only once ``<name>`` exists again (a
+directory cannot become a link without such a moment, so every save of that name goes this way). Lightning resolves
+``ckpt_path="last"`` before any strategy code runs, so in this one case a resume by ``"last"`` right after such a crash
+does not see it: pass the path.
+
+Note [atomic removal]
+Removing a checkpoint (``ModelCheckpoint`` dropping one out of its top k) is one rename too: the directory, or the
+link ``commit`` made, becomes ``.<name>.trash-<token>`` and only then is deleted, a trashed link after the data it
+names. So ``<name>`` is the whole checkpoint or nothing, and a process killed while deleting leaves only ``.trash-``
+entries. Those are taken for what they are by the next save of *any* checkpoint in that directory, not only of the
+same name (``epoch=N-step=M.ckpt`` names never come back): every save deletes them first (``remove_trash``). Other
+leftovers stay tied to their own name, because a ``.partial-`` or unlinked ``.data-`` of another name may be a save
+still in progress.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -102,8 +113,9 @@ def remove_stale_siblings(path: Path) -> None:
     """Delete what interrupted saves and removals of ``path`` left behind, after putting back a checkpoint that an
     interrupted commit left under its previous name (Note [atomic commit])."""
     recover_interrupted_commit(path)
+    remove_trash(path.parent)  # of every checkpoint there: Note [atomic removal]
     linked = _linked_data(path)
-    for kind in ("partial", "trash", "previous", "link", "data", "probe"):
+    for kind in ("partial", "previous", "link", "data", "probe"):
         for stale in path.parent.glob(f".{path.name}.{kind}-*"):
             if stale != linked:
                 _delete(stale, missing_ok=True)
@@ -132,17 +144,36 @@ def recover_interrupted_commits(directory: Path) -> list[Path]:
 
 
 def remove_local(path: Path) -> None:
-    """Remove a checkpoint file, directory or link: a directory is renamed away first, then deleted; a link that
-    ``commit`` made is removed before the data it names."""
-    data = _linked_data(path)
-    if path.is_symlink() or path.is_file():
+    """Remove a checkpoint file, directory or link in one step, then delete what it held (Note [atomic removal])."""
+    if path.is_file() and not path.is_symlink():
         path.unlink()
-    elif path.is_dir():
-        trash = _sibling(path, "trash")
-        os.rename(path, trash)
-        shutil.rmtree(trash)
-    if data is not None:
-        _delete(data, missing_ok=True)
+        return
+    if not os.path.lexists(path):
+        return
+    trash = _sibling(path, "trash")
+    os.rename(path, trash)  # the removal: a directory, or a link with the data it names, is trash from here on
+    _delete_trash(trash)
+
+
+_TRASH = re.compile(r"\..+\.trash-[0-9a-f]{12}")
+_DATA = re.compile(r"\..+\.data-[0-9a-f]{12}")
+
+
+def remove_trash(directory: Path) -> None:
+    """Delete what interrupted removals of any checkpoint of ``directory`` left (Note [atomic removal])."""
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory):
+            if _TRASH.fullmatch(entry.name):
+                _delete_trash(directory / entry.name)
+
+
+def _delete_trash(trash: Path) -> None:
+    """Delete a removed checkpoint: the data a trashed link names first, then the link; or the directory."""
+    if trash.is_symlink():
+        target = os.readlink(trash)
+        if target == os.path.basename(target) and _DATA.fullmatch(target):  # a link ``commit`` made
+            _delete(trash.with_name(target), missing_ok=True)
+    _delete(trash, missing_ok=True)
 
 
 def _delete(path: Path, missing_ok: bool = False) -> None:

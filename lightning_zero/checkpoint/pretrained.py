@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint.files import CheckpointError, load_lightning_state
+from lightning_zero.checkpoint.files import CheckpointError, CheckpointNotFoundError, load_lightning_state
 from lightning_zero.checkpoint.format import Toc, empty_toc, model_key, tensor_info
 from lightning_zero.checkpoint.full import FlatSource
 from lightning_zero.checkpoint.storage import Location
@@ -97,6 +97,8 @@ def open_pretrained(origin: Location, files: contextlib.ExitStack) -> dict[str, 
     from safetensors import safe_open  # a dependency of transformers; needed only for safetensors sources
 
     path = origin.local
+    if not path.exists():
+        raise CheckpointNotFoundError(f"Pretrained weights {origin} do not exist. HINT: check the path.")
     if path.is_dir() and (path / SAFETENSORS_INDEX).is_file():
         weight_map = _weight_map(origin / SAFETENSORS_INDEX)
         names = sorted(set(weight_map.values()))

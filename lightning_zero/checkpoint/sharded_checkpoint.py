@@ -45,6 +45,7 @@ from lightning_zero.checkpoint.files import (
     abandon_save,
     commit_save,
     load_lightning_state,
+    refuse_replacing_other_files,
     stage_save,
 )
 from lightning_zero.checkpoint.format import (
@@ -160,6 +161,7 @@ def save_sharded_checkpoint(
     Note [commit on an object store] (remote URLs).
     """
     target = locate(path)
+    refuse_replacing_other_files(target, process_group)  # Note [what a save may replace]
     rank = 0 if process_group is None else process_group.rank()
     optimizer_states = checkpoint.pop("optimizer_states", None)
     tensors, toc = build_toc(checkpoint.pop("state_dict", {}), optimizer_states or [], averaged)

@@ -54,10 +54,16 @@ from lightning_zero.fabric.checkpoint import (
     save_fabric_checkpoint,
 )
 from lightning_zero.fabric.models import SetUpModel, SetUpModels, on_meta, set_up_model, set_up_optimizer
-from lightning_zero.fabric.module import load_state_dict_into_shards
+from lightning_zero.fabric.module import full_tensors
 from lightning_zero.fabric.precision import ZeroFabricPrecision
 from lightning_zero.fabric.zero_grad import apply_zero_grad, engine_call, mark, watched
-from lightning_zero.lightning.engine_setup import broadcast_buffers
+from lightning_zero.lightning.engine_setup import (
+    broadcast_buffers,
+    calling,
+    install_module_state,
+    module_state_of,
+    serving,
+)
 from lightning_zero.lightning.grad_norm import hide_partial_gradients
 from lightning_zero.lightning.offload_setup import build_memory_tiers
 from lightning_zero.lightning.precision import to_zero_precision
@@ -67,7 +73,7 @@ from lightning_zero.lightning.strategy_processes import StartMethod
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.gradient_reducer import GradientReducer
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
-from lightning_zero.stage3.library_init import ParamInitFn, pretrained_on_meta_hint
+from lightning_zero.stage3.library_init import MetaDeviceExceptMetrics, ParamInitFn, pretrained_on_meta_hint
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 
 
@@ -194,21 +200,24 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
     # -- model and optimizers ----------------------------------------------------------------------------------------
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[Any]:
-        if self.config.stage != 3 or not empty_init:
+        if self.config.stage != 3:
             return super().module_init_context(empty_init)
+        if not empty_init:  # on the CPU, as under Fabric's FSDP: sharded onto the device unit by unit
+            return self.precision.module_init_context()
         stack = ExitStack()
-        stack.enter_context(torch.device("meta"))  # materialized unit by unit in setup_module
+        stack.enter_context(MetaDeviceExceptMetrics())  # materialized unit by unit in setup_module
         stack.enter_context(self.precision.module_init_context())
         stack.enter_context(pretrained_on_meta_hint("`fabric.init_module(empty_init=True)`"))
         return stack
 
     @override
     def module_sharded_context(self) -> AbstractContextManager[Any]:
-        return torch.device("meta") if self.config.stage == 3 else nullcontext()
+        return MetaDeviceExceptMetrics() if self.config.stage == 3 else nullcontext()
 
     @override
     def module_to_device(self, module: Module) -> None:
-        if not on_meta(module):  # a model on meta is allocated on the device by setup_module
+        # At stage 3 setup_module moves (or allocates) each unit as it shards it: Note [partly meta models].
+        if self.config.stage != 3 and not on_meta(module):
             module.to(self.root_device)
 
     @override
@@ -240,8 +249,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
             self._tiers,
         )
         self.models.models.append(model)
-        if model.gatherer is not None:  # Note [load_state_dict into shards] in fabric/module.py
-            module.load_state_dict = partial(load_state_dict_into_shards, self, model)  # type: ignore[method-assign]
+        if model.gatherer is not None:  # Note [a stage-3 model's state dict] in checkpoint/module_state.py
+            install_module_state(module, model.gatherer, lambda: model.optimizers, lambda: self._tiers)
         module.register_forward_pre_hook(partial(self._forward_of_the_loop, model), prepend=True)
         self.precision.after_backward = self._hide_partial_gradients
         return model.forward_module
@@ -302,8 +311,27 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
                 held = {id(p) for p in model.module.parameters()}
                 if model.gatherer is None or (wanted is not None and wanted.isdisjoint(held)):
                     continue
+                stack.enter_context(calling([model.gatherer], "gathered_parameters()"))  # Note [one-rank calls]
                 stack.enter_context(model.gatherer.gathered(target, writeback=writeback))
             yield
+
+    @contextmanager
+    def full_state_dict(self, offload_to_cpu: bool = True, rank0_only: bool = False) -> Generator[None, None, None]:
+        """Inside the context a stage-3 model's ``state_dict()`` gives full tensors instead of DTensors (on the CPU
+        with ``offload_to_cpu``, only on rank 0 with ``rank0_only``): Note [a stage-3 model's state dict]. Call it on
+        every rank. Stages 1 and 2 give full tensors always."""
+        with ExitStack() as stack:
+            for model in self.models:
+                state = module_state_of(model.module)
+                if state is not None:
+                    stack.enter_context(state.full_state_dict(offload_to_cpu, rank0_only))
+            yield
+
+    # -- the barrier first serves a rank calling a model alone (Note [one-rank calls]) ------------------------------
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        with serving(m.gatherer for m in self.models):
+            super().barrier(*args, **kwargs)
 
     # -- clipping over shards (Note [reduced gradients live in the optimizer] in lightning/precision.py) -------------
     @override
@@ -348,6 +376,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
                 "checkpoints are written by every rank, not through a CheckpointIO plugin. HINT: drop storage_options."
             )
         state = {name: self._set_up_model(value) for name, value in state.items()}
+        if any(m.gatherer is not None for m in self.models):
+            state = full_tensors(state)  # a state dict taken as DTensors is saved whole, as DDP's
         save_fabric_checkpoint(self, self.broadcast(path), state, filter or {})
 
     @override

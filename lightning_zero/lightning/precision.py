@@ -30,17 +30,17 @@ matmuls; here the parameters themselves are low precision, which must not change
   which promote and need nothing).
 
 Note [reduced gradients live in the optimizer]
-After backward, a parameter's ``.grad`` does not hold the averaged gradient: stage 1 has already reduce-scattered
-its flat gradient buffers into the sharded optimizer (and sets ``.grad`` to None: Note [no partial gradients] in
-``grad_norm.py``), stages 2 and 3 keep only this rank's shard and leave ``.grad`` empty. The reduced gradients are
-the ``ZeroOptimizer``'s master gradients. So clipping must go through Lightning (``Trainer(gradient_clip_val=...)``,
-or ``self.clip_gradients(...)`` inside ``configure_gradient_clipping`` or a manual ``training_step``), which lands in
-``ZeroOptimizer.clip_grad_*`` and clips by the global norm across shards;
-``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` finds no gradients and clips nothing, and code that
-inspects ``p.grad`` (``lightning.pytorch.utilities.grad_norm``) sees none (``lightning_zero.grad_norm`` gives DDP's
-norms: Note [gradient norms from shards] in ``grad_norm.py``).
-We cannot see such a call, so a ``configure_gradient_clipping`` that never clipped through Lightning during a fit is
-named in a warning when the fit ends.
+After backward, a parameter's ``.grad`` does not hold the averaged gradient: stage 1 has already reduce-scattered its
+flat gradient buffers into the sharded optimizer (and sets ``.grad`` to None: Note [no partial gradients] in
+``grad_norm.py``), stages 2 and 3 keep only this rank's shard and leave ``.grad`` empty. The reduced gradients are the
+``ZeroOptimizer``'s master gradients; ``on_before_optimizer_step`` hooks read them through ``.grad`` (Note [gradients
+visible to hooks] in ``grad_norm.py``), and nothing else does. So clipping must go through Lightning
+(``Trainer(gradient_clip_val=...)``, or ``self.clip_gradients(...)`` inside ``configure_gradient_clipping`` or a manual
+``training_step``), which lands in ``ZeroOptimizer.clip_grad_*`` and clips by the global norm across shards;
+``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` in ``configure_gradient_clipping`` finds no gradients and
+clips nothing (in ``on_before_optimizer_step`` it is refused: a write to a gradient the step never reads). We cannot see
+such a call, so a ``configure_gradient_clipping`` that never clipped through Lightning during a fit is named in a
+warning when the fit ends.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
 from lightning_zero.compat import DtypeContextManager, convert_fp_tensor
+from lightning_zero.lightning.grad_norm import VisibleGradients
 from lightning_zero.sharding.loss_scaler import DynamicLossScaler, scale_for_backward
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
@@ -113,6 +114,7 @@ class ZeroPrecision(Precision):
         self.after_backward: Callable[[], None] | None = None
         """Set by ``ZeroStrategy``: runs after each backward, before ``on_after_backward`` (Note [no partial
         gradients] in ``grad_norm.py``)."""
+        self._visible_gradients = VisibleGradients()  # Note [gradients visible to hooks] in grad_norm.py
 
     # -- model: Note [mixed precision runs any model] ---------------------------------------------------------------
     @property
@@ -200,6 +202,16 @@ class ZeroPrecision(Precision):
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     @override
+    def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
+        # `.grad` shows the reduced gradients to the on_before_optimizer_step hooks: Note [gradients visible to hooks]
+        zero = (getattr(o, "_optimizer", o) for o in model.trainer.optimizers)
+        self._visible_gradients.show(model, [o for o in zero if isinstance(o, ZeroOptimizer)])
+        try:
+            super()._after_closure(model, optimizer)  # the hooks, then _clip_gradients
+        finally:
+            self._visible_gradients.hide()
+
+    @override
     def _clip_gradients(
         self,
         model: pl.LightningModule | nn.Module,
@@ -207,6 +219,7 @@ class ZeroPrecision(Precision):
         clip_val: int | float | None = None,
         gradient_clip_algorithm: GradClipAlgorithmType | None = None,
     ) -> None:
+        self._visible_gradients.hide()  # clipping hooks keep Note [no partial gradients]'s None
         self._clipped = False
         super()._clip_gradients(model, optimizer, clip_val, gradient_clip_algorithm)  # calls the user's hook
         # Lightning calls the hook in automatic optimization only.

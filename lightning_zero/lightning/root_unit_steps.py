@@ -10,6 +10,7 @@ code) is gathered around it, as a unit's forward hooks gather it around the unit
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -34,13 +35,14 @@ class RootUnitSteps(ShardedCheckpointing):
         if self._gatherer is None:
             return step()
         root = self._gatherer.units[0]
-        self._gatherer.pre_forward(root)
-        output = None
-        try:
-            output = step()
-            return output
-        finally:
-            self._gatherer.post_forward(root, output)  # hooks the loss for the root's pre-backward gather
+        with self._gatherer.calls.step() if self._gatherer.calls is not None else nullcontext():
+            self._gatherer.pre_forward(root)  # every rank runs the step: Note [one-rank calls]
+            output = None
+            try:
+                output = step()
+                return output
+            finally:
+                self._gatherer.post_forward(root, output)  # hooks the loss for the root's pre-backward gather
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

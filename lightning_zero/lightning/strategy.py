@@ -41,10 +41,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint.module_state import ModuleState
 from lightning_zero.comm.topology import Link
-from lightning_zero.compat import sync_module_states
+from lightning_zero.compat import MockOptimizer, sync_module_states
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.engine_setup import shard_for_stage3, wrap_optimizers
+from lightning_zero.lightning.engine_setup import calling, install_module_state, shard_for_stage3, wrap_optimizers
 from lightning_zero.lightning.grad_norm import hide_partial_gradients
 from lightning_zero.lightning.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
 from lightning_zero.lightning.offload_setup import build_memory_tiers
@@ -55,7 +56,7 @@ from lightning_zero.lightning.strategy_checkpoint import as_zero_optimizer, iter
 from lightning_zero.lightning.strategy_processes import StartMethod
 from lightning_zero.offload.memory_tiers import MemoryTiers, TierBytes
 from lightning_zero.sharding.activation_checkpointing import apply_activation_checkpointing_policy
-from lightning_zero.stage3.library_init import ParamInitFn, pretrained_on_meta_hint
+from lightning_zero.stage3.library_init import MetaDeviceExceptMetrics, ParamInitFn, pretrained_on_meta_hint
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 
 
@@ -113,6 +114,8 @@ class ZeroStrategy(RootUnitSteps):
         self._accumulating = False  # inside block_backward_sync
         self._tiers: MemoryTiers | None = None
         """This rank's memory tiers (``ZeroConfig.offload_*``), built in ``setup``."""
+        self._module_state: ModuleState | None = None
+        """Stage 3: the model's own ``state_dict``/``load_state_dict`` (Note [a stage-3 model's state dict])."""
 
     # -- precision: ZeRO's own mixed precision (see ``precision.py``) -----------------------------------------------
     @property
@@ -181,23 +184,35 @@ class ZeroStrategy(RootUnitSteps):
             self._param_init_fn,
             self._tiers,
         )
+        self._module_state = install_module_state(
+            self.lightning_module,
+            self._gatherer,
+            lambda: list(iter_zero_optimizers(self.optimizers)),
+            lambda: self._tiers,
+        )
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         assert self.lightning_module is not None
-        self.optimizers = list(
-            wrap_optimizers(
-                self.lightning_module,
-                self.optimizers,
-                self.process_group,
-                self.config,
-                self.precision_plugin,
-                self._gatherer,
-                self._tiers,
-                self.num_processes,
+        if any(isinstance(o, MockOptimizer) for o in self.optimizers):
+            return  # `configure_optimizers` returned None: Lightning trains without an optimizer, as under DDP
+        try:
+            self.optimizers = list(
+                wrap_optimizers(
+                    self.lightning_module,
+                    self.optimizers,
+                    self.process_group,
+                    self.config,
+                    self.precision_plugin,
+                    self._gatherer,
+                    self._tiers,
+                    self.num_processes,
+                )
             )
-        )
+        except BaseException:
+            self.optimizers = []  # refused: the teardown that follows must not take them for sharded ones
+            raise
 
     @contextmanager
     @override
@@ -206,7 +221,7 @@ class ZeroStrategy(RootUnitSteps):
         if self.config.stage != 3:
             yield
             return
-        with torch.device("meta"), pretrained_on_meta_hint("`configure_model`"):
+        with MetaDeviceExceptMetrics(), pretrained_on_meta_hint("`configure_model`"):  # Note [metrics stay off meta]
             yield
 
     @contextmanager
@@ -214,12 +229,17 @@ class ZeroStrategy(RootUnitSteps):
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``trainer.init_module(empty_init=True)`` at stage 3 builds on the meta device, as FSDP's strategy does, and
         ``setup`` materializes the model unit by unit with ``configure_model``'s initialization rules (``stage3/
-        sharded_init.py``): no rank ever holds the whole model. Stages 1 and 2, and stage 3 without ``empty_init``,
-        behave as DDP: every rank builds the whole model on its device (uninitialized memory with ``empty_init=True``,
-        which the broadcast from rank 0 in ``setup`` makes equal on every rank)."""
+        sharded_init.py``): no rank ever holds the whole model. Stage 3 without ``empty_init`` builds it on the CPU,
+        as FSDP's strategy does, and ``setup`` moves it to the device unit by unit as it shards (Note [partly meta
+        models]). Stages 1 and 2 behave as DDP: every rank builds the whole model on its device (uninitialized memory
+        with ``empty_init=True``, which the broadcast from rank 0 in ``setup`` makes equal on every rank)."""
         if self.config.stage == 3 and empty_init:
             hint = pretrained_on_meta_hint("`trainer.init_module(empty_init=True)`")
-            with torch.device("meta"), self.precision_plugin.tensor_init_context(), hint:
+            with MetaDeviceExceptMetrics(), self.precision_plugin.tensor_init_context(), hint:
+                yield
+            return
+        if self.config.stage == 3:
+            with self.precision_plugin.tensor_init_context():
                 yield
             return
         with super().tensor_init_context(empty_init=empty_init):
@@ -235,7 +255,18 @@ class ZeroStrategy(RootUnitSteps):
         if self._gatherer is None:
             yield
             return
-        with self._gatherer.gathered(module, writeback=writeback):
+        with calling([self._gatherer], "gathered_parameters()"), self._gatherer.gathered(module, writeback=writeback):
+            yield  # Note [one-rank calls]
+
+    @contextmanager
+    def full_state_dict(self, offload_to_cpu: bool = True, rank0_only: bool = False) -> Generator[None, None, None]:
+        """Inside the context a stage-3 model's ``state_dict()`` gives full tensors instead of DTensors (on the CPU
+        with ``offload_to_cpu``, only on rank 0 with ``rank0_only``): Note [a stage-3 model's state dict]. Call it on
+        every rank. Stages 1 and 2 give full tensors always."""
+        if self._module_state is None:
+            yield
+            return
+        with self._module_state.full_state_dict(offload_to_cpu, rank0_only):
             yield
 
     @contextmanager
@@ -268,6 +299,8 @@ class ZeroStrategy(RootUnitSteps):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
+        if isinstance(optimizer, MockOptimizer):  # no optimizer: Lightning's stand-in only runs the closure
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
         zero_optimizer = as_zero_optimizer(optimizer)
         if self._tiers is not None and self.lightning_module is not None:
             self._tiers.set_step_number(self.lightning_module.trainer.global_step)  # Note [delayed parameter update]

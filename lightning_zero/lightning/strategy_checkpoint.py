@@ -39,6 +39,7 @@ from lightning_zero.checkpoint.sharded_checkpoint import (
     sharded_model_state,
     sharded_optimizer_state,
 )
+from lightning_zero.compat import MockOptimizer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.lightning.strategy_processes import ProcessPerDevice
 from lightning_zero.offload.memory_tiers import MemoryTiers
@@ -95,6 +96,8 @@ class ShardedCheckpointing(ProcessPerDevice):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, MockOptimizer):  # no optimizer: a checkpoint holds no optimizer state
+            return {}
         self.settle_optimizers()
         zero_optimizers = list(iter_zero_optimizers(self.optimizers))
         index = zero_optimizers.index(as_zero_optimizer(optimizer))
@@ -108,6 +111,8 @@ class ShardedCheckpointing(ProcessPerDevice):
                 f"ZeroStrategy.save_checkpoint(storage_options={storage_options!r}) is not supported: sharded "
                 "checkpoints are written by every rank, not through a CheckpointIO plugin. HINT: drop storage_options."
             )
+        if any(isinstance(o, MockOptimizer) for o in self.optimizers) and "optimizer_states" in checkpoint:
+            checkpoint["optimizer_states"] = []  # trained without an optimizer: nothing to save or restore
         saved_with = {"world_size": self.world_size, "stage": self.config.stage}
         if self.config.exclude_frozen_parameters:  # Note [frozen base restored from its source]
             assert self.lightning_module is not None
@@ -288,4 +293,5 @@ def as_zero_optimizer(optimizer: Any) -> ZeroOptimizer:
 
 
 def iter_zero_optimizers(optimizers: list[Optimizer]) -> Iterator[ZeroOptimizer]:
-    return (as_zero_optimizer(o) for o in optimizers)
+    """The strategy's optimizers, none when ``configure_optimizers`` returned None (Lightning's stand-in)."""
+    return (as_zero_optimizer(o) for o in optimizers if not isinstance(o, MockOptimizer))

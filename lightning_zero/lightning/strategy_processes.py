@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -40,6 +41,7 @@ from lightning_zero.compat import (
     layer_sync,
     sync_ddp_if_available,
 )
+from lightning_zero.lightning.engine_setup import serving
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +137,7 @@ class ProcessPerDevice(ParallelStrategy):
         if self._start_method == "popen":
             self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = FullWeightsLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
         """This process's global rank and the world size, from the cluster environment (as DDP's and FSDP's)."""
@@ -215,10 +217,11 @@ class ProcessPerDevice(ParallelStrategy):
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        with serving([getattr(self, "_gatherer", None)]):  # Note [one-rank calls]
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -233,6 +236,25 @@ class ProcessPerDevice(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+
+class FullWeightsLauncher(MultiProcessingLauncher):
+    """Lightning's launcher for ``start_method="spawn"`` (and the other ``multiprocessing`` ones), handing the main
+    process full weights.
+
+    Note [spawned ranks return full weights]
+    After ``fit`` in spawned processes, Lightning's launcher takes ``lightning_module.state_dict()`` on every rank,
+    saves rank 0's to a file and loads it into the main process's model with ``strict=False``. At stage 3 that state
+    dict holds DTensors of each rank's rows (Note [a stage-3 model's state dict]), which the main process, with no
+    process group, cannot read; so the launcher takes it inside ``full_state_dict(rank0_only=True)``: rank 0 gets full
+    CPU tensors, gathered bucket by bucket, and the main process DDP's weights (the fp32 masters' values under mixed
+    precision, as DDP's parameters are fp32)."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        full_state_dict = getattr(self._strategy, "full_state_dict", None)
+        with full_state_dict(rank0_only=True) if full_state_dict is not None else nullcontext():
+            return super()._collect_rank_zero_results(trainer, results)
 
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_zero.compat import fused_adam_kernel
 from lightning_zero.sharding.optimizer_hooks import without_step_hooks
 
 _FUSED_ON_CPU = (torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad)  # AdamW is an Adam
@@ -143,7 +144,7 @@ class HostAdam:
             moments = [[e[name] for e in entries] for name in (*_MOMENTS, *((_AMSGRAD,) if amsgrad else ()))]
             beta1, beta2 = (float(b) if isinstance(b, Tensor) else b for b in group["betas"])
             decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
-            kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+            kernel = fused_adam_kernel(decoupled)
             hyper = {
                 "lr": group["lr"],
                 "beta1": beta1,

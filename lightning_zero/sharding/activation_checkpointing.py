@@ -8,9 +8,11 @@ torch's checkpoint wrapper holds the module it wraps as ``_checkpoint_wrapped_mo
 gains that segment in the name of every parameter under it, while its state-dict hooks remove it from
 ``state_dict()`` keys and put it back on ``load_state_dict``. ZeRO names the parameters of its buckets, its optimizer
 state and its checkpoints by ``named_parameters()`` and matches those names against ``state_dict()`` keys and
-against the keys of full checkpoints, so every such name goes through ``state_dict_name``: the names, and therefore
-the checkpoints, are those of the unwrapped model. A checkpoint saved with a policy loads without one and the
-reverse, and a DDP checkpoint loads into either.
+against the keys of full checkpoints, so every such name comes from ``parameter_names`` (or, for a module,
+``state_dict_name`` of its ``named_modules()`` name): the names, and therefore the checkpoints, a full file's
+optimizer state, the prefixes of peft's adapters and the keys of ``lightning_zero.grad_norm``, are those of the
+unwrapped model. A checkpoint saved with a policy loads without one and the reverse, and a DDP checkpoint loads into
+either.
 """
 
 from __future__ import annotations
@@ -29,11 +31,21 @@ from lightning_zero.compat import (
 from lightning_zero.config import CheckpointingPolicy
 from lightning_zero.config_checks import check_classes_exist, class_matches
 
+_WRAPPED_SEGMENT = CHECKPOINT_WRAPPER_PREFIX.rstrip(".")
+
 
 def state_dict_name(name: str) -> str:
-    """``name`` (from ``named_parameters()``) as ``state_dict()`` keys it: without the segments checkpoint wrappers
-    add (Note [checkpoint wrappers keep the names])."""
-    return name.replace(CHECKPOINT_WRAPPER_PREFIX, "")
+    """``name`` (from ``named_parameters()`` or ``named_modules()``) as ``state_dict()`` keys it: without the
+    segments checkpoint wrappers add (Note [checkpoint wrappers keep the names])."""
+    if _WRAPPED_SEGMENT not in name:
+        return name
+    return ".".join(segment for segment in name.split(".") if segment != _WRAPPED_SEGMENT)
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """Every parameter of ``module`` by ``id``, named as ``state_dict()`` keys it (Note [checkpoint wrappers keep
+    the names]); a tied parameter by its first name, as ``named_parameters()`` gives it."""
+    return {id(p): state_dict_name(name) for name, p in module.named_parameters()}
 
 
 def checkpointing_predicate(policy: CheckpointingPolicy, root: nn.Module) -> Callable[[nn.Module], bool]:

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.sharding.activation_checkpointing import state_dict_name
+from lightning_zero.sharding.activation_checkpointing import parameter_names
 from lightning_zero.sharding.flat_bucket import FlatBucket
 
 # torch's optimizers whose update of an element reads only that element's gradient and state: a flat shard of a
@@ -179,7 +179,7 @@ def trainable_named_groups(
     check_elementwise(optimizer, elementwise)
     kind = type(optimizer).__name__
     # The names state_dict() gives: Note [checkpoint wrappers keep the names]
-    names = {id(p): state_dict_name(name) for name, p in module.named_parameters()}
+    names = parameter_names(module)
     seen: dict[int, int] = {}
     groups: list[list[tuple[str, nn.Parameter]]] = []
     for g, group in enumerate(optimizer.param_groups):

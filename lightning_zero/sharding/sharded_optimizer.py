@@ -54,6 +54,7 @@ from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.compat import non_finite_check_and_unscale_
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding import gradient_clipping
+from lightning_zero.sharding.activation_checkpointing import parameter_names
 from lightning_zero.sharding.flat_bucket import build_buckets
 from lightning_zero.sharding.full_grad_reducer import FullGradReducer
 from lightning_zero.sharding.gradient_presence import GradientPresence
@@ -321,7 +322,7 @@ class ZeroOptimizer(Optimizer):
         changed = next((p for p, trainable in self._requires_grad if p.requires_grad != trainable), None)
         if changed is None:
             return
-        name = next(n for n, p in self.module.named_parameters() if p is changed)
+        name = parameter_names(self.module)[id(changed)]
         was, now = ("frozen", "trainable") if changed.requires_grad else ("trainable", "frozen")
         raise RuntimeError(
             f"Parameter {name!r} was {was} when ZeroOptimizer sharded {type(self.optimizer).__name__} and is {now} "

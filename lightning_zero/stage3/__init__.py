@@ -4,6 +4,7 @@
 - ``sharded_unit``: ``ShardedUnit``, one unit's buckets and their ``SHARDED / GATHERING / GATHERED`` lifecycle.
 - ``parameter_gatherer``: ``ParameterGatherer``, the module and autograd hooks that gather, free and prefetch units.
 - ``outside_step``: ``OutsideStep``, full parameters gathered outside forward and backward, and refreshed after.
+- ``one_rank_calls``: ``OneRankCalls``, calls outside a step met in the store; a lone caller served by the others.
 - ``sharded_init``: meta-device models materialized, initialized and sharded one unit at a time.
 - ``secondary_shard``: how a unit's buckets are all-gathered: plainly, or ZeRO++'s way (qwZ, hpZ).
 - ``zeropp``: ZeRO++ on a sharded model: topology, groups, and the communicators of each switch.

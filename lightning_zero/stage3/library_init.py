@@ -47,9 +47,12 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 from torch import nn
+
+from lightning_zero.compat import DeviceContext, device_constructors
 
 ParamInitFn = Callable[[nn.Module], None]
 
@@ -311,3 +314,48 @@ def pretrained_on_meta_hint(where: str) -> Iterator[None]:
             "`lightning_zero.load_full_state_dict` (docs/fine-tuning.md); or call `from_pretrained` in "
             "`__init__`, which builds the whole model on every rank first."
         ) from error
+
+
+_METRIC_FRAMES = 12
+"""How far up the stack a tensor's creation is looked for inside a metric's constructor (``add_state`` and helpers)."""
+
+
+class MetaDeviceExceptMetrics(DeviceContext):
+    """``torch.device("meta")`` for a stage-3 build, except for what a ``torchmetrics.Metric`` creates in its
+    constructor.
+
+    Note [metrics stay off meta]
+    A metric's states are neither parameters nor buffers, so sharding, which materializes those unit by unit, never
+    sees them, and on meta their defaults (a zero count, ``inf`` for a running minimum) are lost, with ``reset()``
+    copying them from defaults that are meta too: a ``torchmetrics`` metric created in ``configure_model`` stayed on
+    meta. Lightning's FSDP strategy builds ``configure_model`` on the device, where metrics simply work, so here the
+    tensors a metric's constructor creates are built as without the context (a few scalars), and sharding moves them
+    to the device with the rest of what is not on meta (Note [partly meta models] in ``sharded_init.py``). A tensor
+    is the metric's when a frame of its creation, at most ``_METRIC_FRAMES`` up, is a ``Metric.__init__``; only
+    while building on meta, once per tensor created.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("meta")
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in device_constructors() and kwargs.get("device") is None and not _in_metric_constructor():
+            kwargs["device"] = self.device
+        return func(*args, **kwargs)
+
+
+def _in_metric_constructor() -> bool:
+    metric = getattr(sys.modules.get("torchmetrics"), "Metric", None)  # no torchmetrics imported: no metric
+    if metric is None:
+        return False
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(_METRIC_FRAMES):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), metric):
+            return True
+        frame = frame.f_back
+    return False

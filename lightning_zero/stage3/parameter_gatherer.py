@@ -56,6 +56,7 @@ from lightning_zero.stage3.autograd_hooks import (
 )
 from lightning_zero.stage3.divergence import NOTHING, RankDivergenceError, UnitExchange
 from lightning_zero.stage3.gathered_buffers import GatheredBuffers
+from lightning_zero.stage3.one_rank_calls import OneRankCalls
 from lightning_zero.stage3.outside_step import OutsideStep
 from lightning_zero.stage3.sharded_unit import ShardedUnit, UnitState
 
@@ -123,6 +124,10 @@ class ParameterGatherer(OutsideStep):
         self._post_backwards = PostBackwardCounts(u.index for u in units)
         self._freed_by_arrivals: set[int] = set()
         """Units freed in this backward when their gradients arrived: still counted as live by the prefetch limit."""
+        self.calls: OneRankCalls | None = None
+        """Set on a group of several ranks: calls outside a step meet the other ranks first (Note [one-rank calls])."""
+        self._call_depth = 0
+        self._served_depth: dict[int, int] = {}
         self._handles: list[RemovableHandle] = []
         for unit in units:
             pre_hook = partial(self._pre_forward_hook, unit)
@@ -181,6 +186,10 @@ class ParameterGatherer(OutsideStep):
         return self.units[self.exchange.merged_into.get(unit.index, unit.index)]
 
     def pre_forward(self, unit: ShardedUnit) -> None:
+        # Note [one-rank calls]: a training forward (gradients on, no call begun) pays two checks here, nothing more.
+        calls_here = self.calls is not None and (self._call_depth > 0 or not torch.is_grad_enabled())
+        if calls_here and self._call_pre_forward(unit):
+            return
         owner = self._owner(unit)
         if owner is not unit:  # gathered with its owner, whose forward encloses this one
             if owner.state is UnitState.SHARDED:  # called on its own after all: gather the owner for the call
@@ -203,6 +212,8 @@ class ParameterGatherer(OutsideStep):
         self._prefetch(unit, self._forward_order)
 
     def post_forward(self, unit: ShardedUnit, output: Any) -> None:
+        if self._call_depth > 0 and self._call_post_forward(unit):  # Note [one-rank calls]
+            return
         if _in_backward() or self._owner(unit) is not unit:  # Note [recomputation]; a merged unit
             return
         self._depth[unit.index] -= 1

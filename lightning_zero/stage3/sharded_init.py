@@ -25,11 +25,13 @@ from whatever the allocator returned.
 
 Note [partly meta models]
 A ``LightningModule`` that builds its network on meta in ``configure_model`` often registers small tensors of its own
-in ``__init__`` (a step counter buffer, a temperature parameter) on the CPU. The strategy moves a model to its device
-only when nothing of it is on meta (moving meta tensors fails), so those would stay on the CPU while the rest is
-materialized on the GPU: a buffer updated on the wrong device, or a device mismatch at the first forward. DDP moves
-the whole module; FSDP2's ``fully_shard`` moves what is materialized. Sharding therefore first moves every tensor
-that is neither on meta nor on the target device there, keeping the parameter objects.
+in ``__init__`` (a step counter buffer, a temperature parameter) on the CPU, and a model built normally (on the CPU,
+``from_pretrained``) has everything there. DDP moves the whole module to the device; FSDP2's ``fully_shard`` moves
+what is materialized, and FSDP and DeepSpeed move or partition a model unit by unit, so that a model larger than one
+device still shards. Sharding therefore never moves a whole model: it first moves every buffer and other
+non-parameter tensor (a metric's states) that is neither on meta nor on the target device there, and each unit's
+parameters only when that unit is sharded, so the device holds the shards so far and one unit, as for a model built
+on meta. Parameter objects are kept.
 
 Modules whose library initializes them beyond their ``reset_parameters()`` (Hugging Face models, peft adapters,
 torch's ``nn.MultiheadAttention`` and ``nn.Transformer``) are initialized as their library would: see
@@ -137,9 +139,19 @@ class _Fresh:
 
 
 def move_materialized(root: nn.Module, device: torch.device) -> None:
-    """Move every parameter and buffer of ``root`` that is neither on meta nor on ``device`` to ``device``, as
-    ``Module.to`` would (parameter objects are kept between devices of one kind): Note [partly meta models]."""
-    root._apply(lambda t: t if t.is_meta or t.device == device else t.to(device))  # what Module.to does, but meta
+    """Move every buffer (and tensor state a module moves in ``_apply``, such as a metric's) of ``root`` that is
+    neither on meta nor on ``device`` to ``device``, as ``Module.to`` would; parameters move with their unit
+    (``move_unit_parameters``): Note [partly meta models]."""
+    params = {id(p) for p in root.parameters()}
+    root._apply(lambda t: t if t.is_meta or t.device == device or id(t) in params else t.to(device))
+
+
+def move_unit_parameters(named: list[tuple[str, nn.Parameter]], device: torch.device) -> None:
+    """Move one unit's materialized parameters to ``device``, keeping the objects: Note [partly meta models]."""
+    with torch.no_grad():
+        for _, p in named:
+            if not p.is_meta and p.device != device:
+                p.data = p.data.to(device)
 
 
 def _allocate(module: nn.Module, device: torch.device, was_meta: set[int], done: set[int]) -> _Fresh | None:
@@ -260,6 +272,7 @@ def shard_module(
 
     def build(index: int) -> None:
         name, module = ("", root) if index == 0 else unit_roots[index - 1]
+        move_unit_parameters(owned[index], device)  # Note [partly meta models]
         sharded, kept = _unit_buckets(owned[index], config, group)
         units[index] = unit = ShardedUnit(index, name, module, sharded, gather_stream)
         resident.extend(kept)
