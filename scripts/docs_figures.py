@@ -4,7 +4,7 @@
 
 - ``memory_gpt7b.png``: model state per rank by stage and memory tier for ``conf/model/gpt7b.yaml`` at 8, 64 and
   1,024 ranks, laid out by the strategy's own partitioner on the meta device (the picture
-  ``python -m lightning_zero estimate --model gpt7b --gpus 8 64 1024 --plot FILE`` draws).
+  ``python -m lightning_zero estimate --model gpt7b --gpus 64 --plot FILE --plot-gpus 8 64 1024`` draws).
 - ``zeropp_links.png``: the bytes a rank sends per step to its own node and to other nodes, plain stage 3 against
   ZeRO++ (qwZ, hpZ, qgZ at ``ZeroConfig``'s defaults), for gpt7b on 64 ranks of 8 per node, by the formulas
   ``estimate --ranks-per-node`` prints.
@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 from lightning_zero.__main__ import main as cli  # noqa: E402
 from lightning_zero.cli.estimate import Precisions, build_on_meta, layout_estimates, load_model  # noqa: E402
 from lightning_zero.cli.estimate_plot import memory_by_tier, plot_link_bytes, require_matplotlib  # noqa: E402
-from lightning_zero.cli.estimate_zeropp import stage3_link_bytes, zeropp_link_bytes  # noqa: E402
+from lightning_zero.cli.estimate_zeropp import LinkBytes, stage3_link_bytes, zeropp_link_bytes  # noqa: E402
 from lightning_zero.config import ZeroConfig  # noqa: E402
 
 IMAGES = ROOT / "docs" / "img"
@@ -137,22 +137,15 @@ def main() -> None:
     IMAGES.mkdir(parents=True, exist_ok=True)
     data = figure_data()
     with contextlib.redirect_stdout(io.StringIO()):  # the tables are in the docs already; only the picture here
-        code = cli(
-            ["estimate", "--model", MODEL, "--gpus", *map(str, WORLDS), "--plot", str(IMAGES / "memory_gpt7b.png")]
-        )
+        picture = ["--plot", str(IMAGES / "memory_gpt7b.png"), "--plot-gpus", *map(str, WORLDS)]
+        code = cli(["estimate", "--model", MODEL, "--gpus", str(WORLDS[-1]), *picture])
     assert code == 0, code
-    links = {run: [_link(row) for row in rows] for run, rows in data["zeropp_links"].items()}
+    links = {run: [LinkBytes(*row) for row in rows] for run, rows in data["zeropp_links"].items()}
     title = f"{MODEL} (bf16) on {ZEROPP_WORLD} ranks, {ZEROPP_PER_NODE} per node: bytes per rank and step by link"
     plot_link_bytes(links, IMAGES / "zeropp_links.png", title)
     _plot_benchmarks(data["benchmarks"], IMAGES / "benchmark_ratios.png")
     (IMAGES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {', '.join(sorted(p.name for p in IMAGES.iterdir()))} in {IMAGES.relative_to(ROOT)}")
-
-
-def _link(row: list[Any]) -> Any:
-    from lightning_zero.cli.estimate_zeropp import LinkBytes
-
-    return LinkBytes(*row)
 
 
 if __name__ == "__main__":

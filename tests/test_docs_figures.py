@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 from pathlib import Path
 from types import ModuleType
 
@@ -67,10 +66,17 @@ def test_memory_by_tier_moves_what_each_setting_moves():
         assert len({sum(tiers) for tiers in stage.values()}) == 1  # a tier moves bytes, never adds or drops them
 
 
-def test_estimate_takes_several_world_sizes_and_plots_them(tmp_path, capsys):
+def test_estimate_plots_a_panel_per_world_size(tmp_path, capsys, monkeypatch):
+    import lightning_zero.cli.estimate_plot as estimate_plot
+
+    drawn = {}
+    monkeypatch.setattr(estimate_plot, "plot_memory_by_tier", lambda panels, *args: drawn.update(panels))
+    assert cli(["estimate", "--params", "7.5e9", "--gpus", "64", "--plot", "x.png", "--plot-gpus", "8", "64"]) == 0
+    assert "on N = 64 ranks" in capsys.readouterr().out  # the tables are for --gpus
+    assert sorted(drawn) == [8, 64]
+    assert round(drawn[64][1].state.total / 1e9, 1) == 31.4  # the paper's stage-1 figure at 64 ranks
+    assert drawn[8][3].state.total == 8 * drawn[64][3].state.total  # stage 3: 16Ψ/N
     path = tmp_path / "memory.png"
-    assert cli(["estimate", "--params", "7.5e9", "--gpus", "8", "64", "--plot", str(path)]) == 0
-    out = capsys.readouterr().out
-    assert re.findall(r"on N = ([\d,]+) ranks", out) == ["8", "64"]
-    assert "31.4 GB" in out  # the paper's stage-1 figure at 64 ranks, in the second report
+    monkeypatch.undo()
+    assert cli(["estimate", "--params", "7.5e9", "--gpus", "8", "--plot", str(path)]) == 0
     assert path.read_bytes().startswith(b"\x89PNG")

@@ -2,7 +2,7 @@
 
     python -m lightning_zero estimate --params 7.5e9 --gpus 64    # the ZeRO paper's formula
     python -m lightning_zero estimate --model gpt7b --gpus 1024   # the strategy's own layout of a conf/model/ GPT
-    python -m lightning_zero estimate --model gpt7b --gpus 8 64 1024 --plot memory.png   # a report per N, a picture
+    python -m lightning_zero estimate --model gpt7b --gpus 64 --plot memory.png --plot-gpus 8 64 1024  # a picture
 
 The first applies the ZeRO paper's formula (Ψ parameters, N ranks, K bytes of optimizer state per parameter): with
 ``--params 7.5e9 --gpus 64`` it prints the paper's example, 120.0, 31.4, 16.6 and 1.9 GB for DDP and stages 1-3.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -41,8 +42,12 @@ from lightning_zero.cli.estimate_tables import (
     GATHER_FORWARD,
     GATHER_PERSISTENT,
     REDUCE_SCATTER,
-    print_report,
+    format_estimates,
+    format_tiers,
+    format_traffic,
+    format_units,
 )
+from lightning_zero.cli.estimate_zeropp import format_zeropp
 from lightning_zero.config import ZeroConfig
 from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes
 from lightning_zero.models.lightning_gpt import LitGPT
@@ -55,6 +60,7 @@ Precision = Literal["bf16", "fp16", "fp32"]
 PARAM_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 RANK = 0  # Note [estimate for rank 0]
 DEFAULT_CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+WIDTH = 118  # prose lines; the tables are as wide as they need
 
 # The collectives of each stage's optimizer step, in the order the traffic table lists them.
 STAGE_COLLECTIVES = {
@@ -266,6 +272,13 @@ def _stage3(
     return StageEstimate(3, state, _formula(num_params, n, 3, p), traffic, len(every), padding, tuple(units))
 
 
+def _tier_settings(args: argparse.Namespace) -> str:
+    return (
+        f"offload_optimizer = {args.offload_optimizer}, offload_params = {args.offload_params} (stage 3 only), "
+        f"offload_ratio = {args.offload_ratio:g}"
+    )
+
+
 def _parse_count(text: str) -> int:
     try:
         value = float(text)
@@ -285,9 +298,7 @@ def _parser() -> argparse.ArgumentParser:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=_parse_count, help="number of parameters Ψ, e.g. 7.5e9 (the formula)")
     what.add_argument("--model", help="a config name from conf/model/, e.g. gpt7b (the strategy's own layout)")
-    parser.add_argument(
-        "--gpus", type=_parse_count, nargs="+", required=True, help="data-parallel ranks N (several: a report each)"
-    )
+    parser.add_argument("--gpus", type=_parse_count, required=True, help="data-parallel ranks N")
     parser.add_argument(
         "--precision", choices=sorted(PARAM_BYTES), default="bf16", help="parameters and gradients (default: bf16)"
     )
@@ -314,51 +325,76 @@ def _parser() -> argparse.ArgumentParser:
         )
     parser.add_argument("--offload-ratio", type=float, default=1.0, help="ZeroConfig.offload_ratio")
     parser.add_argument("--config-dir", type=Path, default=DEFAULT_CONF_DIR, help="the conf/ directory")
-    plot_help = (
-        "also write a PNG of each stage's model state per rank by memory tier (none, host, disk; --offload-ratio "
-        "applies), a panel per --gpus value (needs matplotlib)"
-    )
+    plot_help = "also write a PNG of each stage's model state per rank by memory tier: none, host, disk (matplotlib)"
     parser.add_argument("--plot", type=Path, default=None, metavar="FILE", help=plot_help)
+    parser.add_argument("--plot-gpus", type=_parse_count, nargs="+", metavar="N", help="--plot: a panel per N (--gpus)")
     return parser
-
-
-def _estimates(args: argparse.Namespace, n: int, precisions: Precisions) -> tuple[str, int, list[StageEstimate]]:
-    """The title, Ψ and every stage's estimate for ``n`` ranks (a fresh meta model each time: a layout uses it up)."""
-    if args.model is None:
-        return f"Ψ = {args.params:,} parameters", args.params, paper_estimates(args.params, n, precisions)
-    module = load_model(args.model, args.config_dir)
-    optimizer = build_on_meta(module)
-    num_params = sum(t.numel() for t in module.parameters())
-    estimates = layout_estimates(module, optimizer, n, precisions, _layout_config(args))
-    return f"{args.model}: Ψ = {num_params:,} parameters", num_params, estimates
-
-
-def _layout_config(args: argparse.Namespace) -> ZeroConfig:
-    classes = None if args.wrap_module_classes is None else tuple(args.wrap_module_classes)
-    sizes = {f: getattr(args, f) for f in ("bucket_numel", "wrap_min_numel", "persistence_threshold")}
-    return ZeroConfig(stage=3, wrap_module_classes=classes, **sizes)
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    panels: dict[int, list[StageEstimate]] = {}
-    for index, n in enumerate(args.gpus):
-        if index:
-            print()
+    n = args.gpus
+    try:
+        precisions = Precisions.of(args.precision, args.optimizer_bytes)
+        if args.model is None:
+            num_params = args.params
+            estimates = paper_estimates(num_params, n, precisions)
+            title = f"Ψ = {num_params:,} parameters"
+        else:
+            classes = None if args.wrap_module_classes is None else tuple(args.wrap_module_classes)
+            sizes = {f: getattr(args, f) for f in ("bucket_numel", "wrap_min_numel", "persistence_threshold")}
+            config = ZeroConfig(stage=3, wrap_module_classes=classes, **sizes)
+            module = load_model(args.model, args.config_dir)
+            optimizer = build_on_meta(module)
+            num_params = sum(t.numel() for t in module.parameters())
+            estimates = layout_estimates(module, optimizer, n, precisions, config)
+            title = f"{args.model}: Ψ = {num_params:,} parameters"
+    except (ValueError, TypeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    exact = args.model is not None
+    intro = f"{title} on N = {n:,} ranks; {args.precision} parameters and gradients ({precisions.param} bytes), "
+    intro += f"K = {precisions.k} (fp32 masters {precisions.master} + optimizer state {precisions.optimizer}). "
+    if exact:
+        intro += (
+            f"Model state of rank 0 as the strategy lays the model out: stages 1-2 in buckets of bucket_numel = "
+            f"{config.bucket_numel:,}; stage 3 in units by wrap_module_classes = {config.wrap_module_classes}, "
+            f"wrap_min_numel = {config.wrap_min_numel:,}, persistence_threshold = {config.persistence_threshold:,}. "
+            "Padding (elements) makes each bucket split into N equal shards; rank 0 holds the formula for Ψ + padding. "
+        )
+    else:
+        intro += "Model state per rank by the ZeRO paper's formula. "
+    print(textwrap.fill(intro + "Decimal units: 1 GB = 10^9 bytes.", width=WIDTH), end="\n\n")
+    print(format_estimates(estimates, exact))
+    print("\nBytes each rank sends per step:\n")
+    print(format_traffic(estimates, exact))
+    if exact:
+        print("\n" + textwrap.fill(format_units(estimates[3], precisions.param), width=WIDTH))
+    if args.offload_optimizer != "none" or args.offload_params != "none":
+        print(f"\nModel state per rank by memory tier ({_tier_settings(args)}):\n")
+        print(format_tiers(estimates, args.offload_optimizer, args.offload_params, args.offload_ratio))
+    if args.ranks_per_node is not None:
         try:
-            precisions = Precisions.of(args.precision, args.optimizer_bytes)
-            title, num_params, panels[n] = _estimates(args, n, precisions)
-        except (ValueError, TypeError) as error:
+            print("\n" + format_zeropp(num_params, n, args.ranks_per_node, precisions.param))
+        except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
-            return 2
-        config = _layout_config(args) if args.model is not None else None
-        if print_report(args, n, title, num_params, precisions, panels[n], config):
             return 2
     if args.plot is not None:
         from lightning_zero.cli.estimate_plot import plot_memory_by_tier
 
-        what = f"{title.split(':')[0] if args.model else title}, {args.precision}, K = {precisions.k}"
-        heading = f"Model state per rank by stage and memory tier: {what}"
-        plot_memory_by_tier(panels, args.plot, heading, args.offload_ratio)
+        layout = config if exact else None
+        panels = {w: estimates if w == n else _estimates_at(args, w, precisions, layout) for w in args.plot_gpus or [n]}
+        what = f"Model state per rank by stage and memory tier: {args.model or title}, {args.precision}"
+        plot_memory_by_tier(panels, args.plot, f"{what}, K = {precisions.k}", args.offload_ratio)
         print(f"\nchart written to {args.plot}")
     return 0
+
+
+def _estimates_at(
+    args: argparse.Namespace, world: int, precisions: Precisions, config: ZeroConfig | None
+) -> list[StageEstimate]:
+    """Every stage at another world size, for ``--plot-gpus`` (a layout uses its meta model up: a fresh one)."""
+    if config is None:
+        return paper_estimates(args.params, world, precisions)
+    module = load_model(args.model, args.config_dir)
+    return layout_estimates(module, build_on_meta(module), world, precisions, config)

@@ -1,8 +1,8 @@
 """The pictures ``python -m lightning_zero estimate`` draws, from the same numbers its tables print.
 
 - ``--plot FILE``: each stage's model state per rank, split by where it lives between uses (the device, the host
-  tier, the disk tier) without memory tiers, with the host tier and with the disk tier, one panel per ``--gpus``
-  value (``plot_memory_by_tier``).
+  tier, the disk tier) without memory tiers, with the host tier and with the disk tier, one panel per world size
+  of ``--plot-gpus`` (by default ``--gpus``; ``plot_memory_by_tier``).
 - ``plot_link_bytes``: the bytes a rank sends per step to its own node and to other nodes, plain stage 3 against
   ZeRO++, by collective (Note [ZeRO++ traffic formulas] in ``estimate_zeropp.py``).
 

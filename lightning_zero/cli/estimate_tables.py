@@ -1,5 +1,4 @@
-"""The tables ``python -m lightning_zero estimate`` prints: model state and traffic by stage, stage 3's units, tiers;
-and the report that puts them together for one world size.
+"""The tables ``python -m lightning_zero estimate`` prints: model state and traffic by stage, stage 3's units, tiers.
 
 They own the words of their rows as well: the stage labels, the paper's formulas, and the names of the collectives,
 by which ``estimate.py`` also keys the bytes it computes.
@@ -7,20 +6,14 @@ by which ``estimate.py`` also keys the bytes it computes.
 
 from __future__ import annotations
 
-import argparse
-import sys
-import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from lightning_zero.cli.estimate_zeropp import format_zeropp
-from lightning_zero.config import ZeroConfig
 from lightning_zero.lightning.memory import model_state_by_tier
 
 if TYPE_CHECKING:
-    from lightning_zero.cli.estimate import Precisions, StageEstimate, UnitSize
+    from lightning_zero.cli.estimate import StageEstimate, UnitSize
 
-WIDTH = 118  # prose lines; the tables are as wide as they need
 STAGE_LABELS = {0: "DDP", 1: "1", 2: "2", 3: "3"}
 FORMULAS = {0: "(2+2+K)Ψ", 1: "(2+2)Ψ + KΨ/N", 2: "2Ψ + (2+K)Ψ/N", 3: "(2+2+K)Ψ/N"}
 
@@ -107,50 +100,3 @@ def format_tiers(estimates: Sequence[StageEstimate], optimizer: str, params: str
         tiers = model_state_by_tier(e.state, e.stage, optimizer if e.stage else "none", params, ratio)
         rows.append([STAGE_LABELS.get(e.stage, str(e.stage)), *(_human(v) for v in tiers), f"{sum(tiers):,}"])
     return _table(["stage", "device", "host", "disk", "total bytes"], rows, text_columns=1)
-
-
-def _tier_settings(args: argparse.Namespace) -> str:
-    return (
-        f"offload_optimizer = {args.offload_optimizer}, offload_params = {args.offload_params} (stage 3 only), "
-        f"offload_ratio = {args.offload_ratio:g}"
-    )
-
-
-def print_report(
-    args: argparse.Namespace,
-    n: int,
-    title: str,
-    num_params: int,
-    precisions: Precisions,
-    estimates: Sequence[StageEstimate],
-    config: ZeroConfig | None,
-) -> bool:
-    """Print the tables for ``n`` ranks; True when an option turned out to be invalid (already said on stderr)."""
-    exact = config is not None
-    intro = f"{title} on N = {n:,} ranks; {args.precision} parameters and gradients ({precisions.param} bytes), "
-    intro += f"K = {precisions.k} (fp32 masters {precisions.master} + optimizer state {precisions.optimizer}). "
-    if config is not None:
-        intro += (
-            f"Model state of rank 0 as the strategy lays the model out: stages 1-2 in buckets of bucket_numel = "
-            f"{config.bucket_numel:,}; stage 3 in units by wrap_module_classes = {config.wrap_module_classes}, "
-            f"wrap_min_numel = {config.wrap_min_numel:,}, persistence_threshold = {config.persistence_threshold:,}. "
-            "Padding (elements) makes each bucket split into N equal shards; rank 0 holds the formula for Ψ + padding. "
-        )
-    else:
-        intro += "Model state per rank by the ZeRO paper's formula. "
-    print(textwrap.fill(intro + "Decimal units: 1 GB = 10^9 bytes.", width=WIDTH), end="\n\n")
-    print(format_estimates(estimates, exact))
-    print("\nBytes each rank sends per step:\n")
-    print(format_traffic(estimates, exact))
-    if exact:
-        print("\n" + textwrap.fill(format_units(estimates[3], precisions.param), width=WIDTH))
-    if args.offload_optimizer != "none" or args.offload_params != "none":
-        print(f"\nModel state per rank by memory tier ({_tier_settings(args)}):\n")
-        print(format_tiers(estimates, args.offload_optimizer, args.offload_params, args.offload_ratio))
-    if args.ranks_per_node is not None:
-        try:
-            print("\n" + format_zeropp(num_params, n, args.ranks_per_node, precisions.param))
-        except ValueError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return True
-    return False
