@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/host_step.py --rounds 15 --threads 1,2 \\
         --deepspeed-python /path/to/deepspeed-venv/bin/python --out benchmarks/results/host_step.json
 
-The tiers step on host memory (Note [tier step kernels] in ``lightning_zero/offload/optimizer_tiers.py``), where an
+The tiers step on host memory (Note [tier step kernels] in ``lightning_zero/offload/host_adam.py``), where an
 Adam step is as fast as its memory traffic. Every variant updates the same number of fp32 parameters (``--params``)
 with AdamW, at each of ``--threads`` (torch's intra-op threads; DeepSpeed's OpenMP threads), and is timed from the
 call to the end of the step:
@@ -11,6 +11,8 @@ call to the end of the step:
 - ``tier``: ours, ``ZeroOptimizer.step()`` at stage 2 (one rank) with ``offload_optimizer="cpu"``, buckets of
   ``--bucket`` elements stepped by ``HostAdam`` (Note [bucketed host Adam]) on its worker thread while the next
   bucket is loaded (Note [host step threads]);
+- ``tier_buckets``: the same with ``HostSteps(parallel="buckets")``: one worker per thread, each stepping whole
+  buckets on one intra-op thread, instead of one worker whose kernel splits each tensor across the threads;
 - ``tier_copies``: the same on the host tier's copy path (``host_copies.FORCE_COPIES``: separate host masters and
   gradient buffers, the gradients copied in and the parameters copied out, here by the CPU);
 - ``torch_fused``: ``torch.optim.AdamW(fused=True)`` on tensors of the sizes of ours (one per parameter, as the
@@ -105,7 +107,9 @@ def _layers(params: int, bucket: int) -> nn.Module:
     return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(count)])
 
 
-def _tier(params: int, bucket: int, copies: bool) -> tuple[Callable[[], None], _Step, ZeroOptimizer]:
+def _tier(
+    params: int, bucket: int, copies: bool, parallel: str = "intra_op"
+) -> tuple[Callable[[], None], _Step, ZeroOptimizer]:
     """Ours: ``ZeroOptimizer.step()`` with the optimizer's host tier; a backward (the gradients of the next step),
     and a function that times one step."""
     torch.manual_seed(0)
@@ -120,6 +124,8 @@ def _tier(params: int, bucket: int, copies: bool) -> tuple[Callable[[], None], _
         host_copies.FORCE_COPIES = False
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     optimizer = ZeroOptimizer(model, adamw, group, config, tiers=tiers.for_optimizer())
+    for host_steps in tiers.host_steps:
+        host_steps.parallel = parallel  # type: ignore[assignment]
     width = model[0].in_features
     batch = torch.randn(2, width)
 
@@ -187,6 +193,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     tier_backward, tier, tier_optimizer = _tier(args.params, args.bucket, copies=False)
     variants: dict[str, _Step] = {"tier": tier}
     before: dict[str, Callable[[], None]] = {"tier": tier_backward}
+    if "tier_buckets" in wanted:
+        buckets_backward, tier_buckets, _ = _tier(args.params, args.bucket, copies=False, parallel="buckets")
+        variants["tier_buckets"], before["tier_buckets"] = tier_buckets, buckets_backward
     if "tier_copies" in wanted:
         copies_backward, tier_copies, _ = _tier(args.params, args.bucket, copies=True)
         variants["tier_copies"], before["tier_copies"] = tier_copies, copies_backward

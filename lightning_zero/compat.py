@@ -48,6 +48,8 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from torch import Tensor
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     _CHECKPOINT_PREFIX,
     CheckpointWrapper,
@@ -62,6 +64,8 @@ from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.distributed.distributed_c10d import _get_default_store
 from torch.utils._device import DeviceContext as _DeviceContext
 from torch.utils._device import _device_constructors
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils._pytree import tree_map as _tree_map
 
 __all__ = [
@@ -74,15 +78,18 @@ __all__ = [
     "FabricBackwardSyncControl",
     "FabricSharded",
     "FabricStateful",
+    "FakeTensorMode",
     "FsspecReader",
     "FsspecWriter",
     "MockOptimizer",
+    "ModTracker",
     "MultiProcessingLauncher",
     "PrefixStore",
     "StorageInfo",
     "Store",
     "SubprocessScriptLauncher",
     "TCPStore",
+    "TorchDispatchMode",
     "apply_activation_checkpointing",
     "batches_that_stepped",
     "broadcast_coalesced",
@@ -105,11 +112,15 @@ __all__ = [
     "open_torch_save_archive",
     "queue_autograd_callback",
     "rebuild_tensor",
+    "route_checkpoint_model_state",
     "storage_type",
     "swap_storage_memory",
     "sync_ddp_if_available",
     "sync_module_states",
+    "training_dataloader",
+    "tree_flatten",
     "tree_map",
+    "tree_map_only",
     "validate_keys_for_strict_loading",
     "write_dcp_item",
     "writes_torch_save",
@@ -289,6 +300,26 @@ def layer_sync(strategy: Any) -> Any:
     return getattr(strategy, "_layer_sync", None)
 
 
+def route_checkpoint_model_state(trainer: Any, model_state: Callable[[], dict[str, Any]]) -> None:
+    """Have the Trainer's checkpoint dump (``_CheckpointConnector.dump_checkpoint``, through its
+    ``_get_lightning_module_state_dict``) take the model's state from ``model_state`` rather than from
+    ``strategy.lightning_module_state_dict()``."""
+    trainer._checkpoint_connector._get_lightning_module_state_dict = model_state
+
+
 def batches_that_stepped(trainer: Any) -> int:
     """The step Lightning's loggers record this batch's metrics at (the count of batches that stepped before it)."""
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+# -- planning: a training step on fake tensors (``lightning_zero/planning/``) ---------------------------------------
+# FakeTensorMode: tensors with shapes, dtypes and devices and no memory; TorchDispatchMode: sees every op and the
+# tensors it returns; ModTracker: module forward and backward boundaries (multi-grad hooks), as torch's MemTracker
+# uses them; tree_flatten / tree_map_only: torch's pytree over a batch's nested structure.
+
+
+def training_dataloader(trainer: Any) -> Any:
+    """The training dataloader ``fit`` was given or will build (from the loaders, the data module or the model),
+    before the fit loop sets it up; None when there is none."""
+    source = trainer.fit_loop._data_source
+    return source.dataloader() if source.is_defined() else None

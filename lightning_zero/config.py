@@ -13,10 +13,13 @@ import torch
 
 from lightning_zero.config_checks import (
     ZEROPP_OFF,
+    check_async_save,
+    check_auto,
     check_checkpointing_policy,
     check_class_names,
     check_non_negative_int,
     check_offload,
+    check_offload_optimizer_state,
     check_offload_overlap,
     check_positive_int,
     check_zeropp,
@@ -47,7 +50,29 @@ class ZeroConfig:
     stage: Literal[1, 2, 3] = 2
     """Which model state is sharded across data-parallel ranks. 1: optimizer state and fp32 master weights.
     2: also gradients, reduce-scattered in buckets during backward. 3: also parameters, gathered unit by unit just
-    before use and freed right after."""
+    before use and freed right after. ``stage="auto"`` (``ZeroStrategy``, ``from_kwargs``) sets ``auto`` instead."""
+
+    auto: bool = False
+    """Choose the stage and the memory tiers when fit starts, from the peak memory per rank predicted for the model's
+    own training step and the memory there is (``strategy="zero_auto"``, ``ZeroStrategy(stage="auto")``): the first
+    of stage 1, stage 2, stage 3, stage 3 with host tiers and (with ``offload_dir``) with disk tiers whose predicted
+    peak fits, with ZeRO++'s hpZ and qwZ at stage 3 when the ranks span nodes (Note [automatic configuration] in
+    ``planning/auto_config.py``). ``stage`` and the tier fields are then replaced by the choice; every other field is
+    kept. The choice is printed with every candidate considered, logged, and recorded in checkpoints."""
+
+    auto_device_budget: int | None = None
+    """With ``auto``: bytes of device memory one rank may use. None: the device's free memory when fit starts (on a
+    CPU, the host's available memory shared by the node's ranks), the smallest over all ranks."""
+
+    auto_host_budget: int | None = None
+    """With ``auto``: bytes of host memory one rank may give the host tier. None: the host's available memory shared
+    by the node's ranks. On a CPU device the host tier is the device's memory and counts against
+    ``auto_device_budget`` instead."""
+
+    auto_headroom: float = 0.1
+    """With ``auto``: the fraction of the device budget kept free for what the prediction does not count (the
+    allocator's caching and fragmentation, the CUDA context, libraries); the prediction is within 10% of measured
+    peaks on the CPU (``benchmarks/README.md``)."""
 
     bucket_numel: int = 4_000_000
     """Elements per communication bucket. Parameters are packed into flat buckets of about this size (a parameter is
@@ -207,6 +232,13 @@ class ZeroConfig:
     """The fraction (0 < r <= 1) of the optimizer state (masters and moments) that ``offload_optimizer`` moves, by
     elements, bucket by bucket in step order (ZeRO-Offload++); the rest stays on the device."""
 
+    offload_optimizer_state: Literal["with_masters", "disk"] = "with_masters"
+    """Where the host step's optimizer state (Adam's moments, 8 of the 16 bytes per parameter) lives between steps.
+    ``"with_masters"``: where ``offload_optimizer`` puts the masters. ``"disk"``: with ``offload_optimizer="cpu"``,
+    in files under ``offload_dir`` beside the host masters, read ahead of each bucket's host step and written behind
+    it, so that host memory and disk add up (Note [moments on disk] in ``offload/host_moments.py``). Needs torch's
+    Adam or AdamW with the fused kernels the host tier chooses; refused with ``offload_overlap="delayed"``."""
+
     offload_overlap: Literal["exact", "delayed"] = "exact"
     """How the host tier's step (``offload_optimizer="cpu"`` on an accelerator) meets the device's work.
     ``"exact"``: every step's update is applied before the next forward, as without offloading. ``"delayed"``:
@@ -226,6 +258,14 @@ class ZeroConfig:
     ``save_weights_only``), which plain ``torch.load`` and a DDP run read, put together parameter by parameter on
     rank 0, which writes it (Note [full checkpoint streamed] in ``checkpoint/full_save.py``); local paths only."""
 
+    async_save: bool = False
+    """Write sharded checkpoints in the background: ``trainer.save_checkpoint`` (and ``ModelCheckpoint``) copies what
+    this rank writes into host memory and returns, and a thread writes and commits it while training goes on, with
+    the same commit protocol and format; at most one save is in flight, and the next save, a load or the end of
+    training waits for it (Note [asynchronous save] in ``checkpoint/async_save.py``). Costs host memory for the copy
+    of the rank's state. Not with ``state_dict_type="full"`` nor the disk tier; the Trainer only (a Fabric loop
+    saves synchronously and refuses it)."""
+
     exclude_frozen_parameters: bool = False
     """Leave parameters with ``requires_grad=False`` out of checkpoints (DeepSpeed's option of that name): a LoRA
     checkpoint holds the adapters and their optimizer state, not the frozen base. A resume restores the base from the
@@ -235,7 +275,11 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
-            raise ValueError(f"Invalid ZeroConfig.stage: {self.stage!r}. Expected 1, 2 or 3.")
+            raise ValueError(
+                f"Invalid ZeroConfig.stage: {self.stage!r}. Expected 1, 2 or 3. HINT: to have it chosen when fit "
+                "starts, set auto=True (ZeroStrategy(stage='auto'), strategy='zero_auto')."
+            )
+        check_auto(self)
         if isinstance(self.collective_timeout_s, bool) or not (
             isinstance(self.collective_timeout_s, (int, float)) and self.collective_timeout_s > 0
         ):
@@ -257,7 +301,13 @@ class ZeroConfig:
             raise TypeError(
                 f"Invalid ZeroConfig.keep_reduce_buffers: {self.keep_reduce_buffers!r}. Expected True, False or None."
             )
-        for name in ("overlap_comm", "broadcast_buffers", "reshard_root_after_forward", "exclude_frozen_parameters"):
+        for name in (
+            "overlap_comm",
+            "broadcast_buffers",
+            "reshard_root_after_forward",
+            "exclude_frozen_parameters",
+            "async_save",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Invalid ZeroConfig.{name}: {getattr(self, name)!r}. Expected True or False.")
         if self.check_rank_divergence is not None and not isinstance(self.check_rank_divergence, bool):
@@ -287,6 +337,8 @@ class ZeroConfig:
         check_zeropp(self)
         check_offload(self)
         check_offload_overlap(self)
+        check_offload_optimizer_state(self)
+        check_async_save(self)
 
     @property
     def uses_zeropp(self) -> bool:
@@ -296,7 +348,7 @@ class ZeroConfig:
     @property
     def offloads_to_disk(self) -> bool:
         """Whether any tier lives in files under ``offload_dir``."""
-        return "disk" in (self.offload_optimizer, self.offload_params)
+        return "disk" in (self.offload_optimizer, self.offload_params, self.offload_optimizer_state)
 
     @property
     def keeps_reduce_buffers(self) -> bool:
@@ -324,6 +376,8 @@ class ZeroConfig:
     def from_kwargs(cls, **kwargs: Any) -> ZeroConfig:
         """Build a config from keyword arguments, naming any unknown keyword and the known ones."""
         known = {f.name for f in fields(cls)}
+        if kwargs.get("stage") == "auto":  # ZeroStrategy(stage="auto"): the stage is chosen when fit starts
+            kwargs = {**kwargs, "stage": 3, "auto": True}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(

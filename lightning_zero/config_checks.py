@@ -48,6 +48,17 @@ def check_zeropp(config: ZeroConfig) -> None:
             )
 
 
+def check_auto(config: ZeroConfig) -> None:
+    if not isinstance(config.auto, bool):
+        raise TypeError(f"Invalid ZeroConfig.auto: {config.auto!r}. Expected True or False.")
+    for name in ("auto_device_budget", "auto_host_budget"):
+        if getattr(config, name) is not None:
+            check_positive_int(name, getattr(config, name))
+    headroom = config.auto_headroom
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+        raise ValueError(f"Invalid ZeroConfig.auto_headroom: {headroom!r}. Expected a fraction, 0 <= f < 1.")
+
+
 def check_offload(config: ZeroConfig) -> None:
     for name in ("offload_optimizer", "offload_params"):
         if getattr(config, name) not in TIERS:
@@ -76,6 +87,32 @@ def check_offload(config: ZeroConfig) -> None:
         raise ValueError(
             f"Invalid ZeroConfig.offload_dir: None with {uses_disk[0]}='disk'. Expected a directory for the disk "
             "tier. HINT: ZeroStrategy(offload_dir='/path/on/a/fast/disk'), or the preset 'zero3_offload_disk'."
+        )
+
+
+def check_offload_optimizer_state(config: ZeroConfig) -> None:
+    state = config.offload_optimizer_state
+    if state not in ("with_masters", "disk"):
+        raise ValueError(f"Invalid ZeroConfig.offload_optimizer_state: {state!r}. Expected 'with_masters' or 'disk'.")
+    if state == "with_masters":
+        return
+    if config.offload_optimizer != "cpu":
+        raise ValueError(
+            f"Invalid ZeroConfig: offload_optimizer_state='disk' with offload_optimizer={config.offload_optimizer!r}. "
+            "Expected offload_optimizer='cpu': the moments go to disk beside host masters, stepped by the host. "
+            "HINT: offload_optimizer='disk' puts masters and moments on disk; 'cpu' with "
+            "offload_optimizer_state='disk' keeps the masters in host memory."
+        )
+    if config.offload_overlap == "delayed":
+        raise ValueError(
+            "Invalid ZeroConfig: offload_optimizer_state='disk' with offload_overlap='delayed'. The delayed update "
+            "would hold every bucket's moments in memory through the next forward and backward. HINT: use "
+            "offload_overlap='exact' with moments on disk, or offload_optimizer_state='with_masters'."
+        )
+    if config.offload_dir is None:
+        raise ValueError(
+            "Invalid ZeroConfig.offload_dir: None with offload_optimizer_state='disk'. Expected a directory for the "
+            "disk tier. HINT: ZeroStrategy(offload_dir='/path/on/a/fast/disk')."
         )
 
 
@@ -158,4 +195,17 @@ def check_classes_exist(root: torch.nn.Module, names: tuple[str, ...], field: st
         raise ValueError(
             f"Invalid ZeroConfig.{field}: {missing} name no module class of {type(root).__name__} "
             f"(its classes: {present}). HINT: use a class name from that list, {otherwise}."
+        )
+
+
+def check_async_save(config: ZeroConfig) -> None:
+    """``async_save`` holds what each rank writes in host memory while a thread writes it: a full checkpoint is
+    assembled on rank 0 instead, and the disk tiers stream their saves."""
+    if config.async_save and (config.state_dict_type == "full" or config.offloads_to_disk):
+        other = "state_dict_type='full'" if config.state_dict_type == "full" else "a disk tier (offload_*='disk')"
+        raise ValueError(
+            f"Invalid ZeroConfig: async_save=True with {other}. An asynchronous save copies what each rank writes "
+            "into host memory first; a full checkpoint is assembled on rank 0 as the pieces arrive, and the disk "
+            "tiers stream saves instead of holding the state in memory. HINT: drop async_save, or use "
+            "state_dict_type='sharded' without disk tiers."
         )

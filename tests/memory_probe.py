@@ -31,6 +31,16 @@ def rss_bytes() -> int:
     return _status_bytes("VmRSS:")
 
 
+def anonymous_bytes() -> int:
+    """Resident memory that is not a file's pages: the heap, tensors, stacks (``RssAnon``)."""
+    return _status_bytes("RssAnon:")
+
+
+def file_bytes() -> int:
+    """Resident pages of files: the code of the libraries as far as it ran (``RssFile``)."""
+    return _status_bytes("RssFile:")
+
+
 def reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")

@@ -62,6 +62,15 @@ PRIVATE = {
     "lightning.fabric.utilities.distributed._sync_ddp_if_available": "sync_ddp_if_available",
     "lightning.pytorch.strategies.ParallelStrategy._layer_sync": "layer_sync",
     "lightning.pytorch.loops._TrainingEpochLoop._batches_that_stepped": "batches_that_stepped",
+    "torch._subclasses.fake_tensor.FakeTensorMode": "FakeTensorMode",
+    "torch.distributed._tools.mod_tracker.ModTracker": "ModTracker",
+    "torch.utils._python_dispatch.TorchDispatchMode": "TorchDispatchMode",
+    "torch.utils._pytree.tree_flatten": "tree_flatten",
+    "torch.utils._pytree.tree_map_only": "tree_map_only",
+    "lightning.pytorch.loops.FitLoop._data_source": "training_dataloader",
+    "lightning.pytorch.trainer.connectors._CheckpointConnector._get_lightning_module_state_dict": (
+        "route_checkpoint_model_state"
+    ),
 }
 
 
@@ -107,6 +116,10 @@ def test_the_extension_points_of_lightning_classes_we_override_exist():
     assert "_precision_plugin" in inspect.getsource(Strategy.__init__)
     assert "_layer_sync" in inspect.getsource(ParallelStrategy.__init__)
     assert callable(Precision._clip_gradients)
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    # route_checkpoint_model_state replaces the method dump_checkpoint takes the model's state from
+    assert "self._get_lightning_module_state_dict()" in inspect.getsource(_CheckpointConnector.dump_checkpoint)
     # Attributes of torch's objects read or set where the object is (optimizer hook registries, storages' ids,
     # tensors' version counters, the RNN's flat weights, MultiheadAttention's initializer).
     optimizer = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)

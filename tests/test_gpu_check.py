@@ -57,6 +57,11 @@ def test_dry_run_reports_every_section_and_goes_on_after_a_failing_one(tmp_path)
     assert len(sections["full_save_nccl"]["result"]["per_rank"]) == 2  # the dry run: two gloo ranks
     largest = sections["offload_largest_model"]["result"]["largest_trained_parameters"]
     assert all(largest.values()), largest
+    speed = sections["offload_speed"]["result"]["runs"]  # every mode, each trained or skipped for time
+    assert {(r["overlap"], r["batch"]) for r in speed} == {
+        (m, b) for m in ("exact", "delayed", "disk_moments") for b in (1, 8)
+    }
+    assert all(r.get("trained") or "skipped" in r for r in speed), speed
     markdown = (tmp_path / "summary.md").read_text()
     assert all(f"| {name} |" in markdown for name in SECTIONS)
     print(f"dry run: {seconds:.1f} s")

@@ -29,7 +29,9 @@ class _Net(nn.Module):
         return self.b(torch.nn.functional.gelu(self.a(x)))
 
 
-def _train(tier: bool, copies: bool, options: dict[str, Any], cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
+def _train(
+    tier: bool, copies: bool, options: dict[str, Any], cls: type[torch.optim.Optimizer], parallel: str = "intra_op"
+) -> dict[str, Any]:
     host_copies.FORCE_COPIES = copies
     try:
         torch.manual_seed(0)
@@ -41,6 +43,8 @@ def _train(tier: bool, copies: bool, options: dict[str, Any], cls: type[torch.op
         config = ZeroConfig(stage=2, offload_optimizer="cpu" if tier else "none", bucket_numel=300)
         tiers = MemoryTiers(config, None, io_entries=2) if tier else None
         zero = ZeroOptimizer(model, optimizer, dist.group.WORLD, config, tiers=tiers.for_optimizer() if tiers else None)
+        for host_steps in tiers.host_steps if tiers else []:
+            host_steps.parallel = parallel  # type: ignore[assignment]
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
         losses = []
         for _ in range(4):
@@ -63,6 +67,21 @@ def _train(tier: bool, copies: bool, options: dict[str, Any], cls: type[torch.op
                 "state": zero.state_dict()["state"]}  # fmt: skip
     finally:
         host_copies.FORCE_COPIES = False
+
+
+def _parallel_runs() -> list[dict[str, Any]]:
+    torch.set_num_threads(2)
+    return [_train(True, True, {}, torch.optim.AdamW, parallel) for parallel in ("intra_op", "buckets")]
+
+
+@pytest.mark.timeout(60)
+def test_host_updates_on_a_worker_per_thread_step_bit_for_bit_as_on_one_worker():
+    """Note [host step threads]: ``parallel="buckets"`` steps whole buckets on several workers at once."""
+    for intra_op, buckets in run_distributed(_parallel_runs, 2):
+        assert buckets["own"] > 1  # several buckets, stepped by two workers
+        assert buckets["losses"] == intra_op["losses"]
+        for a, b in zip(buckets["weights"], intra_op["weights"], strict=True):
+            assert torch.equal(a, b)
 
 
 def _all(cases: list[tuple[dict[str, Any], type[torch.optim.Optimizer]]]) -> list[list[dict[str, Any]]]:

@@ -46,7 +46,7 @@ def _compose(*overrides: str) -> DictConfig:
 
 
 def test_config_groups_have_the_documented_options():
-    assert _options("strategy") == ["ddp", *sorted([*ZERO_FILES, "zero3pp"])]
+    assert _options("strategy") == ["ddp", *sorted([*ZERO_FILES, "zero3pp", "zero_auto"])]
     assert {"tiny", "small"} <= set(_options("model"))
     assert _options("data") == ["fables", "synthetic"]
     assert _options("trainer") == ["cpu", "gpu", "slurm"]
@@ -128,6 +128,12 @@ def test_zero3pp_config_turns_every_zeropp_switch_on_over_zero3(conf_dir):
     assert isinstance(strategy, ZeroStrategy)
     expected = ZeroConfig(stage=3, quantize_weights=True, hpz_partition_size=2, quantize_gradients=True)
     assert strategy.config == expected
+
+
+def test_zero_auto_config_is_the_registered_preset(conf_dir):
+    strategy = instantiate(_compose("strategy=zero_auto").strategy, _convert_="all")
+    assert isinstance(strategy, ZeroStrategy)
+    assert strategy.config == ZeroConfig(stage=3, auto=True) == ZeroStrategy(stage="auto").config
 
 
 def test_activation_checkpointing_policy_from_yaml_is_a_tuple_of_class_names(conf_dir):

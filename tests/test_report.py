@@ -10,7 +10,8 @@ import pytest
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.lightning.memory import ModelStateBytes
-from lightning_zero.lightning.report import FitReport, MemoryReport, RankReport, format_report, memory_by_stage
+from lightning_zero.lightning.report import FitReport, MemoryReport, RankReport, format_report
+from lightning_zero.lightning.report_plot import memory_by_stage
 from lightning_zero.models import GPTConfig, LitGPT, SyntheticTextDataModule
 from tests.harness import run_distributed
 

@@ -163,6 +163,15 @@ def save_sharded_checkpoint(
     target = locate(path)
     refuse_replacing_other_files(target, process_group)  # Note [what a save may replace]
     rank = 0 if process_group is None else process_group.rank()
+    tensors, toc = prepare_save(checkpoint, rank, averaged)
+    write_save(checkpoint, tensors, toc, path, process_group, saved_with)
+
+
+def prepare_save(
+    checkpoint: dict[str, Any], rank: int, averaged: Mapping[str, Tensor] | None = None
+) -> tuple[dict[str, FlatChunk | Tensor], Toc]:
+    """What this rank writes of ``checkpoint`` (the chunks and tensors DCP saves, views of the live state) and its part
+    of the table of contents; the sharded entries leave ``checkpoint``, which keeps Lightning's other state."""
     optimizer_states = checkpoint.pop("optimizer_states", None)
     tensors, toc = build_toc(checkpoint.pop("state_dict", {}), optimizer_states or [], averaged)
     if rank != 0:  # Note [replicated entries are rank 0's]
@@ -170,6 +179,21 @@ def save_sharded_checkpoint(
         tensors = {k: v for k, v in tensors.items() if isinstance(v, FlatChunk) or not k.startswith(every_rank)}
     if optimizer_states is not None:  # Lightning checks it is there; the tensors themselves live in DCP
         checkpoint["optimizer_states"] = [{"param_groups": s["param_groups"]} for s in optimizer_states]
+    return tensors, toc
+
+
+def write_save(
+    checkpoint: dict[str, Any],
+    tensors: dict[str, FlatChunk | Tensor],
+    toc: Toc,
+    path: str | PathLike[str],
+    process_group: dist.ProcessGroup | None,
+    saved_with: Mapping[str, int],
+) -> None:
+    """Write what ``prepare_save`` gave and commit the checkpoint (Note [atomic commit], Note [commit on an object
+    store]). Collective over ``process_group``."""
+    target = locate(path)
+    rank = 0 if process_group is None else process_group.rank()
     staged: list[Location | None] = [stage_save(target) if rank == 0 else None]
     if process_group is not None:
         dist.broadcast_object_list(staged, src=dist.get_global_rank(process_group, 0), group=process_group)

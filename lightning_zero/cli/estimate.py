@@ -27,143 +27,61 @@ import argparse
 import math
 import sys
 import textwrap
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, NamedTuple
 
 import torch
-from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero.cli.estimate_module import (
+    auto_decision,
+    init_args,
+    instantiate,
+    is_class_path,
+    micro_batch,
+    predict_stages,
+    unknown_arguments,
+)
 from lightning_zero.cli.estimate_tables import (
-    ALL_REDUCE,
-    GATHER_AFTER_STEP,
-    GATHER_BACKWARD,
-    GATHER_FORWARD,
-    GATHER_PERSISTENT,
-    REDUCE_SCATTER,
     format_estimates,
+    format_peaks,
     format_tiers,
     format_traffic,
     format_units,
+    peak_intro,
 )
 from lightning_zero.cli.estimate_zeropp import format_zeropp
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes
 from lightning_zero.models.lightning_gpt import LitGPT
-from lightning_zero.sharding.flat_bucket import FlatBucket, build_buckets
-from lightning_zero.sharding.param_groups import segments_of, trainable_named_groups
-from lightning_zero.stage3.sharded_init import unit_bucket_layout
-from lightning_zero.stage3.wrap_policy import assign_parameters, find_unit_roots
+from lightning_zero.planning.layout import (
+    PARAM_BYTES,
+    Precision,
+    Precisions,
+    StageEstimate,
+    Traffic,
+    UnitSize,
+    layout_estimates,
+    paper_estimates,
+)
+from lightning_zero.planning.module_step import first_optimizer
+from lightning_zero.planning.peak import PeakPrediction
 
-Precision = Literal["bf16", "fp16", "fp32"]
-PARAM_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
-RANK = 0  # Note [estimate for rank 0]
+__all__ = [
+    "Precision",
+    "Precisions",
+    "StageEstimate",
+    "Traffic",
+    "UnitSize",
+    "build_on_meta",
+    "layout_estimates",
+    "load_model",
+    "main",
+    "paper_estimates",
+]
+
 DEFAULT_CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 WIDTH = 118  # prose lines; the tables are as wide as they need
 
-# The collectives of each stage's optimizer step, in the order the traffic table lists them.
-STAGE_COLLECTIVES = {
-    0: (ALL_REDUCE,),
-    1: (REDUCE_SCATTER, GATHER_AFTER_STEP),
-    2: (REDUCE_SCATTER, GATHER_AFTER_STEP),
-    3: (GATHER_FORWARD, GATHER_BACKWARD, REDUCE_SCATTER),
-}
 
-
-class Precisions(NamedTuple):
-    """Bytes per parameter element of each kind of model state."""
-
-    param: int
-    """Parameters, and gradients (same dtype)."""
-    master: int
-    """fp32 master copy: 4 with 16-bit parameters, 0 with fp32 ones (they are their own master)."""
-    optimizer: int
-    """Optimizer state besides the master copy (Adam: 8). ``master + optimizer`` is the paper's K."""
-
-    @classmethod
-    def of(cls, precision: Precision, k: int | None) -> Precisions:
-        param = PARAM_BYTES[precision]
-        master = 4 if param < 4 else 0
-        k = master + 8 if k is None else k
-        if k < master:
-            raise ValueError(
-                f"Invalid K: {k!r} bytes per parameter is less than the {master}-byte fp32 master copy that "
-                f"{precision} parameters need. HINT: K counts master weights and optimizer state (12 for Adam)."
-            )
-        return cls(param, master, k - master)
-
-    @property
-    def k(self) -> int:
-        return self.master + self.optimizer
-
-
-class Traffic(NamedTuple):
-    """One collective of a step and the bytes this rank sends in it, counted as ``comm.collectives`` counts them."""
-
-    collective: str
-    sent: int
-    formula: int
-    """The paper's bytes for the same collective (0 where the paper has none)."""
-
-
-class UnitSize(NamedTuple):
-    """A stage-3 gather unit and the elements gathered on every rank while it is in use, padding included."""
-
-    name: str
-    numel: int
-
-
-class StageEstimate(NamedTuple):
-    """One stage's numbers for one rank."""
-
-    stage: int
-    """0 for DDP."""
-    state: ModelStateBytes
-    """Bytes this rank holds (the strategy's layout in ``--model`` mode, the formula otherwise)."""
-    formula: ModelStateBytes
-    """The ZeRO paper's formula for the same model and N."""
-    traffic: tuple[Traffic, ...]
-    """Bytes this rank sends per optimizer step, by collective."""
-    buckets: int
-    """Flat buckets the parameters are packed into; 0 for the formula."""
-    padding: int
-    """Elements of padding in the full flat buffers (each bucket is padded to a multiple of N, < N elements)."""
-    units: tuple[UnitSize, ...] = ()
-    """Stage 3 in ``--model`` mode: every gather unit, the root unit first."""
-
-    @property
-    def sent(self) -> int:
-        return sum(t.sent for t in self.traffic)
-
-    @property
-    def largest_unit(self) -> UnitSize | None:
-        """The unit whose full parameters one rank gathers at once: stage 3's transient peak of parameter memory."""
-        return max(self.units, key=lambda u: u.numel, default=None)
-
-
-# -- the formula -------------------------------------------------------------------------------------------------------
-def _formula(num_params: int, world_size: int, stage: int, p: Precisions) -> ModelStateBytes:
-    return expected_model_state_bytes(num_params, world_size, stage, p.param, p.master, p.optimizer)
-
-
-def _paper_traffic(num_params: int, world_size: int, stage: int, param_bytes: int) -> tuple[Traffic, ...]:
-    one_way = num_params * param_bytes * (world_size - 1) // world_size  # a ring's Ψ(N-1)/N
-    sizes = {ALL_REDUCE: 2 * one_way}
-    return tuple(Traffic(c, sizes.get(c, one_way), sizes.get(c, one_way)) for c in STAGE_COLLECTIVES[stage])
-
-
-def paper_estimates(num_params: int, world_size: int, precisions: Precisions) -> list[StageEstimate]:
-    """Every stage by the ZeRO paper's formula: model state and bytes sent per step by each rank."""
-    out = []
-    for stage in STAGE_COLLECTIVES:
-        formula = _formula(num_params, world_size, stage, precisions)
-        traffic = _paper_traffic(num_params, world_size, stage, precisions.param)
-        out.append(StageEstimate(stage, formula, formula, traffic, 0, 0))
-    return out
-
-
-# -- the strategy's own layout -----------------------------------------------------------------------------------------
 def load_model(name: str, conf_dir: Path = DEFAULT_CONF_DIR) -> LitGPT:
     """The ``LitGPT`` of ``conf/model/<name>.yaml``, composed and instantiated by Hydra as the example does. Its
     GPT is not built yet: ``build_on_meta`` does that."""
@@ -193,85 +111,6 @@ def build_on_meta(module: LitGPT) -> Optimizer:
     return module.configure_optimizers()
 
 
-def _master_numel(buckets: Sequence[FlatBucket], group_of: dict[int, int]) -> int:
-    """Elements of this rank's shards that get a master weight and optimizer state, as ``ZeroOptimizer`` cuts them."""
-    return sum(seg.stop - seg.start for b in buckets for seg in segments_of(b, group_of))
-
-
-def _ring(buckets: Sequence[FlatBucket], param_bytes: int) -> int:
-    """Bytes one rank sends to all-gather, or reduce-scatter, these buckets: its shard to each of N-1 others."""
-    return sum(b.shard_numel * (b.world_size - 1) for b in buckets) * param_bytes
-
-
-def _traffic(stage: int, sent: dict[str, int], num_params: int, world_size: int, p: Precisions) -> tuple[Traffic, ...]:
-    paper = {t.collective: t.formula for t in _paper_traffic(num_params, world_size, stage, p.param)}
-    return tuple(Traffic(c, nbytes, paper.get(c, 0)) for c, nbytes in sent.items() if nbytes or c in paper)
-
-
-def layout_estimates(
-    module: nn.Module, optimizer: Optimizer, world_size: int, precisions: Precisions, config: ZeroConfig
-) -> list[StageEstimate]:
-    """Every stage as the strategy lays ``module`` out on rank 0 of ``world_size`` (Note [estimate for rank 0]).
-
-    ``module`` should be on the meta device, and is used up: laying it out makes its parameters views into flat
-    buffers (without storage on meta). ``optimizer`` is the one ``configure_optimizers`` returns for it; ``config``
-    supplies ``bucket_numel`` and the stage-3 unit policy.
-    """
-    n, p = world_size, precisions
-    named_groups = trainable_named_groups(module, optimizer)
-    group_of = {id(t): g for g, named in enumerate(named_groups) for _, t in named}
-    num_params = sum(t.numel() for t in module.parameters())
-    ddp = _formula(num_params, n, 0, p)  # DDP has no layout of its own: the formula is exact
-    out = [StageEstimate(0, ddp, ddp, _paper_traffic(num_params, n, 0, p.param), 0, 0)]
-
-    # Stages 1 and 2: ZeroOptimizer's buckets. Parameters are views into the full padded buffers (those outside the
-    # optimizer stay as they are); stage 1 keeps full padded gradients, stage 2 only its shard.
-    buckets = build_buckets(named_groups, config.bucket_numel, RANK, n, list(module.parameters()))
-    padded = sum(b.padded_numel for b in buckets)
-    outside = sum(t.numel() for t in module.parameters() if id(t) not in group_of)
-    masters = _master_numel(buckets, group_of)
-    stage1 = ModelStateBytes((padded + outside) * p.param, padded * p.param, masters * p.master, masters * p.optimizer)
-    stage2 = stage1._replace(gradients=sum(b.shard_numel for b in buckets) * p.param)
-    sent = {REDUCE_SCATTER: _ring(buckets, p.param), GATHER_AFTER_STEP: _ring(buckets, p.param)}
-    padding = sum(b.padded_numel - b.numel for b in buckets)
-    for stage, state in ((1, stage1), (2, stage2)):
-        traffic = _traffic(stage, sent, num_params, n, p)
-        out.append(StageEstimate(stage, state, _formula(num_params, n, stage, p), traffic, len(buckets), padding))
-    out.append(_stage3(module, group_of, num_params, n, p, config))
-    return out
-
-
-def _stage3(
-    module: nn.Module, group_of: dict[int, int], num_params: int, n: int, p: Precisions, config: ZeroConfig
-) -> StageEstimate:
-    """``shard_module``'s units and their buckets. On meta a resident bucket keeps its full buffer for free, so every
-    bucket is built resident and only its sizes are read."""
-    unit_roots = find_unit_roots(module, config)
-    units: list[UnitSize] = []
-    sharded: list[FlatBucket] = []
-    persistent: list[FlatBucket] = []
-    names = ["<root>", *(name for name, _ in unit_roots)]
-    for name, named in zip(names, assign_parameters(module, unit_roots), strict=True):
-        mine: list[FlatBucket] = []
-        for resident, members in unit_bucket_layout(named, config):
-            (persistent if resident else mine).append(FlatBucket(-1, -1, members, RANK, n))
-        sharded += mine
-        units.append(UnitSize(name, sum(b.padded_numel for b in mine)))
-    trainable = [b for b in sharded + persistent if b.trainable]  # the gradient reducer's buckets
-    stepped = [b for b in trainable if any(id(t) in group_of for t in b.params)]  # the optimizer's
-    masters = _master_numel(stepped, group_of)
-    params = sum(b.shard_numel for b in sharded) + sum(b.padded_numel for b in persistent)
-    grads = sum(b.shard_numel for b in trainable)
-    state = ModelStateBytes(params * p.param, grads * p.param, masters * p.master, masters * p.optimizer)
-    sent = {GATHER_FORWARD: _ring(sharded, p.param), GATHER_BACKWARD: _ring(sharded, p.param)}
-    sent[REDUCE_SCATTER] = _ring(trainable, p.param)
-    sent[GATHER_PERSISTENT] = _ring([b for b in stepped if any(b is q for q in persistent)], p.param)
-    every = sharded + persistent
-    padding = sum(b.padded_numel - b.numel for b in every)
-    traffic = _traffic(3, sent, num_params, n, p)
-    return StageEstimate(3, state, _formula(num_params, n, 3, p), traffic, len(every), padding, tuple(units))
-
-
 def _tier_settings(args: argparse.Namespace) -> str:
     return (
         f"offload_optimizer = {args.offload_optimizer}, offload_params = {args.offload_params} (stage 3 only), "
@@ -297,7 +136,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=_parse_count, help="number of parameters Ψ, e.g. 7.5e9 (the formula)")
-    what.add_argument("--model", help="a config name from conf/model/, e.g. gpt7b (the strategy's own layout)")
+    what.add_argument(
+        "--model",
+        help="a config name from conf/model/ (gpt7b), or a LightningModule class path (my_project.LitLlama) with its "
+        "init args as --model.KEY=VALUE: the strategy's own layout, and the peak per rank of a training step",
+    )
     parser.add_argument("--gpus", type=_parse_count, required=True, help="data-parallel ranks N")
     parser.add_argument(
         "--precision", choices=sorted(PARAM_BYTES), default="bf16", help="parameters and gradients (default: bf16)"
@@ -325,6 +168,26 @@ def _parser() -> argparse.ArgumentParser:
         )
     parser.add_argument("--offload-ratio", type=float, default=1.0, help="ZeroConfig.offload_ratio")
     parser.add_argument("--config-dir", type=Path, default=DEFAULT_CONF_DIR, help="the conf/ directory")
+    peak = parser.add_argument_group(
+        "peak per rank in a training step (--model): the step run on fake tensors, activations included"
+    )
+    peak.add_argument("--data", default=None, help="a LightningDataModule class path whose first batch is used")
+    peak.add_argument("--micro-batch", type=int, default=None, help="samples per micro-batch (default: the loader's)")
+    peak.add_argument(
+        "--auto",
+        action="store_true",
+        help="print the configuration stage='auto' would choose (Note [automatic configuration]) and stop",
+    )
+    peak.add_argument("--device-budget", type=float, default=None, help="--auto: device bytes per rank (1e10)")
+    peak.add_argument("--host-budget", type=float, default=None, help="--auto: host-tier bytes per rank")
+    peak.add_argument("--offload-dir", default=None, help="--auto: ZeroConfig.offload_dir, for the disk tier")
+    peak.add_argument(
+        "--activation-checkpointing",
+        nargs="+",
+        metavar="CLASS",
+        default=None,
+        help="ZeroConfig.activation_checkpointing_policy: the layer classes that recompute their activations",
+    )
     plot_help = "also write a PNG of each stage's model state per rank by memory tier: none, host, disk (matplotlib)"
     parser.add_argument("--plot", type=Path, default=None, metavar="FILE", help=plot_help)
     parser.add_argument("--plot-gpus", type=_parse_count, nargs="+", metavar="N", help="--plot: a panel per N (--gpus)")
@@ -332,8 +195,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    args, extra = _parser().parse_known_args(argv)
+    unknown = unknown_arguments(extra)
+    if unknown:
+        _parser().error(f"unrecognized arguments: {' '.join(unknown)}")
     n = args.gpus
+    peaks: list[PeakPrediction] = []
     try:
         precisions = Precisions.of(args.precision, args.optimizer_bytes)
         if args.model is None:
@@ -343,13 +210,29 @@ def main(argv: list[str]) -> int:
         else:
             classes = None if args.wrap_module_classes is None else tuple(args.wrap_module_classes)
             sizes = {f: getattr(args, f) for f in ("bucket_numel", "wrap_min_numel", "persistence_threshold")}
-            config = ZeroConfig(stage=3, wrap_module_classes=classes, **sizes)
-            module = load_model(args.model, args.config_dir)
-            optimizer = build_on_meta(module)
+            tiers = {f: getattr(args, f) for f in ("offload_optimizer", "offload_params", "offload_ratio")}
+            policy = None if args.activation_checkpointing is None else tuple(args.activation_checkpointing)
+            config = ZeroConfig(
+                stage=3, wrap_module_classes=classes, activation_checkpointing_policy=policy, **sizes, **tiers
+            )
+            if is_class_path(args.model):
+                module = instantiate(args.model, init_args(extra, "model"))
+            else:
+                module = load_model(args.model, args.config_dir)
+            if args.auto:
+                batch = micro_batch(module, args.data, init_args(extra, "data"), args.micro_batch)
+                print(auto_decision(module, batch, config, args))
+                return 0
+            if is_class_path(args.model) or args.micro_batch is not None:
+                batch = micro_batch(module, args.data, init_args(extra, "data"), args.micro_batch)
+                peaks = predict_stages(module, batch, config, n, args.precision)  # before the layout uses it up
+            with torch.device("meta"):
+                module.configure_model()
+            optimizer = first_optimizer(module.configure_optimizers())
             num_params = sum(t.numel() for t in module.parameters())
             estimates = layout_estimates(module, optimizer, n, precisions, config)
             title = f"{args.model}: Ψ = {num_params:,} parameters"
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     exact = args.model is not None
@@ -379,11 +262,15 @@ def main(argv: list[str]) -> int:
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
+    if peaks:
+        print("\n" + textwrap.fill(peak_intro(peaks, args.precision), width=WIDTH), end="\n\n")
+        print(format_peaks(peaks))
     if args.plot is not None:
         from lightning_zero.cli.estimate_plot import plot_memory_by_tier
 
         layout = config if exact else None
-        panels = {w: estimates if w == n else _estimates_at(args, w, precisions, layout) for w in args.plot_gpus or [n]}
+        worlds = args.plot_gpus or [n]
+        panels = {w: estimates if w == n else _estimates_at(args, extra, w, precisions, layout) for w in worlds}
         what = f"Model state per rank by stage and memory tier: {args.model or title}, {args.precision}"
         plot_memory_by_tier(panels, args.plot, f"{what}, K = {precisions.k}", args.offload_ratio)
         print(f"\nchart written to {args.plot}")
@@ -391,10 +278,15 @@ def main(argv: list[str]) -> int:
 
 
 def _estimates_at(
-    args: argparse.Namespace, world: int, precisions: Precisions, config: ZeroConfig | None
+    args: argparse.Namespace, extra: list[str], world: int, precisions: Precisions, config: ZeroConfig | None
 ) -> list[StageEstimate]:
     """Every stage at another world size, for ``--plot-gpus`` (a layout uses its meta model up: a fresh one)."""
     if config is None:
         return paper_estimates(args.params, world, precisions)
-    module = load_model(args.model, args.config_dir)
-    return layout_estimates(module, build_on_meta(module), world, precisions, config)
+    if is_class_path(args.model):
+        module = instantiate(args.model, init_args(extra, "model"))
+    else:
+        module = load_model(args.model, args.config_dir)
+    with torch.device("meta"):
+        module.configure_model()
+    return layout_estimates(module, first_optimizer(module.configure_optimizers()), world, precisions, config)

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lightning_zero.cli.estimate_zeropp import LinkBytes
-from lightning_zero.lightning.memory import model_state_by_tier
 from lightning_zero.offload.memory_tiers import TierBytes
+from lightning_zero.planning.model_state import model_state_by_tier
 
 if TYPE_CHECKING:
-    from lightning_zero.cli.estimate import StageEstimate
+    from lightning_zero.planning.layout import StageEstimate
 
 
 class TierSetting(NamedTuple):

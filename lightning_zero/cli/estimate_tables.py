@@ -9,21 +9,38 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from lightning_zero.lightning.memory import model_state_by_tier
+from lightning_zero.planning.layout import (
+    ALL_REDUCE,
+    GATHER_AFTER_STEP,
+    GATHER_BACKWARD,
+    GATHER_FORWARD,
+    GATHER_PERSISTENT,
+    REDUCE_SCATTER,
+)
+from lightning_zero.planning.model_state import model_state_by_tier
 
 if TYPE_CHECKING:
-    from lightning_zero.cli.estimate import StageEstimate, UnitSize
+    from lightning_zero.planning.layout import StageEstimate, UnitSize
+    from lightning_zero.planning.peak import PeakPrediction
+
+__all__ = [
+    "ALL_REDUCE",
+    "GATHER_AFTER_STEP",
+    "GATHER_BACKWARD",
+    "GATHER_FORWARD",
+    "GATHER_PERSISTENT",
+    "REDUCE_SCATTER",
+    "format_estimates",
+    "format_peaks",
+    "format_tiers",
+    "format_traffic",
+    "format_units",
+    "peak_intro",
+]
 
 STAGE_LABELS = {0: "DDP", 1: "1", 2: "2", 3: "3"}
 FORMULAS = {0: "(2+2+K)Ψ", 1: "(2+2)Ψ + KΨ/N", 2: "2Ψ + (2+K)Ψ/N", 3: "(2+2+K)Ψ/N"}
 
-# The collectives of one optimizer step, and the paper's elements each rank sends in them.
-ALL_REDUCE = "all-reduce of the gradients"
-REDUCE_SCATTER = "reduce-scatter of the gradients"
-GATHER_AFTER_STEP = "all-gather of the parameters after the step"
-GATHER_FORWARD = "all-gather of each unit before its forward"
-GATHER_BACKWARD = "all-gather of each unit before its backward"
-GATHER_PERSISTENT = "all-gather of the persistent parameters after the step"
 TRAFFIC_FORMULAS = {ALL_REDUCE: "2Ψ(N-1)/N", GATHER_PERSISTENT: "-"}  # every other one: Ψ(N-1)/N
 
 
@@ -100,3 +117,25 @@ def format_tiers(estimates: Sequence[StageEstimate], optimizer: str, params: str
         tiers = model_state_by_tier(e.state, e.stage, optimizer if e.stage else "none", params, ratio)
         rows.append([STAGE_LABELS.get(e.stage, str(e.stage)), *(_human(v) for v in tiers), f"{sum(tiers):,}"])
     return _table(["stage", "device", "host", "disk", "total bytes"], rows, text_columns=1)
+
+
+def peak_intro(peaks: Sequence[PeakPrediction], precision: str) -> str:
+    config = peaks[0].config
+    policy = config.activation_checkpointing_policy
+    return (
+        f"Peak memory of rank 0 in one training step (a step after the first; Note [predicted peak]), "
+        f"{precision} parameters, activation checkpointing = {policy}, offload_optimizer = "
+        f"{config.offload_optimizer}, offload_params = {config.offload_params}: the user's step run on fake tensors "
+        "(activations, gradients as autograd makes them) with the engine's gathers and gradient buckets, over the "
+        "model state above. 'device' is the peak; host and disk hold the tiers."
+    )
+
+
+def format_peaks(peaks: Sequence[PeakPrediction]) -> str:
+    """Each stage's predicted peak per rank, split by kind."""
+    header = ["stage", "params", "grads", "optim", "activations", "buffers", "device", "host", "disk", "peak in"]
+    rows = []
+    for p in peaks:
+        values = (*p.peak, p.peak.total, p.host, p.disk)
+        rows.append([STAGE_LABELS[p.config.stage], *(_human(v) for v in values), p.phase])
+    return _table(header, rows, text_columns=1)

@@ -227,6 +227,9 @@ def load_fabric_checkpoint(
             section=section,
         )
         _note_frozen_source(strategy, loaded)
+    for name, section in plan.plain.items():  # no shards: every rank reads the weights whole
+        load_checkpoint(path, state[name], [], strategy.process_group, load_optimizer=False, strict=strict,
+                        section=section)  # fmt: skip
     return restore_others(others, state, plan.restored, strict)
 
 

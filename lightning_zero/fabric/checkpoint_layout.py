@@ -15,8 +15,10 @@ one model whole, or into several, each from the children under its name, the opt
 
 A load restores any part of what was saved, as Fabric's DDP does: each set-up model and optimizer of the state takes
 the saved one of its name (the one model and its optimizers whatever their names, when the checkpoint holds one
-model and the state asks for one), every other entry is restored by name (a stateful object loads its state, a plain
-value is replaced), and what the checkpoint holds beyond the state is returned. With ``strict=True`` a name the
+model and the state asks for one), a module that was not set up takes the weights of the set-up model saved under
+its name whole, on every rank (as a DDP checkpoint saved after ``setup`` loads into a plain module), every other
+entry is restored by name (a stateful object loads its state, a plain value is replaced), and what the checkpoint
+holds beyond the state is returned. With ``strict=True`` a name the
 checkpoint does not hold is refused before anything is loaded. A save adds what a Trainer requires to resume
 (``TRAINER_REQUIRES``: the Lightning version, the LR schedulers' states) when the state lacks it, and a load takes it
 out again. Any world size, stage or bucket size loads any other, as for the Trainer.
@@ -158,6 +160,8 @@ class RestorePlan(NamedTuple):
 
     sections: list[tuple[SetUpModel, Section]]
     restored: list[str]
+    plain: dict[str, Section]
+    """By name in the state: a module that was not set up, loading the full weights of a model saved set up."""
 
 
 def restore_plan(models: SetUpModels, state: dict[str, Any], saved: Saved, strict: bool) -> RestorePlan:
@@ -204,7 +208,14 @@ def restore_plan(models: SetUpModels, state: dict[str, Any], saved: Saved, stric
                 f"`state[{name!r}]` is a set-up optimizer, whose state is sharded. HINT: load it into an optimizer "
                 "that was not set up, or save the set-up optimizer."
             )
-    available = [*saved.others, *model_from, *optimizer_from]
+    # A model saved set up, asked for by a module that is not (a plain copy, as Fabric's DDP loads one): its weights
+    # whole on every rank.
+    plain = {
+        name: Section(saved.models[name], True, ())
+        for name, obj in state.items()
+        if saved.models is not None and name in saved.models and name not in set_up and isinstance(obj, Module)
+    }
+    available = [*saved.others, *model_from, *optimizer_from, *plain]
     validate_keys_for_strict_loading(list(state), available, strict=strict)
     parts: dict[tuple[int, str], tuple[SetUpModel, bool, dict[int, int]]] = {}
     for name, prefix in model_from.items():
@@ -219,7 +230,7 @@ def restore_plan(models: SetUpModels, state: dict[str, Any], saved: Saved, stric
         (model, Section(prefix, load_model, tuple(chosen.get(i) for i in range(len(model.optimizers)))))
         for (_, prefix), (model, load_model, chosen) in parts.items()
     ]
-    return RestorePlan(sections, [*model_from, *optimizer_from])
+    return RestorePlan(sections, [*model_from, *optimizer_from, *plain], plain)
 
 
 def _trainer_section(prefix_of: Callable[[SetUpModel], str | None], models: SetUpModels, zero: ZeroOptimizer) -> str:

@@ -70,6 +70,7 @@ from lightning_zero.lightning.precision import to_zero_precision
 from lightning_zero.lightning.presets import register_presets
 from lightning_zero.lightning.strategy_checkpoint import as_zero_optimizer
 from lightning_zero.lightning.strategy_processes import StartMethod
+from lightning_zero.lightning.throughput import StepThroughput, ThroughputSummary, compute_dtype
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.gradient_reducer import GradientReducer
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
@@ -113,6 +114,12 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
                 "after a warm-up counted by the Trainer's global_step, which a Fabric loop does not have. HINT: use "
                 "offload_overlap='exact' with Fabric, or ZeroStrategy with the Trainer."
             )
+        if self.config.async_save or self.config.auto:
+            raise NotImplementedError(
+                f"ZeroFabricStrategy does not take {'async_save' if self.config.async_save else 'auto'}=True: a "
+                "Fabric loop saves synchronously, and its micro-batch is not known at setup. HINT: use the Trainer's "
+                "ZeroStrategy for these, or drop the field."
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -135,6 +142,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         """The pretrained weights ``fabric.load_raw`` loaded, recorded by checkpoints that leave frozen parameters
         out (Note [frozen base restored from its source])."""
         self._frozen_base_checked = False
+        self._throughput = StepThroughput(recomputation=self.config.activation_checkpointing_policy is not None)
 
     # The first model set up, its units and every optimizer: what a loop with one model reads.
     @property
@@ -266,6 +274,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         if model.broadcast_next_forward and self.config.broadcast_buffers:
             broadcast_buffers(module, self.process_group)
         model.broadcast_next_forward = torch.is_grad_enabled() and not model.accumulating
+        if torch.is_grad_enabled():
+            self._throughput.on_batch(args)  # Note [throughput from the real step]
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -273,7 +283,15 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
             self.models, optimizer, self.process_group, self.config, self.precision, self._tiers, self.num_processes
         )
         self.models.model_of(zero).watched[id(zero)] = watched(zero)  # Note [model.zero_grad() reaches the shards]
+        if len(self._optimizers) == 1:
+            self._throughput.attach([zero])
         return zero
+
+    def throughput(self, peak_flops: float | None = None) -> ThroughputSummary | None:
+        """Samples, tokens and FLOPs per second and MFU over the steps after the first (``.describe()`` to print,
+        ``.metrics()`` for ``fabric.log_dict``); None before two steps. Note [throughput from the real step]."""
+        dtype = compute_dtype(str(self.precision.precision))
+        return self._throughput.summary(self.world_size, self.root_device, dtype, peak_flops)
 
     def _hide_partial_gradients(self) -> None:
         hide_partial_gradients(self._optimizers)  # Note [no partial gradients] in lightning/grad_norm.py

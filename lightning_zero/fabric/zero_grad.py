@@ -10,8 +10,11 @@ would be added to the next step. In the DCGAN loop that is the discriminator's g
 discriminator would step on it, silently, where DDP drops it.
 
 So after each ``fabric.backward`` the strategy puts a *marker* in the empty ``.grad`` of two trainable parameters of
-each set-up optimizer, both in the first of its buckets (the first and the last of its parameters there): a zero tensor
-of the parameter's shape over one element. A ``zero_grad()`` of the model sets them to None. At the next
+each set-up optimizer, both in the first of its buckets (the first and the last of its parameters there): a tensor of
+the parameter's shape and dtype with no storage (``GradientMarker``), which any operation refuses, naming the
+parameter: read as a gradient it would be a wrong number (it once was zeros, which a loop reading ``.grad`` between
+backward and step took for the gradient). A ``zero_grad()`` of the model sets them to None, or with
+``set_to_none=False`` zeroes them, which the marker records. At the next
 ``fabric.backward`` (before any gradient is accumulated), and at that optimizer's step (before its gradients are read),
 the strategy finds them gone and zeroes the optimizer's gradients with its own ``zero_grad()`` (every rank alike: the
 loop's calls are the same on every rank); before a backward it takes the other markers out, as autograd cannot
@@ -29,11 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from lightning_zero.compat import disabled_torch_function_impl, make_wrapper_subclass
 from lightning_zero.fabric.models import SetUpModel
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
@@ -74,12 +79,51 @@ def engine_call(models: Iterable[SetUpModel]) -> Iterator[None]:
             del model.markers[id(param)]
 
 
+class GradientMarker(Tensor):
+    """What ``.grad`` of a watched parameter holds between a backward and ``zero_grad()`` (Note [model.zero_grad()
+    reaches the shards]): no values. ``zero_()`` (``zero_grad(set_to_none=False)``) is recorded; any other operation is
+    refused, as the gradient it would stand for is in ZeRO's shards."""
+
+    zeroed: bool
+
+    @staticmethod
+    def __new__(cls: type[GradientMarker], param: Parameter) -> GradientMarker:
+        marker = make_wrapper_subclass(cls, param)
+        assert isinstance(marker, GradientMarker)
+        marker.zeroed = False
+        return marker
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"GradientMarker(shape={tuple(self.shape)}, dtype={self.dtype}, zeroed={self.zeroed})"
+
+    __torch_function__ = disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        if func is torch.ops.aten.zero_.default and isinstance(args[0], GradientMarker):
+            args[0].zeroed = True
+            return args[0]
+        raise RuntimeError(
+            f"{func} on the `.grad` of a parameter set up by ZeroFabricStrategy: after `fabric.backward` ZeRO holds "
+            "the averaged gradient in its shards, not in `.grad`, which only marks that `zero_grad()` has not been "
+            "called since (Note [model.zero_grad() reaches the shards] in lightning_zero/fabric/zero_grad.py). "
+            "HINT: `fabric.clip_gradients(model, optimizer, max_norm=...)` returns the gradients' total norm; read "
+            "parameters, not gradients, elsewhere."
+        )
+
+
 def _marked(model: SetUpModel, param: Parameter) -> bool:
-    return id(param) in model.markers and param.grad is model.markers[id(param)]
+    return id(param) in model.markers and param.grad is model.markers[id(param)] and not _zeroed(param)
+
+
+def _zeroed(param: Parameter) -> bool:
+    return isinstance(param.grad, GradientMarker) and param.grad.zeroed
 
 
 def _marker(param: Parameter) -> Tensor:
-    return torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+    return GradientMarker(param)
 
 
 def apply_zero_grad(models: Iterable[SetUpModel], only: ZeroOptimizer | None = None) -> None:
@@ -90,7 +134,7 @@ def apply_zero_grad(models: Iterable[SetUpModel], only: ZeroOptimizer | None = N
             if only is not None and optimizer is not only:
                 continue
             marked = [p for p in model.watched.get(id(optimizer), []) if id(p) in model.markers]
-            gone = [p for p in marked if p.grad is not model.markers[id(p)]]
+            gone = [p for p in marked if p.grad is not model.markers[id(p)] or _zeroed(p)]
             if gone and len(gone) < len(marked):
                 name = next(n for n, p in model.module.named_parameters() if p is gone[0])
                 raise RuntimeError(

@@ -10,8 +10,10 @@
 - ``precision``: ``ZeroPrecision``, ZeRO's mixed precision (low-precision parameters, fp32 masters).
 - ``memory``: per-rank model-state bytes, counted and as the ZeRO paper's formula.
 - ``ema``: ``ShardedEMA``, the moving average of the weights kept on each rank's fp32 shard.
-- ``report``: ``MemoryReport``, the per-rank memory and communication table at the end of a run.
+- ``auto_setup``: ``stage="auto"`` when fit starts: the choice, printed, logged and kept for checkpoints.
+- ``report``: ``MemoryReport``, the per-rank memory and communication table at the end of a run;
+  ``report_plot``: its chart; ``throughput``: samples, tokens and FLOPs per second, MFU (both front doors).
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,
-lightning_zero.offload, lightning_zero.checkpoint
+lightning_zero.offload, lightning_zero.checkpoint, lightning_zero.planning
 """

@@ -102,7 +102,22 @@ def adopt_sharded(
     strategy's ``ParameterGatherer``, whose hooks are on the model. A later strategy of the same process, on the same
     process group and with the same ``ZeroConfig``, takes that sharding over as it is (as the same strategy does for
     ``fit``, ``validate``, ``fit``): new optimizers are built over the same shards, so the second fit continues from
-    the weights the first one left, as under DDP. Anything else could not reuse the shards, and is refused."""
+    the weights the first one left, as under DDP. Anything else could not reuse the shards, and is refused: another
+    config, group or tiers, and a ``requires_grad`` changed since (fine-tuning in phases): the buckets were laid out
+    by it (frozen parameters get no gradient reduction), so the new phase would leave unfrozen weights where they
+    are, silently."""
+    buckets = [b for unit in gatherer.units for b in unit.buckets] + list(gatherer.resident_buckets)
+    changed = {id(p) for b in buckets for p in b.params if p.requires_grad != b.trainable}
+    if changed:
+        name = next(n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in changed)
+        raise ValueError(
+            f"{type(module).__name__} was sharded for stage 3 by an earlier ZeroStrategy of this process, and "
+            f"`requires_grad` of {name!r} (and {len(changed) - 1} more) changed since: its shards were laid out for "
+            "the parameters trainable then, and cannot be taken over. HINT: build a fresh model for the new phase "
+            "and load the weights into it: after the phase's fit, on every rank, `with "
+            "trainer.strategy.full_state_dict(): weights = model.state_dict()`, then "
+            "`new_model.load_state_dict(weights)` before the next Trainer."
+        )
     previous = gatherer.config
     if previous != config or gatherer.group is not group or tiers is not None:
         raise ValueError(

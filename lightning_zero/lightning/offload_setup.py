@@ -34,7 +34,7 @@ def build_memory_tiers(
     ``default_root_dir``). Refuses a bad directory or too little space first."""
     if config.offload_optimizer == "none" and config.offload_params == "none":
         return None
-    if device.type != "cpu" and config.offloads_to_disk:
+    if device.type != "cpu" and "disk" in (config.offload_optimizer, config.offload_params):
         field = "offload_optimizer" if config.offload_optimizer == "disk" else "offload_params"
         raise NotImplementedError(
             f"ZeroConfig.{field}='disk' on a {device.type} device is not implemented: the disk tier reads and writes "
@@ -49,6 +49,11 @@ def build_memory_tiers(
             params = sum(p.numel() * p.element_size() for p in module.parameters())
             per_rank = -(-params // world_size)
             check_free_space(base, per_rank, local_ranks, "the parameter shards (offload_params='disk')")
+        if config.offload_optimizer_state == "disk":  # Adam's two fp32 moments per trainable parameter
+            moments = sum(8 * p.numel() for p in module.parameters() if p.requires_grad)
+            check_free_space(
+                base, -(-moments // world_size), local_ranks, "the moments (offload_optimizer_state='disk')"
+            )
         directory = OffloadDirectory(base, global_rank)
     return MemoryTiers(config, directory, _IO_ENTRIES, device)
 

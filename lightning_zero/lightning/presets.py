@@ -41,8 +41,15 @@ def register_presets(cls: type[Any], strategy_registry: Any) -> list[str]:
     }
     for name, fields in offload_presets.items():
         strategy_registry.register(name, cls, description=f"ZeRO with memory tiers: {fields}", override=True, **fields)
+    strategy_registry.register(
+        "zero_auto",
+        cls,
+        description="ZeRO with the stage and memory tiers chosen when fit starts from the predicted peak memory",
+        override=True,
+        stage="auto",
+    )
     stages = [name for stage in (1, 2, 3) for name in (f"zero{stage}", f"zero{stage}_spawn")]
-    return [*stages, *offload_presets]
+    return [*stages, *offload_presets, "zero_auto"]
 
 
 def with_cpu_offload(config: ZeroConfig, given: dict[str, Any]) -> ZeroConfig:

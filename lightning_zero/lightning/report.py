@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,11 +35,17 @@ from typing_extensions import override
 from lightning_zero.comm.collectives import Collective
 from lightning_zero.comm.topology import LINKS
 from lightning_zero.compat import batches_that_stepped
-from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes
+from lightning_zero.lightning.memory import ModelStateBytes
+from lightning_zero.lightning.report_plot import (
+    STAGE_NAMES,
+    plot_memory_by_stage,
+    report_bars,
+    require_matplotlib,
+)
 from lightning_zero.lightning.strategy import ZeroStrategy
+from lightning_zero.lightning.throughput import StepThroughput, ThroughputSummary, compute_dtype
 
 COLLECTIVES: tuple[str, ...] = tuple(c.value for c in Collective)
-STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,9 @@ class FitReport:
     sent_is_estimate: bool
     """True when ``sent`` is DDP's formula rather than a measurement."""
     ranks: list[RankReport]
+    throughput: ThroughputSummary | None = None
+    """Rank 0's throughput over the steps after the first (Note [throughput from the real step]); None before two
+    steps."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -104,8 +113,9 @@ class MemoryReport(pl.Callback):
             formula for this model and world size, next to what this run measured). Needs matplotlib
             (``pip install "lightning-zero[plot]"``). None: no chart.
         log_every_n_steps: every this many optimizer steps, every rank measures and rank 0 logs all ranks' figures
-            through ``trainer.loggers`` at Lightning's own step, so they line up with the loss. None: not logged.
-            Each time is one small all-gather on every rank.
+            through ``trainer.loggers`` at Lightning's own step, so they line up with the loss, and its throughput
+            (``throughput/*``). None: not logged. Each time is one small all-gather on every rank.
+        peak_flops: the device's peak FLOPS for MFU where Lightning's table has none (a CPU, an unlisted GPU).
     """
 
     def __init__(
@@ -113,6 +123,7 @@ class MemoryReport(pl.Callback):
         json_path: str | Path | None = None,
         plot_path: str | Path | None = None,
         log_every_n_steps: int | None = None,
+        peak_flops: float | None = None,
     ) -> None:
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
@@ -122,13 +133,42 @@ class MemoryReport(pl.Callback):
                 "(optimizer steps between two logged measurements), or None not to log."
             )
         if plot_path is not None:
-            _require_matplotlib()
+            require_matplotlib()
         self.log_every_n_steps = log_every_n_steps
         self._last_logged_step = -1
         self.json_path = None if json_path is None else Path(json_path)
         self.plot_path = None if plot_path is None else Path(plot_path)
         self.report: FitReport | None = None
         """Set on every rank at the end of training (the rows of other ranks are gathered on all of them)."""
+        self.peak_flops = peak_flops
+        self._throughput: StepThroughput | None = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        recomputes = isinstance(strategy, ZeroStrategy) and strategy.config.activation_checkpointing_policy is not None
+        self._throughput = StepThroughput(recomputation=recomputes)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        # Lightning runs the forward and backward inside optimizer.step(closure), after the step's pre-hooks: this
+        # hook is where they are done. Once per step, whatever the number of optimizers.
+        if self._throughput is not None and optimizer is trainer.optimizers[0]:
+            self._throughput.on_step()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
+        if self._throughput is not None:
+            self._throughput.on_batch(batch)
+
+    def throughput(self, trainer: pl.Trainer) -> ThroughputSummary | None:
+        """This rank's throughput so far (Note [throughput from the real step])."""
+        if self._throughput is None:
+            return None
+        dtype = compute_dtype(str(trainer.precision))
+        return self._throughput.summary(trainer.world_size, trainer.strategy.root_device, dtype, self.peak_flops)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -142,6 +182,8 @@ class MemoryReport(pl.Callback):
         if not trainer.is_global_zero or not trainer.loggers:
             return
         metrics = step_metrics(_row_to_report(r, row) for r, row in enumerate(rows.tolist()))
+        throughput = self.throughput(trainer)
+        metrics.update(throughput.metrics() if throughput is not None else {})
         # Lightning logs this batch's loss at the count of batches that stepped before this one (private, but it is
         # the step the loggers already hold for the loss); the same step puts these figures on the loss's row/x.
         logged_step = batches_that_stepped(trainer)
@@ -154,6 +196,12 @@ class MemoryReport(pl.Callback):
         # progress bar has closed, so the table is not interleaved with it.
         rows = _gather_rows(_measure(trainer, pl_module).to(trainer.strategy.root_device))
         params = list(pl_module.parameters())  # tied weights once
+        throughput = self.throughput(trainer)
+        if self._throughput is not None:
+            self._throughput.close()
+        if throughput is not None and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(throughput.metrics(), step=batches_that_stepped(trainer))
         self.report = FitReport(
             strategy=type(trainer.strategy).__name__,
             stage=_stage_of(trainer.strategy),
@@ -163,6 +211,7 @@ class MemoryReport(pl.Callback):
             peak_memory_kind="peak CUDA allocated" if trainer.strategy.root_device.type == "cuda" else "peak RSS",
             sent_is_estimate=not isinstance(trainer.strategy, ZeroStrategy) and trainer.world_size > 1,
             ranks=[_row_to_report(r, row) for r, row in enumerate(rows.tolist())],
+            throughput=throughput,
         )
 
     @override
@@ -182,7 +231,7 @@ class MemoryReport(pl.Callback):
                 f"{self.report.num_params:,} parameters ({self.report.param_bytes} bytes each) on "
                 f"{self.report.world_size} ranks: formula per stage, and this run"
             )
-            plot_memory_by_stage(_report_bars(self.report), path, title)
+            plot_memory_by_stage(report_bars(self.report), path, title)
             print(f"memory chart written to {path}", flush=True)
 
 
@@ -325,6 +374,8 @@ def format_report(report: FitReport) -> str:
             "tier columns: model state by where it lives between uses (ZeroConfig.offload_*); the model-state "
             "columns count only what is in memory now"
         )
+    if report.throughput is not None:
+        lines.append(report.throughput.describe())
     if sent_columns:
         lines.append(
             "collective columns: bytes this rank sent in the last optimizer step"
@@ -332,70 +383,3 @@ def format_report(report: FitReport) -> str:
             + ("; to own node / to other nodes: the same bytes by where they went" if by_link else "")
         )
     return "\n".join(lines)
-
-
-def memory_by_stage(report: FitReport) -> dict[str, ModelStateBytes]:
-    """The paper's per-rank model state for every stage at this run's model size, world size and precision."""
-    measured = report.ranks[0].model_state
-    sharded_state = report.stage is not None and report.stage >= 1
-    elements = report.num_params / report.world_size if sharded_state else report.num_params
-    # Infer the optimizer's bytes per parameter (8 for Adam in fp32) from what rank 0 holds.
-    optimizer_bytes = round(measured.optimizer_state / elements) if elements else 0
-    master_bytes = 0 if report.param_bytes >= 4 else 4
-    return {
-        name: expected_model_state_bytes(
-            report.num_params, report.world_size, stage, report.param_bytes, master_bytes, optimizer_bytes
-        )
-        for stage, name in STAGE_NAMES.items()
-    }
-
-
-def plot_memory_by_stage(bars: Mapping[str, ModelStateBytes], path: Path, title: str) -> None:
-    """One stacked bar (parameters, gradients, master weights, optimizer state) per entry, saved as a PNG."""
-    plt = _require_matplotlib()
-    parts = ("parameters", "gradients", "master_weights", "optimizer_state")
-    figure, axes = plt.subplots(figsize=(1.6 * len(bars) + 2, 4.5))
-    bottoms = [0.0] * len(bars)
-    scale, unit = _axis_unit(max(b.total for b in bars.values()))
-    for part in parts:
-        heights = [getattr(b, part) / scale for b in bars.values()]
-        axes.bar(list(bars), heights, bottom=bottoms, label=part.replace("_", " "))
-        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-    for x, total in enumerate(bottoms):
-        axes.annotate(f"{total:.1f}", (x, total), ha="center", va="bottom")
-    axes.set_ylabel(f"model state per rank ({unit})")
-    axes.set_title(title)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-
-
-def _report_bars(report: FitReport) -> dict[str, ModelStateBytes]:
-    """The formula for every stage, then what rank 0 measured in this run."""
-    bars = memory_by_stage(report)
-    if report.ranks:
-        label = STAGE_NAMES.get(report.stage, report.strategy) if report.stage is not None else report.strategy
-        bars[f"{label}\nmeasured"] = report.ranks[0].model_state
-    return bars
-
-
-def _axis_unit(largest: float) -> tuple[float, str]:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if largest >= scale:
-            return scale, unit
-    return 1.0, "B"
-
-
-def _require_matplotlib() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: never needs a display
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise ImportError(
-            "MemoryReport(plot_path=...) needs matplotlib, which is not installed. "
-            'HINT: pip install "lightning-zero[plot]" (or pip install matplotlib), or set plot_path=None.'
-        ) from error
-    return plt

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Generator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -45,6 +45,7 @@ from lightning_zero.checkpoint.module_state import ModuleState
 from lightning_zero.comm.topology import Link
 from lightning_zero.compat import MockOptimizer, sync_module_states
 from lightning_zero.config import ZeroConfig
+from lightning_zero.lightning.auto_setup import choose_configuration
 from lightning_zero.lightning.engine_setup import calling, install_module_state, shard_for_stage3, wrap_optimizers
 from lightning_zero.lightning.grad_norm import hide_partial_gradients
 from lightning_zero.lightning.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
@@ -55,6 +56,7 @@ from lightning_zero.lightning.root_unit_steps import RootUnitSteps
 from lightning_zero.lightning.strategy_checkpoint import as_zero_optimizer, iter_zero_optimizers
 from lightning_zero.lightning.strategy_processes import StartMethod
 from lightning_zero.offload.memory_tiers import MemoryTiers, TierBytes
+from lightning_zero.planning.auto_config import Decision
 from lightning_zero.sharding.activation_checkpointing import apply_activation_checkpointing_policy
 from lightning_zero.stage3.library_init import MetaDeviceExceptMetrics, ParamInitFn, pretrained_on_meta_hint
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
@@ -116,6 +118,8 @@ class ZeroStrategy(RootUnitSteps):
         """This rank's memory tiers (``ZeroConfig.offload_*``), built in ``setup``."""
         self._module_state: ModuleState | None = None
         """Stage 3: the model's own ``state_dict``/``load_state_dict`` (Note [a stage-3 model's state dict])."""
+        self.auto_decision: Decision | None = None
+        """``stage="auto"``: the configuration chosen when fit started, and the candidates considered."""
 
     # -- precision: ZeRO's own mixed precision (see ``precision.py``) -----------------------------------------------
     @property
@@ -133,10 +137,19 @@ class ZeroStrategy(RootUnitSteps):
         self._precision_plugin = self._zero_precision if plugin is not None else None
 
     # -- model and optimizers ------------------------------------------------------------------------------------
+    def _choose_configuration(self, trainer: pl.Trainer, build_model: bool) -> None:
+        """``stage="auto"``: replace the config by the chosen one (Note [automatic configuration])."""
+        if not self.config.auto:
+            return
+        assert self.lightning_module is not None
+        self.auto_decision = choose_configuration(self, trainer, self.lightning_module, build_model)
+        self.config = self.auto_decision.config
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         assert self.model is not None
+        self._choose_configuration(trainer, build_model=False)
         self.accelerator.setup(trainer)
         # A sharded model keeps its layers: Note [teardown keeps the model sharded].
         self.sync_layers(trainer, sharded=self._gatherer is not None)
@@ -218,6 +231,8 @@ class ZeroStrategy(RootUnitSteps):
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Stage 3: ``configure_model`` builds on the meta device; ``setup`` then materializes unit by unit."""
+        if self.lightning_module is not None:
+            self._choose_configuration(self.lightning_module.trainer, build_model=True)
         if self.config.stage != 3:
             yield
             return
@@ -359,6 +374,8 @@ class ZeroStrategy(RootUnitSteps):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        with suppress(Exception):  # the run's own error is the one to see; the save committed or left nothing
+            self.finish_saves()
         self._close_tiers()
 
     def _close_tiers(self) -> None:
@@ -382,6 +399,7 @@ class ZeroStrategy(RootUnitSteps):
         ``SyncBatchNorm`` layers of ``Trainer(sync_batchnorm=True)`` stay (DDP reverts them to BatchNorm): the units
         hold those modules; in evaluation they compute as BatchNorm does.
         """
+        self.finish_saves()  # Note [asynchronous save]: committed before fit returns
         self._stop_fault_monitor()
         if self._tiers is not None:
             self.settle_optimizers()  # the last delayed update reaches the model

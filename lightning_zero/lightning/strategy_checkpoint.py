@@ -16,11 +16,24 @@ sharded format expects them and stores the average whole, once (``save_sharded_c
 the callback's ``on_load_checkpoint`` reads; ``consolidate --weights ema`` exports it. At stage 3 a parameter holds no
 data outside its unit's forward: the average would be built from empty parameters and the swap writes into them, so
 the strategy refuses the callback when it connects, before the callback copies anything, and names ``ShardedEMA``.
+
+Note [the module's state for Lightning and for a checkpoint]
+Lightning asks a strategy for the model's state through ``lightning_module_state_dict()``, both when it dumps a
+checkpoint and for any other caller (a callback exporting weights, Lightning's own strategy tests comparing them with
+``load_from_checkpoint``). A checkpoint wants this rank's owned ranges of each parameter, nothing copied
+(``sharded_model_state``: ``FlatChunk``s, which only DCP knows how to read); any other caller wants tensors with the
+model's values, as Lightning's sharded strategies return them: ``module.state_dict()`` (at stage 3 FSDP2's DTensor
+rows, Note [a stage-3 model's state dict]), or with ``state_dict_type="full"`` the full tensors on rank 0 and nothing
+on the others, as FSDP's strategy gives. So ``lightning_module_state_dict()`` returns the latter, and the strategy
+has the Trainer's checkpoint dump take the former from ``checkpoint_model_state()`` when it connects (``compat.
+route_checkpoint_model_state``): a save pays nothing for the tensors it would not write.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from datetime import timedelta
 from typing import Any
 
 import lightning
@@ -30,6 +43,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint.async_save import AsyncSaver
 from lightning_zero.checkpoint.files import remove
 from lightning_zero.checkpoint.frozen import FROZEN_KEY, frozen_keys, frozen_record, source_path
 from lightning_zero.checkpoint.full_save import save_full_checkpoint
@@ -39,8 +53,9 @@ from lightning_zero.checkpoint.sharded_checkpoint import (
     sharded_model_state,
     sharded_optimizer_state,
 )
-from lightning_zero.compat import MockOptimizer
+from lightning_zero.compat import MockOptimizer, route_checkpoint_model_state
 from lightning_zero.config import ZeroConfig
+from lightning_zero.lightning.auto_setup import AUTO_KEY
 from lightning_zero.lightning.strategy_processes import ProcessPerDevice
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
@@ -61,10 +76,20 @@ class ShardedCheckpointing(ProcessPerDevice):
     by checkpoints that leave frozen parameters out (Note [frozen base restored from its source])."""
     built_on_meta: bool = False
     """Whether stage 3 built the model on the meta device and initialized it (no weights of its own)."""
+    async_saver: AsyncSaver | None = None
+    """``ZeroConfig.async_save``: the background writer, created at the first save (Note [asynchronous save])."""
+
+    def finish_saves(self) -> None:
+        """Wait for the asynchronous save in flight, if any, and raise its error (the end of training)."""
+        if self.async_saver is not None:
+            saver, self.async_saver = self.async_saver, None
+            saver.close()
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
+        # Checkpoints save the ranges: Note [the module's state for Lightning and for a checkpoint].
+        route_checkpoint_model_state(model.trainer, self.checkpoint_model_state)
         refuse_weight_averaging_at_stage_3(model.trainer.callbacks, self.config.stage)  # type: ignore[attr-defined]
         refuse_parameter_changing_callbacks(model.trainer.callbacks, self.config.stage)  # type: ignore[attr-defined]
         if self.config.state_dict_type == "full":
@@ -88,6 +113,25 @@ class ShardedCheckpointing(ProcessPerDevice):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The LightningModule's state dict with its values, as Lightning's sharded strategies give it: DTensor rows
+        at stage 3, or with ``state_dict_type="full"`` full tensors on rank 0 (none on the others). Collective at
+        stage 3. (Note [the module's state for Lightning and for a checkpoint])"""
+        module = self.lightning_module
+        assert module is not None
+        self.settle_optimizers()
+        if self.config.state_dict_type == "full":
+            with self.full_state_dict(offload_to_cpu=True, rank0_only=True):
+                state = module.state_dict()
+            return state if self.is_global_zero else {}
+        return module.state_dict()
+
+    def full_state_dict(self, offload_to_cpu: bool = True, rank0_only: bool = False) -> AbstractContextManager[None]:
+        """Full tensors from ``state_dict()`` inside the context: ``ZeroStrategy``'s."""
+        raise NotImplementedError
+
+    def checkpoint_model_state(self) -> dict[str, Any]:
+        """The LightningModule's state as a checkpoint saves it: this rank's owned ranges of the sharded parameters,
+        replicated tensors whole, nothing copied (Note [the module's state for Lightning and for a checkpoint])."""
         assert self.lightning_module is not None
         self.settle_optimizers()
         zero_optimizers = list(iter_zero_optimizers(self.optimizers))
@@ -114,6 +158,9 @@ class ShardedCheckpointing(ProcessPerDevice):
         if any(isinstance(o, MockOptimizer) for o in self.optimizers) and "optimizer_states" in checkpoint:
             checkpoint["optimizer_states"] = []  # trained without an optimizer: nothing to save or restore
         saved_with = {"world_size": self.world_size, "stage": self.config.stage}
+        decision = getattr(self, "auto_decision", None)
+        if decision is not None:  # stage="auto": what was chosen, and from what (Note [automatic configuration])
+            checkpoint[AUTO_KEY] = decision.record()
         if self.config.exclude_frozen_parameters:  # Note [frozen base restored from its source]
             assert self.lightning_module is not None
             checkpoint[FROZEN_KEY] = frozen_record(self.lightning_module, self.pretrained_source)
@@ -136,6 +183,11 @@ class ShardedCheckpointing(ProcessPerDevice):
                 self._tiers,
             )
             return
+        if self.config.async_save:  # Note [asynchronous save]
+            if self.async_saver is None:
+                self.async_saver = AsyncSaver(timedelta(seconds=self.config.collective_timeout_s))
+            self.async_saver.save(checkpoint, self.broadcast(filepath), self.process_group, saved_with, averaged)
+            return
         save_sharded_checkpoint(checkpoint, self.broadcast(filepath), self.process_group, saved_with, averaged)
 
     @override
@@ -145,6 +197,8 @@ class ShardedCheckpointing(ProcessPerDevice):
 
         Always as ``weights_only=True`` would (see Note [safe loading] in ``checkpoint/files.py``).
         """
+        if self.async_saver is not None:
+            self.async_saver.wait()  # the checkpoint may be the one in flight
         module = self.lightning_module
         assert module is not None
         self.settle_optimizers()
@@ -198,8 +252,12 @@ class ShardedCheckpointing(ProcessPerDevice):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            remove(filepath)
+        if not self.is_global_zero:
+            return
+        if self.async_saver is not None:  # not before the save in flight is committed: Note [asynchronous save]
+            self.async_saver.after_commit(lambda: remove(filepath))
+            return
+        remove(filepath)
 
 
 _WEIGHT_AVERAGING_LIVE = "current_model_state"

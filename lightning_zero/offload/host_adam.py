@@ -25,6 +25,27 @@ same arithmetic with none of that:
 It covers the groups for which the tiers chose (or the user set) torch's fused kernels on an unmodified
 ``torch.optim.Adam`` or ``AdamW`` (Note [tier step kernels]); any other optimizer or group keeps the generic path,
 ``optimizer.step()`` on the bucket's narrowed param groups.
+
+Note [tier step kernels]
+The tiers' step runs on host memory (the host tier, the disk tier, the CPU device), where its speed is the memory
+traffic of the update. torch's multi-tensor (``foreach``) Adam makes one pass over memory per elementary operation,
+about 80 bytes per fp32 parameter; its fused CPU kernels (``fused=True``: Adam, AdamW, SGD, Adagrad) read and write
+each parameter, gradient and moment once, as DeepSpeed's ``DeepSpeedCPUAdam`` does, and run at that kernel's speed
+(``benchmarks/host_step.py``). So with ``offload_optimizer`` on, every param group whose ``foreach`` and ``fused``
+the user left to torch (``None``), and whose tensors are all floating-point on the host, steps fused; a group of
+another optimizer, or with device tensors (the masters of buckets ``offload_ratio`` leaves on a GPU), takes the
+multi-tensor kernels in the host tier and torch's default elsewhere. An explicit ``foreach=`` or ``fused=`` in the
+optimizer's defaults or a param group is kept. The fused kernels round differently from the single-tensor and
+multi-tensor ones (a few ULPs per step): a tiered run matches DDP within the parity tests' 1e-5, not bit for bit;
+the host tier with and without its copy path chooses the same kernels and agrees exactly.
+
+The fused kernels write the parameters and moments without moving their version counters (torch 2.13: after
+``AdamW(fused=True).step()`` ``p._version`` and ``exp_avg._version`` are unchanged), which is how the swapper tells
+a modified entry from a clean one (Note [swap lifecycle]): unmarked, a stepped master, moment or fp32 parameter shard
+on disk would be freed without being written, and the next step would read the old values. So after each tiered
+bucket's step the tiers bump the counters of the masters and element-wise state of its fused groups' stepped
+segments (``OptimizerTiers._mark_stepped`` in ``optimizer_tiers.py``; ``DiskMoments.unload`` for the
+moments on disk).
 """
 
 from __future__ import annotations
@@ -72,6 +93,8 @@ def choose_step_kernels(optimizer: torch.optim.Optimizer, multi_tensor: bool) ->
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _AMSGRAD = "max_exp_avg_sq"
+MOMENT_NAMES = (*_MOMENTS, _AMSGRAD)
+"""Every per-element state entry ``HostAdam`` keeps in flat tensors."""
 
 
 def covers_optimizer(optimizer: Optimizer) -> bool:
@@ -89,6 +112,7 @@ def covers_group(group: dict[str, Any]) -> bool:
 
 @dataclass(eq=False)
 class _Bucket:
+    key: int
     segments: list[int]
     """Indices of the bucket's segments (into the optimizer's segment and master lists)."""
     starts: list[int]
@@ -105,8 +129,11 @@ class HostAdam:
     def __init__(self, optimizer: Optimizer) -> None:
         self.optimizer = optimizer
         self._buckets: dict[int, _Bucket] = {}
-        self.allocate: Callable[[int, torch.dtype], Tensor] = lambda n, dtype: torch.zeros(n, dtype=dtype)
-        """Where a bucket's flat moments come from (zeros); the tiers may place them elsewhere."""
+        self.allocate: Callable[[int, str, int, torch.dtype], Tensor] = lambda _, __, n, dtype: torch.zeros(
+            n, dtype=dtype
+        )
+        """Where a bucket's flat moments come from, given the bucket's key, the moment's name, its size and dtype
+        (zeros); the tiers may place them elsewhere (Note [moments on disk] in ``host_moments.py``)."""
 
     def covers(self, groups: Sequence[int]) -> bool:
         """Whether every param group in ``groups`` (indices) is stepped here."""
@@ -116,7 +143,18 @@ class HostAdam:
     def add_bucket(self, key: int, segments: list[int], starts: list[int], stops: list[int]) -> None:
         """Register a bucket: its segments' indices and their ``[start, stop)`` in shard coordinates."""
         first = min(starts, default=0)
-        self._buckets[key] = _Bucket(segments, [s - first for s in starts], max(stops, default=0) - first)
+        self._buckets[key] = _Bucket(key, segments, [s - first for s in starts], max(stops, default=0) - first)
+
+    def owner(self, segment: int) -> int | None:
+        """The key of the bucket holding ``segment`` (an index into the optimizer's segments), if any."""
+        return next((key for key, b in self._buckets.items() if segment in b.segments), None)
+
+    def state_view(self, key: int, segment: int, name: str, masters: Sequence[Tensor]) -> Tensor:
+        """Segment ``segment``'s view of the bucket's flat ``name`` (created if need be): where a checkpoint loads
+        that state entry."""
+        bucket = self._buckets[key]
+        self._ensure_flats(bucket, masters, (name,))
+        return bucket.views[name][bucket.segments.index(segment)]
 
     def flat_state(self, key: int) -> dict[str, Tensor]:
         """The bucket's flat moments (empty before its first step)."""
@@ -169,12 +207,7 @@ class HostAdam:
         step, adopted after a load)."""
         state = self.optimizer.state
         names = (*_MOMENTS, _AMSGRAD) if amsgrad else _MOMENTS
-        dtype = masters[bucket.segments[0]].dtype
-        for name in names:
-            if name not in bucket.flats:
-                flat = bucket.flats[name] = self.allocate(bucket.numel, dtype)
-                sizes = [masters[i].numel() for i in bucket.segments]
-                bucket.views[name] = [flat[a : a + n] for a, n in zip(bucket.starts, sizes, strict=True)]
+        self._ensure_flats(bucket, masters, names)
         for k in positions:
             master = masters[bucket.segments[k]]
             entry = state[master]
@@ -196,3 +229,11 @@ class HostAdam:
             step = entry["step"]
             if step.dtype != torch.float32 or step.device.type != "cpu":
                 entry["step"] = step.to(device="cpu", dtype=torch.float32)
+
+    def _ensure_flats(self, bucket: _Bucket, masters: Sequence[Tensor], names: Sequence[str]) -> None:
+        dtype = masters[bucket.segments[0]].dtype
+        for name in names:
+            if name not in bucket.flats:
+                flat = bucket.flats[name] = self.allocate(bucket.key, name, bucket.numel, dtype)
+                sizes = [masters[i].numel() for i in bucket.segments]
+                bucket.views[name] = [flat[a : a + n] for a, n in zip(bucket.starts, sizes, strict=True)]

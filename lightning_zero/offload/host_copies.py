@@ -18,9 +18,9 @@ the device is not the host (CUDA), this is the data path (``host_tier.py`` for t
 - **parameters up**: after a bucket is stepped its masters are rounded into the staging buffer and copied
   host-to-device into the parameter shard on the side stream; the compute stream waits for that event (not the
   host), so the all-gather that follows (stages 1 and 2), or stage 3's next gather, reads the updated shard;
-- **edits**: the host master is separate memory even for fp32 parameters, so the parameters this rank owns are
-  copied device-to-host before each bucket's step and any element edited since the last step is adopted (Note
-  [edits reach the masters]); this costs the shard's bytes once more per step;
+- **edits**: the host master is separate memory even for fp32 parameters, so a parameter shard written since the
+  step wrote it (found on the device by its digest, Note [edits reach the masters]) is copied device-to-host before
+  its bucket's step and its edited elements adopted; a steady step copies no parameter to the host;
 - **stage-3 parameter shards** (``offload_params="cpu"``) live in a ``HostStore``, the host tier's store for the
   ``TensorSwapper``: a unit's shard gets device memory only while it is used, is copied host-to-device ahead of the
   unit's gather in the order the previous step used them (Note [read-ahead order]) without the host waiting for

@@ -6,9 +6,11 @@ hyperparameters read) and its update runs on a worker thread, while the training
 publishes the previous one (rounds its masters into the parameter shard, issues the upload and the all-gather). So
 the step of bucket k overlaps the copies of buckets k-1 and k+1; on a GPU those copies are DMA on the copy streams
 and the training thread only issues and orders them. The update itself runs on torch's intra-op threads (the fused
-kernel splits each tensor across them): measured on this machine against Python threads each stepping other
-buckets on one intra-op thread (``benchmarks/host_step.py``, ``benchmarks/README.md``), see the figures there. The
-worker takes the intra-op thread count of the thread that built the tiers (``torch.get_num_threads()``).
+kernel splits each tensor across them) by default; ``parallel="buckets"`` runs one worker per thread instead,
+each stepping whole buckets on one intra-op thread (the same kernel per bucket: bit for bit the same result). The
+two are measured against each other in ``benchmarks/host_step.py`` (``tier``, ``tier_buckets``; figures in
+``benchmarks/README.md``). The workers take the intra-op thread count of the thread that built the tiers
+(``torch.get_num_threads()``).
 
 Note [delayed parameter update]
 ``ZeroConfig.offload_overlap="delayed"`` is ZeRO-Offload's one-step delayed parameter update: after
@@ -26,9 +28,11 @@ first, starts a new update with nothing to publish).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal
 
 import torch
 
@@ -39,11 +43,16 @@ class HostSteps:
     """Runs the tiers' own bucket updates on one worker thread; ``delayed_after``: the ``global_step`` from which
     updates are deferred (None: exact)."""
 
-    def __init__(self, delayed_after: int | None = None) -> None:
+    def __init__(self, delayed_after: int | None = None, parallel: Literal["intra_op", "buckets"] = "intra_op") -> None:
         self.delayed_after = delayed_after
         self.step_number = 0
         """The Lightning ``Trainer``'s ``global_step`` at this step (set by the strategy before each step)."""
+        self.parallel = parallel
+        """How the host's threads share the updates (Note [host step threads]): ``"intra_op"``, one worker whose
+        kernel splits each tensor across torch's intra-op threads; ``"buckets"``, one worker per thread, each
+        stepping whole buckets on one intra-op thread. Read when the first update starts."""
         self._threads = torch.get_num_threads()
+        self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._started: dict[int, Future[None]] = {}
         self._deferred: set[int] = set()
@@ -52,8 +61,8 @@ class HostSteps:
 
     def _worker(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            threads = self._threads
-            self._pool = ThreadPoolExecutor(1, "host-step", initializer=lambda: torch.set_num_threads(threads))
+            workers, threads = (self._threads, 1) if self.parallel == "buckets" else (1, self._threads)
+            self._pool = ThreadPoolExecutor(workers, "host-step", initializer=lambda: torch.set_num_threads(threads))
         return self._pool
 
     @property
@@ -74,7 +83,8 @@ class HostSteps:
         try:
             update()
         finally:
-            self.busy_s += time.perf_counter() - start  # one worker: no race
+            with self._lock:  # several workers with parallel="buckets"
+                self.busy_s += time.perf_counter() - start
 
     def finish(self, key: int) -> None:
         """The bucket's update has landed (its error, if any, is raised here, on the training thread)."""

@@ -135,7 +135,8 @@ class HostTier:
     # -- parameters: edits in, updates out ----------------------------------------------------------------------------
     def adopt_edits(self, bucket: FlatBucket) -> None:
         """The masters take the value of every parameter element edited since the last step (Note [edits reach the
-        masters]): the parameters are read back from the device (or the host store) first."""
+        masters]): the parameters are read back from the device (or the host store) first. Called for a bucket
+        ``ParamEdits`` found edited (every step, for a shard in the host store)."""
         host = self._buckets[id(bucket)]
         for a, b in host.runs:
             master = host.master[a - host.lo : b - host.lo]
@@ -202,14 +203,15 @@ class HostTier:
             self._scratch[dtype] = self.arena.empty(min(_EDIT_CHUNK, largest), dtype)
         return self._scratch[dtype]
 
-    def _held(self, bucket: FlatBucket) -> bool:
+    def held(self, bucket: FlatBucket) -> bool:
+        """Whether the bucket's parameter shard lives in the host store between uses (not on the device)."""
         return self.swapper is not None and self.swapper.owner(bucket.param_shard) is not None
 
     def _read_shard(self, host: _HostBucket, a: int, b: int, out: Tensor) -> None:
         """``out`` (host) takes elements ``[a, b)`` of the bucket's parameter shard; waits for them."""
         shard = host.bucket.param_shard
         values = out if out.dtype == shard.dtype else torch.empty(b - a, dtype=shard.dtype)
-        if self._held(host.bucket):
+        if self.held(host.bucket):
             assert self.swapper is not None
             key = self.swapper.owner(shard)
             self.swapper.read_range(key, a * shard.element_size(), values)
@@ -222,7 +224,7 @@ class HostTier:
     def _write_shard(self, host: _HostBucket, a: int, values: Tensor) -> Copy | None:
         """Elements ``[a, a + len(values))`` of the parameter shard take ``values`` (parameter dtype, host)."""
         shard = host.bucket.param_shard
-        if self._held(host.bucket):
+        if self.held(host.bucket):
             assert self.swapper is not None
             self.swapper.write_range(self.swapper.owner(shard), a * shard.element_size(), values)
             return None

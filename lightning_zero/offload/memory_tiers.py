@@ -21,6 +21,7 @@ from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig
 from lightning_zero.offload.directory import OffloadDirectory
 from lightning_zero.offload.host_copies import HostStore, uses_copies
+from lightning_zero.offload.host_moments import DiskMoments
 from lightning_zero.offload.host_steps import HostSteps
 from lightning_zero.offload.host_tier import HostTier
 from lightning_zero.offload.optimizer_tiers import OptimizerTiers, param_key
@@ -69,7 +70,7 @@ class MemoryTiers:
         self.config = config
         self.directory = directory
         self.device = device = device or torch.device("cpu")
-        copies = uses_copies(device) and directory is None
+        copies = uses_copies(device) and "disk" not in (config.offload_optimizer, config.offload_params)
         self.host_optimizer = copies and config.offload_optimizer == "cpu"
         """Whether the optimizer's placed buckets take the host tier's data path (``HostTier``)."""
         self.host_params = copies and config.offload_params == "cpu"
@@ -81,10 +82,15 @@ class MemoryTiers:
             )
         """Whether stage-3 parameter shards live in host memory between uses (a ``HostStore``)."""
         self.swapper: TensorSwapper | None = None
-        if directory is not None:
+        if directory is not None and "disk" in (config.offload_optimizer, config.offload_params):
             self.swapper = TensorSwapper(SwapFile(directory.file("tiers.bin")), io_entries)
         elif self.host_params:
             self.swapper = TensorSwapper(HostStore(device), io_entries)
+        self.moment_swapper: TensorSwapper | None = None
+        """The host step's moments on disk (Note [moments on disk] in ``host_moments.py``)."""
+        if config.offload_optimizer_state == "disk":
+            assert directory is not None, "offload_optimizer_state='disk' needs offload_dir (ZeroConfig checks it)"
+            self.moment_swapper = TensorSwapper(SwapFile(directory.file("moments.bin")), io_entries)
         self.optimizer_tiers: list[OptimizerTiers] = []
         self.host_steps: list[HostSteps] = []
         self._placed: set[int] | None = None
@@ -151,7 +157,8 @@ class MemoryTiers:
             delayed = self.config.offload_overlap == "delayed"
             host_steps = HostSteps(self.config.offload_overlap_warmup if delayed else None)
             self.host_steps.append(host_steps)
-        tiers = OptimizerTiers(swapper, self._place, host, self.config.offload_optimizer != "none", host_steps)
+        moments = DiskMoments(self.moment_swapper) if self.moment_swapper is not None else None
+        tiers = OptimizerTiers(swapper, self._place, host, self.config.offload_optimizer != "none", host_steps, moments)
         self.optimizer_tiers.append(tiers)
         return tiers
 
@@ -169,7 +176,7 @@ class MemoryTiers:
 
     # -- checkpoints: TierStorage (Note [checkpoints stream through the tiers] in checkpoint/tiered.py) -----------
     def holds(self, tensor: Tensor) -> bool:
-        return self.swapper is not None and self.swapper.owner(tensor) is not None
+        return any(s.owner(tensor) is not None for s in self._swappers())
 
     def read(self, tensor: Tensor, start: int, numel: int) -> Tensor:
         swapper, key = self._owner(tensor)
@@ -182,10 +189,14 @@ class MemoryTiers:
         swapper.write_range(key, int(tensor.storage_offset() + start) * tensor.element_size(), values.to(tensor.dtype))
 
     def _owner(self, tensor: Tensor) -> tuple[TensorSwapper, Hashable]:
-        assert self.swapper is not None, "no tier holds tensors"
-        key = self.swapper.owner(tensor)
-        assert key is not None, "not a tensor of the memory tiers"
-        return self.swapper, key
+        for swapper in self._swappers():
+            key = swapper.owner(tensor)
+            if key is not None:
+                return swapper, key
+        raise AssertionError("not a tensor of the memory tiers")
+
+    def _swappers(self) -> list[TensorSwapper]:
+        return [s for s in (self.swapper, self.moment_swapper) if s is not None]
 
     # -- whole-state access (whole-model swaps) and accounting -------------------------------------------------------
     def load_all(self) -> None:
@@ -202,9 +213,9 @@ class MemoryTiers:
         for unit in self._units:
             for bucket in unit.buckets:
                 self.release(bucket)
-        if self.swapper is not None:
-            self.swapper.evict_all()
-            self.swapper.flush()
+        for swapper in self._swappers():
+            swapper.evict_all()
+            swapper.flush()
 
     def host_copy_bytes(self) -> tuple[int, int]:
         """(to the host, to the device): bytes the host tier has copied so far (Note [host tier data path])."""
@@ -220,18 +231,25 @@ class MemoryTiers:
         return self.swapper.disk_nbytes() if self.swapper is not None and self.host_params else 0
 
     def disk_bytes(self) -> int:
-        return self.swapper.disk_nbytes() if self.swapper is not None and self.directory is not None else 0
+        return sum(s.disk_nbytes() for s in self._files())
 
     def io_bytes(self) -> tuple[int, int]:
-        """(read, written) bytes of the tier file so far."""
-        if self.swapper is None or self.directory is None:
-            return 0, 0
-        return self.swapper.file.bytes_read, self.swapper.file.bytes_written
+        """(read, written) bytes of the tier files so far."""
+        files = self._files()
+        return sum(s.file.bytes_read for s in files), sum(s.file.bytes_written for s in files)
+
+    def _files(self) -> list[TensorSwapper]:
+        """The swappers over files on disk (not the host store)."""
+        return [s for s in self._swappers() if isinstance(s.file, SwapFile)]
 
     def restore(self) -> None:
         """At the end of a job that went well: the parameter shards come back into memory (the model outlives the
         tier files, as it does without tiers); the optimizer state of tiered buckets is discarded with the files."""
+        if self.moment_swapper is not None:
+            self.moment_swapper.flush()
         if self.swapper is None:
+            for tiers in self.optimizer_tiers:
+                tiers.discard()
             return
         self.swapper.flush()
         for unit in self._units:
@@ -249,8 +267,8 @@ class MemoryTiers:
         for tiers in self.optimizer_tiers:
             if tiers.host is not None:
                 tiers.host.close()
-        if self.swapper is not None:
-            self.swapper.close()
+        for swapper in self._swappers():
+            swapper.close()
         if remove and self.directory is not None:
             self.directory.remove()
 
@@ -259,4 +277,8 @@ class MemoryTiers:
         return self.directory.path if self.directory is not None else None
 
     def describe(self) -> dict[str, Any]:
-        return {"offload_optimizer": self.config.offload_optimizer, "offload_params": self.config.offload_params}
+        return {
+            "offload_optimizer": self.config.offload_optimizer,
+            "offload_optimizer_state": self.config.offload_optimizer_state,
+            "offload_params": self.config.offload_params,
+        }

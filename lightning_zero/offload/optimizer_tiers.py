@@ -14,25 +14,7 @@ tier moves nothing and the step is the normal one. On a GPU (or on the CPU with 
 tests run it) the host-tier buckets take the data path of Note [host tier data path] (``HostTier``): host masters,
 gradients copied from the device as their reduction completes, the step on the host, updated shards copied back.
 
-Note [tier step kernels]
-The tiers' step runs on host memory (the host tier, the disk tier, the CPU device), where its speed is the memory
-traffic of the update. torch's multi-tensor (``foreach``) Adam makes one pass over memory per elementary operation,
-about 80 bytes per fp32 parameter; its fused CPU kernels (``fused=True``: Adam, AdamW, SGD, Adagrad) read and write
-each parameter, gradient and moment once, as DeepSpeed's ``DeepSpeedCPUAdam`` does, and run at that kernel's speed
-(``benchmarks/host_step.py``). So with ``offload_optimizer`` on, every param group whose ``foreach`` and ``fused``
-the user left to torch (``None``), and whose tensors are all floating-point on the host, steps fused; a group of
-another optimizer, or with device tensors (the masters of buckets ``offload_ratio`` leaves on a GPU), takes the
-multi-tensor kernels in the host tier and torch's default elsewhere. An explicit ``foreach=`` or ``fused=`` in the
-optimizer's defaults or a param group is kept. The fused kernels round differently from the single-tensor and
-multi-tensor ones (a few ULPs per step): a tiered run matches DDP within the parity tests' 1e-5, not bit for bit;
-the host tier with and without its copy path chooses the same kernels and agrees exactly.
-
-The fused kernels write the parameters and moments without moving their version counters (torch 2.13: after
-``AdamW(fused=True).step()`` ``p._version`` and ``exp_avg._version`` are unchanged), which is how the swapper tells
-a modified entry from a clean one (Note [swap lifecycle]): unmarked, a stepped master, moment or fp32 parameter shard
-on disk would be freed without being written, and the next step would read the old values. So after each tiered
-bucket's step the tiers bump the counters of the masters and element-wise state of its fused groups' stepped
-segments (``OptimizerTiers._mark_stepped``).
+The kernels the tiers step with: Note [tier step kernels] in ``host_adam.py``.
 """
 
 from __future__ import annotations
@@ -45,11 +27,12 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
 
-from lightning_zero.offload.host_adam import HostAdam, choose_step_kernels
+from lightning_zero.offload.host_adam import MOMENT_NAMES, HostAdam, choose_step_kernels
+from lightning_zero.offload.host_moments import DiskMoments
 from lightning_zero.offload.host_steps import HostSteps
 from lightning_zero.offload.host_tier import HostTier
 from lightning_zero.offload.tensor_swapper import TensorSwapper
-from lightning_zero.offload.tiered_grad_reducer import TieredGradReducer
+from lightning_zero.offload.tiered_gradients import TieredGradients
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.param_groups import MasterRun, Segment, masters_for
 from lightning_zero.sharding.state_tiers import TierStep
@@ -89,8 +72,11 @@ class OptimizerTiers:
         host: HostTier | None = None,
         steps_tiers: bool = False,
         host_steps: HostSteps | None = None,
+        moments: DiskMoments | None = None,
     ) -> None:
         self.swapper = swapper
+        self.moments = moments
+        """The moments of the buckets ``HostAdam`` steps, on disk (Note [moments on disk]); None: in memory."""
         self.steps_tiers = steps_tiers
         """Whether the optimizer's tier is on (``offload_optimizer``): its step takes the kernels of Note [tier step
         kernels] even where the tier moves nothing (the host tier on a CPU device)."""
@@ -107,19 +93,13 @@ class OptimizerTiers:
         self._in_step = False
         self._optimizer: ZeroOptimizer | None = None
         self._chunks: dict[int, _Chunk] = {}
-        self._coefficient: Tensor | None = None
-        self._coefficients: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-        self._clamp: float | None = None
-        self._unscale: float | None = None
+        self.gradients = TieredGradients(host)
+        """The tiered buckets' gradients as the step reads them (unscaled, clipped)."""
 
     @property
     def _opt(self) -> ZeroOptimizer:
         assert self._optimizer is not None, "OptimizerTiers.attach() was not called"
         return self._optimizer
-
-    def _reducer(self) -> TieredGradReducer | None:
-        reducer = self._opt.reducer
-        return reducer if isinstance(reducer, TieredGradReducer) else None
 
     # -- StateTiers ---------------------------------------------------------------------------------------------------
     def masters_for(
@@ -148,13 +128,22 @@ class OptimizerTiers:
 
     def attach(self, optimizer: ZeroOptimizer) -> None:
         self._optimizer = optimizer
+        self.gradients.attach(optimizer)
         for i, seg in enumerate(optimizer.segments):
             self._chunks.setdefault(id(seg.bucket), _Chunk([])).segments.append(i)
-        reducer = self._reducer()
+        reducer = self.gradients.reducer()
         if reducer is not None and optimizer.loss_scaler is not None:
             reducer.check_finite = True  # Note [gradients on disk]
         if self.host is not None:
             optimizer.reducer.reduced_hooks.append(self._on_reduced)
+        for bucket in optimizer.buckets:  # Note [edits reach the masters]: the shards written from host masters
+            if self.host is not None and bucket in self.host:
+                optimizer.edits.watch(bucket, digestible=not self.host.held(bucket))
+            elif any(r.bucket is bucket for r in optimizer.master_runs) and (
+                id(bucket) in self.on_disk or (self.swapper is not None and param_key(bucket) in self.swapper)
+            ):  # masters on disk: digested, or compared every step where the shard is in a tier too
+                held = self.swapper is not None and param_key(bucket) in self.swapper
+                optimizer.edits.watch(bucket, digestible=not held)
         if self.host is not None or self.steps_tiers:
             choose_step_kernels(optimizer.optimizer, multi_tensor=self.host is not None)
         if self.host_steps is not None:
@@ -184,6 +173,18 @@ class OptimizerTiers:
             adam.add_bucket(id(bucket), indices, [s.start for s in segments], [s.stop for s in segments])
             self._own.add(id(bucket))
         self._adam = adam if self._own else None
+        if self.moments is None:
+            return
+        adam.allocate = self.moments.allocate
+        stepped = [b for b in optimizer.buckets if self.host is None or id(b) in self.placed]
+        if any(id(b) not in self._own for b in stepped):
+            kinds = ", ".join(f"{k}: fused={g.get('fused')!r}" for k, g in enumerate(optimizer.optimizer.param_groups))
+            raise ValueError(
+                f"ZeroConfig.offload_optimizer_state='disk' with {type(optimizer.optimizer).__name__} ({kinds}): "
+                "only torch's Adam and AdamW stepped by the host tier's fused kernels keep their moments on disk "
+                "(Note [moments on disk]). HINT: use torch.optim.AdamW or Adam and leave `fused`/`foreach` unset, "
+                "or offload_optimizer_state='with_masters'."
+            )
 
     def _on_reduced(self, bucket: FlatBucket) -> None:
         assert self.host is not None
@@ -223,69 +224,33 @@ class OptimizerTiers:
             self.swapper.release(key)
 
     def holds_gradient(self, bucket: FlatBucket) -> bool:
-        if self.host is not None and bucket in self.host:
-            return True
-        reducer = self._reducer()
-        return reducer is not None and reducer.offloads(bucket)
+        return self.gradients.holds(bucket)
 
     def gradient_norms(self, norm_type: float) -> list[Tensor]:
         self._join()  # a deferred update still reads the host gradients the norm pass would copy over
-        opt = self._opt
-        norms: list[Tensor] = []
-        for bucket in opt.buckets:
-            chunk = self._chunks.get(id(bucket))
-            used = [i for i in chunk.segments if opt.segment_used[i]] if chunk is not None else []
-            if not used or not self.holds_gradient(bucket):
-                continue
-            shard, first = self._tiered_gradient(bucket)
-            pieces = [shard[opt.segments[i].start - first : opt.segments[i].stop - first] for i in used]
-            if self._unscale is not None:  # the values the step will see, as the step without tiers clips them
-                pieces = [p.to(opt.masters[i].dtype) * self._unscale for p, i in zip(pieces, used, strict=True)]
-            if norm_type == float("inf"):
-                found = [p.abs().max().float() for p in pieces]
-            else:
-                found = list(torch._foreach_norm(pieces, norm_type, dtype=torch.float32))
-            norms.extend(n.to(bucket.device) for n in found)  # summed with the device's own: Note [tiered step]
-            if self.host is None or bucket not in self.host:
-                reducer = self._reducer()
-                assert reducer is not None
-                reducer.drop_grad(bucket)
-        return norms
-
-    def _tiered_gradient(self, bucket: FlatBucket) -> tuple[Tensor, int]:
-        """The bucket's gradient shard from its tier, and the shard element it starts at."""
-        if self.host is not None and bucket in self.host:
-            return self.host.gradient(bucket, self._opt.reducer), self.host.offset(bucket)
-        reducer = self._reducer()
-        assert reducer is not None
-        return reducer.load_grad(bucket), 0
+        return self.gradients.norms({k: c.segments for k, c in self._chunks.items()}, norm_type)
 
     def gradients_reduced(self, found: Tensor, inv_scale: float | None) -> None:
-        self._unscale = inv_scale
-        self.set_gradient_transform(None, None)
-        if inv_scale is None:
-            return
-        flags = [] if self.host is None else self.host.nonfinite(self._opt.reducer)
-        reducer = self._reducer()
-        flags += reducer.nonfinite(self._opt.buckets, self._opt.gradient_owner) if reducer is not None else []
-        for bad in flags:
-            found.add_(bad.to(found.device))
+        self.gradients.reduced(found, inv_scale)
+        self._in_step = True  # called as the step's gradients are reduced
 
     def set_gradient_transform(self, coefficient: Tensor | None, clamp: float | None) -> None:
-        self._coefficient = coefficient
-        self._coefficients.clear()
-        self._clamp = clamp
-        self._in_step = True  # called as the step's gradients are reduced (and by clipping)
+        self.gradients.transform(coefficient, clamp)
+        self._in_step = True
 
     def load(self, bucket: FlatBucket, only: Collection[str] | None = None) -> None:
         chunk = self._chunks.get(id(bucket))
         step = self._in_step and only is None
         if not step:
             self._join()  # an update of the masters' own state outside the step: Note [delayed parameter update]
+        if self.moments is not None and (only is None or any(n in only for n in MOMENT_NAMES)):
+            self.moments.load(id(bucket), in_order=step)
         if chunk is not None and self.host is not None and bucket in self.host:
             if step:  # outside a step (an EMA update) the host masters are all there is to load
-                self.host.adopt_edits(bucket)
-                self._set_gradients(bucket, chunk, *self._tiered_gradient(bucket))
+                if self._opt.edits.edited(bucket):
+                    self.host.adopt_edits(bucket)
+                self.gradients.set_on_masters(chunk.segments, *self.gradients.shard(bucket))
+                chunk.grad_loaded = True
             return
         if chunk is None or self.swapper is None:
             return
@@ -303,36 +268,15 @@ class OptimizerTiers:
             self.swapper.acquire(key, in_order=step)  # Note [read-ahead order]: the step's order only
         chunk.loaded = keys
         chunk.stepping = step
-        reducer = self._reducer()
+        reducer = self.gradients.reducer()
         if step and reducer is not None and reducer.offloads(bucket):
-            self._set_gradients(bucket, chunk, reducer.load_grad(bucket), 0)
-
-    def _set_gradients(self, bucket: FlatBucket, chunk: _Chunk, shard: Tensor, first: int) -> None:
-        """The tiered gradient ``shard`` (from shard element ``first``), clipped, as the used masters' ``.grad``."""
-        opt = self._opt
-        chunk.grad_loaded = True
-        grads: list[Tensor] = []
-        for i in chunk.segments:
-            seg, master = opt.segments[i], opt.masters[i]
-            if opt.segment_used[i]:
-                grad = shard[seg.start - first : seg.stop - first]
-                master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
-                grads.append(master.grad)
-        # In the masters' dtype, as the step without tiers unscales and clips them (ZeroOptimizer.reduce_gradients,
-        # clip_grad_*), in that order.
-        if grads and self._unscale is not None:
-            torch._foreach_mul_(grads, self._unscale)
-        if grads and self._coefficient is not None:
-            key = (grads[0].device, grads[0].dtype)
-            if key not in self._coefficients:  # one copy per step: a device scalar read on the host waits for it
-                self._coefficients[key] = self._coefficient.to(device=key[0], dtype=key[1])
-            torch._foreach_mul_(grads, self._coefficients[key])
-        if grads and self._clamp is not None:
-            torch._foreach_clamp_min_(grads, -self._clamp)
-            torch._foreach_clamp_max_(grads, self._clamp)
+            self.gradients.set_on_masters(chunk.segments, reducer.load_grad(bucket), 0)
+            chunk.grad_loaded = True
 
     def unload(self, bucket: FlatBucket) -> None:
         chunk = self._chunks.get(id(bucket))
+        if self.moments is not None:
+            self.moments.unload(id(bucket), stepped=self._in_step)
         if chunk is not None and self.host is not None and bucket in self.host:
             if chunk.grad_loaded:
                 for i in chunk.segments:
@@ -357,9 +301,7 @@ class OptimizerTiers:
         if chunk.grad_loaded:
             for i in chunk.segments:
                 opt.masters[i].grad = None
-            reducer = self._reducer()
-            assert reducer is not None
-            reducer.drop_grad(bucket)
+            self.gradients.drop(bucket)
             chunk.grad_loaded = False
 
     def _mark_stepped(self, chunk: _Chunk) -> None:
@@ -379,17 +321,24 @@ class OptimizerTiers:
 
     def end_step(self) -> None:
         self._in_step = False
-        self._unscale = None
+        self.gradients.end_step()
         if self.host is not None:
             self.host.end_step()
         if self.swapper is not None:
             self.swapper.end_step()
+        if self.moments is not None:
+            self.moments.end_step()
 
     def new_state(self, master: Tensor, name: str) -> Tensor | None:
-        if self.swapper is None:
-            return None
         opt = self._opt
         i = next(k for k, m in enumerate(opt.masters) if m is master)
+        owner = self._adam.owner(i) if self._adam is not None and self.moments is not None else None
+        if owner is not None and self.moments is not None and self._adam is not None:
+            view = self._adam.state_view(owner, i, name, opt.masters)  # Note [moments on disk]
+            self.moments.unload(owner, stepped=False)  # a new flat: written (zeros), freed; the load fills the file
+            return view
+        if self.swapper is None:
+            return None
         if id(opt.segments[i].bucket) not in self.on_disk:
             return None
         state = torch.empty(master.shape, dtype=master.dtype, device=master.device)
@@ -414,7 +363,7 @@ class OptimizerTiers:
             return
         opt = self._opt
         for bucket_id, chunk in self._chunks.items():
-            if bucket_id in self.on_disk:
+            if bucket_id in self.on_disk or (self.moments is not None and bucket_id in self.moments):
                 for i in chunk.segments:
                     opt.optimizer.state.pop(opt.masters[i], None)
 

@@ -4,6 +4,8 @@
 - ``gradient_reducer``: the reduction protocol (hooks, ordered launch, end-of-backward flush); the stage-1
   (``full_grad_reducer``) and stage-2 (``sharded_grad_reducer``) storages plug into it.
 - ``param_groups``: the user's param groups over this rank's shard (segments, masters, views, the checks).
+- ``param_edits``: ``ParamEdits``, which parameter shards were edited between steps, found by digests on the
+  device (Note [edits reach the masters]).
 - ``sharded_optimizer``: ``ZeroOptimizer``, the user's optimizer stepping only this rank's shard; with
   ``gradient_clipping`` (by norm and value, over shards), ``gradient_presence`` (which parameters got a gradient on
   some rank: DDP's unused-parameter semantics), ``optimizer_hooks`` (torch's optimizer hooks on the wrapper) and

@@ -160,6 +160,32 @@ class FlatBucket:
         for slot, p in self.slots_and_params():
             p.data = self.param_view(flat, slot)
 
+    @torch.no_grad()
+    def reattach(self) -> bool:
+        """Point parameters given a new tensor (``p.data = tensor``) back at the full buffer, their values copied
+        into it (Note [edits reach the masters] in ``param_edits.py``). Whether any was."""
+        assert self.data is not None
+        flat = self.data
+        base, size = flat.data_ptr(), flat.element_size()
+        moved = False
+        for slot, param in self.slots_and_params():
+            if slot.numel == 0 or param.data_ptr() == base + slot.offset * size:
+                continue
+            new = param.data
+            if new.shape != slot.shape or new.dtype != flat.dtype or new.device != flat.device:
+                raise RuntimeError(
+                    f"Parameter {slot.fqn!r} was given a new tensor (`param.data = ...`) of shape "
+                    f"{tuple(new.shape)}, {new.dtype} on {new.device}; ZeRO holds it as {tuple(slot.shape)}, "
+                    f"{flat.dtype} on {flat.device}, in a flat buffer it shards and gathers. HINT: write the values in "
+                    "place instead (`with torch.no_grad(): param.copy_(values)`), or change the model before ZeRO "
+                    "wraps it."
+                )
+            view = self.param_view(flat, slot)
+            view.copy_(new)
+            param.data = view
+            moved = True
+        return moved
+
     def make_sharded(self) -> None:
         """Keep only this rank's shard from now on and free the full buffer (a resident bucket becomes sharded)."""
         assert self.data is not None

@@ -10,18 +10,8 @@ torch's optimizers skip a parameter whose ``.grad`` is None: no step count, no w
 that semantics for a parameter no rank used (``find_unused_parameters=True``), and so do we, which needs a master per
 parameter: a master spanning several parameters has one ``.grad`` and one step count for all of them. The fp32
 masters of adjacent segments are views into one tensor per *run* (consecutive segments of one param group), so
-copying masters into the low-precision shards, and finding edits (Note [edits reach the masters]), take one
-operation per run rather than per parameter.
-
-Note [edits reach the masters]
-With low-precision parameters the fp32 masters are the optimizer's copy and the parameter shards are rounded from
-them after every step. Anything may write the parameters in between: ``load_state_dict``, an EMA swap,
-``gathered_parameters(..., writeback=True)``, ``p.data.copy_(...)``. Version counters do not see all of these (``.data``
-writes bypass them, and parameters do not share a counter with the flat buffer they view), so before each step every
-shard element is compared with its master rounded to the parameter dtype; where they differ the parameter was edited
-and the master takes the edited value. Elements not edited keep their fp32 master bits. The comparison reads this
-rank's shard and masters once per step (1/N of the model) and synchronizes with the host once; masters are written
-only where something was edited.
+copying masters into the low-precision shards, and adopting edits (Note [edits reach the masters] in
+``param_edits.py``), take one operation per run rather than per parameter.
 """
 
 from __future__ import annotations

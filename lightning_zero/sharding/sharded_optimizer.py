@@ -67,6 +67,7 @@ from lightning_zero.sharding.optimizer_hooks import (
     state_dict_with_hooks,
     without_step_hooks,
 )
+from lightning_zero.sharding.param_edits import ParamEdits
 from lightning_zero.sharding.param_groups import (
     MasterRun,
     ParamGroupView,
@@ -170,8 +171,12 @@ class ZeroOptimizer(Optimizer):
         self.presence = GradientPresence(self.buckets, group_of)
         """Which parameters got a gradient since the last step (Note [unused parameters])."""
         self._raw_step = without_step_hooks(type(optimizer).step)  # Note [step hooks]
+        self.edits = ParamEdits(self.buckets)
+        """Which shards were edited between steps (Note [edits reach the masters])."""
+        for bucket in {id(run.bucket): run.bucket for run in self._runs}.values():
+            self.edits.watch(bucket, runs=[run for run in self._runs if run.bucket is bucket])
         if tiers is not None:
-            tiers.attach(self)
+            tiers.attach(self)  # watches its own buckets
 
     @property
     def _device(self) -> torch.device:
@@ -281,18 +286,26 @@ class ZeroOptimizer(Optimizer):
                 loss = closure()
         self.reduce_gradients()
         self._check_requires_grad()
-        if self.tiers is None:
-            adopt_edits(self._runs)  # with tiers: each bucket's while the tiers hold it (Note [tiered step])
+        self.edits.check()
+        if self.tiers is None:  # with tiers: each bucket's while the tiers hold it (Note [tiered step])
+            adopt_edits([run for run in self._runs if self.edits.edited(run.bucket)])
         skip = self._found_inf or not self.presence.any
         if not skip:
             with inner_step_hooks(self.optimizer):  # Note [step hooks]
                 if self._step_chunks:
                     step_in_chunks(
-                        self.optimizer, self._raw_step, self._step_chunks, self.tiers, self.ledger, self.group
+                        self.optimizer,
+                        self._raw_step,
+                        self._step_chunks,
+                        self.tiers,
+                        self.ledger,
+                        self.group,
+                        self.edits,
                     )
                 else:
                     self._raw_step(self.optimizer)
                     copy_masters_to_shards(self._runs)
+                    self.edits.record_all()
                     self.gather_parameters()
             if self.gatherer is not None:
                 self.gatherer.refresh_gathered()  # units still in use must not keep pre-step weights
@@ -307,7 +320,7 @@ class ZeroOptimizer(Optimizer):
         ``offload/host_steps.py``): afterwards parameters, masters and optimizer state are those after every step
         taken. Collective: every rank calls it at the same point."""
         if self.tiers is not None and self.tiers.in_flight():
-            publish_in_flight(self._step_chunks, self.tiers, self.ledger, self.group)
+            publish_in_flight(self._step_chunks, self.tiers, self.ledger, self.group, self.edits)
             self.tiers.end_step()
 
     def _end_of_step(self) -> None:

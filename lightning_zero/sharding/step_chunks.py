@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from lightning_zero.comm.collectives import ProcessGroup, all_gather
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.sharding.flat_bucket import FlatBucket
+from lightning_zero.sharding.param_edits import ParamEdits
 from lightning_zero.sharding.param_groups import MasterRun, Segment, adopt_edits, copy_masters_to_shards
 from lightning_zero.sharding.state_tiers import StateTiers, TierStep
 
@@ -54,6 +55,7 @@ def step_in_chunks(
     tiers: StateTiers | None,
     ledger: CommLedger,
     group: ProcessGroup,
+    edits: ParamEdits,
 ) -> None:
     """Step the shard bucket by bucket, all-gathering each bucket while the next is stepped (Note [step in
     chunks]). A bucket the tiers step themselves is published (its masters into the shard, its all-gather) once
@@ -64,24 +66,25 @@ def step_in_chunks(
     started: StepChunk | None = None
     try:
         if tiers is not None:
-            publish_in_flight(chunks, tiers, ledger, group, pending)
+            publish_in_flight(chunks, tiers, ledger, group, edits, pending)
         for chunk in chunks:
             bucket, group_of, masters, runs = chunk
             if tiers is not None:
                 tiers.load(bucket)
-                adopt_edits(runs)
+                if edits.edited(bucket):  # Note [edits reach the masters]
+                    adopt_edits(runs)
                 how = tiers.start_step(bucket)
                 if how is not TierStep.GENERIC:
                     if started is not None:
-                        _publish(started, tiers, ledger, group, pending)
+                        _publish(started, tiers, ledger, group, edits, pending)
                     started = chunk if how is TierStep.STARTED else None
                     continue
             for g, param_group in enumerate(groups):
                 param_group["params"] = [m for k, m in zip(group_of, masters, strict=True) if k == g]
             raw_step(optimizer)
-            _publish(chunk, tiers, ledger, group, pending)
+            _publish(chunk, tiers, ledger, group, edits, pending)
         if started is not None:
-            _publish(started, tiers, ledger, group, pending)
+            _publish(started, tiers, ledger, group, edits, pending)
     finally:
         for param_group, params in zip(groups, everything, strict=True):
             param_group["params"] = params
@@ -94,6 +97,7 @@ def publish_in_flight(
     tiers: StateTiers,
     ledger: CommLedger,
     group: ProcessGroup,
+    edits: ParamEdits,
     pending: list[Any] | None = None,
 ) -> None:
     """Publish the buckets whose delayed step is still in flight (Note [delayed parameter update]), in bucket
@@ -104,14 +108,19 @@ def publish_in_flight(
     mine = [] if pending is None else pending
     for chunk in chunks:
         if id(chunk[0]) in flying:
-            _publish(chunk, tiers, ledger, group, mine)
+            _publish(chunk, tiers, ledger, group, edits, mine)
     if pending is None:
         for p in mine:
             p.wait()
 
 
 def _publish(
-    chunk: StepChunk, tiers: StateTiers | None, ledger: CommLedger, group: ProcessGroup, pending: list[Any]
+    chunk: StepChunk,
+    tiers: StateTiers | None,
+    ledger: CommLedger,
+    group: ProcessGroup,
+    edits: ParamEdits,
+    pending: list[Any],
 ) -> None:
     """The bucket's step is done: masters into the parameter shard, back to the tiers, and its all-gather."""
     bucket, _, _, runs = chunk
@@ -119,7 +128,8 @@ def _publish(
         tiers.finish_step(bucket)
     copy_masters_to_shards(runs)
     if tiers is not None:
-        tiers.unload(bucket)
+        tiers.unload(bucket)  # the host tier uploads its masters into the shard here
+    edits.record(bucket)
     if bucket.resident:
         assert bucket.data is not None
         pending.append(ledger.record(all_gather(bucket.data, bucket.param_shard, group)))

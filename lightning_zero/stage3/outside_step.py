@@ -79,6 +79,7 @@ class OutsideStep:
                 with torch.no_grad():
                     for bucket in (b for u in units for m in (u, *self._children[u.index]) for b in m.buckets):
                         assert bucket.data is not None
+                        bucket.reattach()  # a `param.data = tensor` inside the context is written back too
                         bucket.param_shard.copy_(bucket.shard_of(bucket.data))
                 self.invalidate_secondaries()
         finally:

@@ -1,0 +1,135 @@
+"""``TieredGradients``: the gradients of the tiered buckets, as the step and the norm pass read them from their tier.
+
+A bucket's reduced gradient shard is in the host tier's host buffer (``HostTier``) or, at stage 3 with the disk
+tier, in the tier file (``TieredGradReducer``, Note [gradients on disk]); it never becomes ``master.grad`` outside
+the step (Note [tiered step]). What the step without tiers does to ``master.grad`` in between, these do as the
+gradient is read: the overflow check and unscaling of loss scaling (``reduced``), clipping by norm (``norms``,
+then ``transform``) or by value, in that order and in the masters' dtype, so the numbers are the same.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from lightning_zero.offload.host_tier import HostTier
+from lightning_zero.offload.tiered_grad_reducer import TieredGradReducer
+from lightning_zero.sharding.flat_bucket import FlatBucket
+
+if TYPE_CHECKING:
+    from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
+
+
+class TieredGradients:
+    """The tiered gradients of one ``ZeroOptimizer``: in ``host`` (the host tier) or its disk-tier reducer."""
+
+    def __init__(self, host: HostTier | None) -> None:
+        self.host = host
+        self._optimizer: ZeroOptimizer | None = None
+        self._coefficient: Tensor | None = None
+        self._coefficients: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self._clamp: float | None = None
+        self._unscale: float | None = None
+
+    def attach(self, optimizer: ZeroOptimizer) -> None:
+        self._optimizer = optimizer
+
+    @property
+    def _opt(self) -> ZeroOptimizer:
+        assert self._optimizer is not None, "TieredGradients.attach() was not called"
+        return self._optimizer
+
+    def reducer(self) -> TieredGradReducer | None:
+        reducer = self._opt.reducer
+        return reducer if isinstance(reducer, TieredGradReducer) else None
+
+    def holds(self, bucket: FlatBucket) -> bool:
+        """Whether the bucket's reduced gradient shard is in a tier."""
+        if self.host is not None and bucket in self.host:
+            return True
+        reducer = self.reducer()
+        return reducer is not None and reducer.offloads(bucket)
+
+    def shard(self, bucket: FlatBucket) -> tuple[Tensor, int]:
+        """The bucket's gradient shard from its tier, and the shard element it starts at."""
+        if self.host is not None and bucket in self.host:
+            return self.host.gradient(bucket, self._opt.reducer), self.host.offset(bucket)
+        reducer = self.reducer()
+        assert reducer is not None
+        return reducer.load_grad(bucket), 0
+
+    def drop(self, bucket: FlatBucket) -> None:
+        """A shard read from the disk tier is no longer needed (the host tier's stays in its buffer)."""
+        if self.host is None or bucket not in self.host:
+            reducer = self.reducer()
+            assert reducer is not None
+            reducer.drop_grad(bucket)
+
+    def norms(self, segments_of: dict[int, list[int]], norm_type: float) -> list[Tensor]:
+        """Per used segment of a bucket whose gradient is in a tier (``segments_of``: bucket id -> its segment
+        indices): its gradient's norm (fp32, on the bucket's device), as the step will see it."""
+        opt = self._opt
+        norms: list[Tensor] = []
+        for bucket in opt.buckets:
+            used = [i for i in segments_of.get(id(bucket), []) if opt.segment_used[i]]
+            if not used or not self.holds(bucket):
+                continue
+            shard, first = self.shard(bucket)
+            pieces = [shard[opt.segments[i].start - first : opt.segments[i].stop - first] for i in used]
+            if self._unscale is not None:  # the values the step will see, as the step without tiers clips them
+                pieces = [p.to(opt.masters[i].dtype) * self._unscale for p, i in zip(pieces, used, strict=True)]
+            if norm_type == float("inf"):
+                found = [p.abs().max().float() for p in pieces]
+            else:
+                found = list(torch._foreach_norm(pieces, norm_type, dtype=torch.float32))
+            norms.extend(n.to(bucket.device) for n in found)  # summed with the device's own: Note [tiered step]
+            self.drop(bucket)
+        return norms
+
+    def reduced(self, found: Tensor, inv_scale: float | None) -> None:
+        """The step's gradients are reduced: unscale by ``inv_scale`` as they are read, and add the tiered
+        gradients' overflow flags to ``found``."""
+        self._unscale = inv_scale
+        self.transform(None, None)
+        if inv_scale is None:
+            return
+        flags = [] if self.host is None else self.host.nonfinite(self._opt.reducer)
+        reducer = self.reducer()
+        flags += reducer.nonfinite(self._opt.buckets, self._opt.gradient_owner) if reducer is not None else []
+        for bad in flags:
+            found.add_(bad.to(found.device))
+
+    def transform(self, coefficient: Tensor | None, clamp: float | None) -> None:
+        """Scale (clip by norm) or clamp (clip by value) the gradients as the step reads them."""
+        self._coefficient = coefficient
+        self._coefficients.clear()
+        self._clamp = clamp
+
+    def end_step(self) -> None:
+        self._unscale = None
+
+    def set_on_masters(self, segments: list[int], shard: Tensor, first: int) -> None:
+        """The tiered gradient ``shard`` (from shard element ``first``), unscaled and clipped, as the ``.grad`` of
+        the used masters of ``segments``."""
+        opt = self._opt
+        grads: list[Tensor] = []
+        for i in segments:
+            seg, master = opt.segments[i], opt.masters[i]
+            if opt.segment_used[i]:
+                grad = shard[seg.start - first : seg.stop - first]
+                master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+                grads.append(master.grad)
+        # In the masters' dtype, as the step without tiers unscales and clips them (ZeroOptimizer.reduce_gradients,
+        # clip_grad_*), in that order.
+        if grads and self._unscale is not None:
+            torch._foreach_mul_(grads, self._unscale)
+        if grads and self._coefficient is not None:
+            key = (grads[0].device, grads[0].dtype)
+            if key not in self._coefficients:  # one copy per step: a device scalar read on the host waits for it
+                self._coefficients[key] = self._coefficient.to(device=key[0], dtype=key[1])
+            torch._foreach_mul_(grads, self._coefficients[key])
+        if grads and self._clamp is not None:
+            torch._foreach_clamp_min_(grads, -self._clamp)
+            torch._foreach_clamp_max_(grads, self._clamp)

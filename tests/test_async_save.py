@@ -1,0 +1,90 @@
+"""``ZeroConfig.async_save``: sharded saves written in the background while training goes on, with the synchronous
+save's commit protocol, exact resume and fault guarantees (Note [asynchronous save])."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint import FileSystemWriter
+
+from lightning_zero import ZeroConfig, ZeroStrategy
+from tests.harness import DistributedTestError, run_distributed
+from tests.test_checkpoint_trainer import BATCH, SAMPLES, Snapshot, assert_same, fit, weights
+
+
+def _async(stage: int) -> ZeroStrategy:
+    return ZeroStrategy(stage=stage, bucket_numel=3_000, async_save=True)
+
+
+def _resume_exactly(root: str, stage: int) -> list[dict[str, Any]]:
+    per_epoch = SAMPLES // (BATCH * 2)
+    saves = ModelCheckpoint(dirpath=f"{root}/ck", every_n_train_steps=per_epoch // 2, save_top_k=-1)
+    uninterrupted = weights(fit(_async(stage), 2, per_epoch + 2, root, callbacks=[saves]))
+    ckpt = f"{root}/ck/epoch=0-step={per_epoch // 2}.ckpt"
+    resumed = weights(fit(_async(stage), 2, per_epoch + 2, root, ckpt=ckpt))
+    return [uninterrupted, resumed]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_run_resumed_from_an_async_save_is_bit_identical_to_the_uninterrupted_one(stage):
+    with tempfile.TemporaryDirectory() as root:
+        for uninterrupted, resumed in run_distributed(_resume_exactly, 2, root, stage, init_process_group=False):
+            assert_same(resumed, uninterrupted)
+
+
+def _die_in_the_second_async_write(root: str) -> None:
+    write_data = FileSystemWriter.write_data
+    calls = []
+
+    def write_then_die(self: FileSystemWriter, *args: Any, **kwargs: Any) -> Any:
+        future = write_data(self, *args, **kwargs)  # this rank's shard file is on disk, nothing is committed
+        calls.append(threading.current_thread().name)
+        if len(calls) == 2 and dist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)  # from the writer's thread, while training goes on
+        return future
+
+    FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
+    # save_top_k=1: the checkpoint of step 2 is to be removed once step 4's is saved, and must outlive the crash.
+    fit(_async(2), 2, 6, root, callbacks=[ModelCheckpoint(dirpath=f"{root}/ck", every_n_train_steps=2, save_top_k=1)])
+
+
+def _resume_from(root: str, ckpt: str) -> int:
+    start = Snapshot(at="start")
+    fit(_async(2), 2, 4, root, ckpt=ckpt, callbacks=[start])
+    assert start.taken is not None
+    return int(start.taken["step"])
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_killed_during_an_async_write_loses_nothing_already_committed():
+    with tempfile.TemporaryDirectory() as root:
+        with pytest.raises(DistributedTestError, match="rank 0") as crash:
+            run_distributed(_die_in_the_second_async_write, 2, root, init_process_group=False, timeout=90)
+        assert "SIGKILL" in crash.value.failures[0]
+        listing = sorted(os.listdir(f"{root}/ck"))
+        # Step 2's checkpoint was committed; its removal waited for step 4's commit, which never came.
+        assert "epoch=0-step=2.ckpt" in listing, listing
+        assert "epoch=0-step=4.ckpt" not in listing, listing
+        assert run_distributed(_resume_from, 2, root, f"{root}/ck/epoch=0-step=2.ckpt", init_process_group=False) == [
+            2,
+            2,
+        ]
+
+
+def test_async_save_is_refused_where_it_cannot_snapshot():
+    with pytest.raises(ValueError, match=r"async_save=True with state_dict_type='full'"):
+        ZeroConfig(async_save=True, state_dict_type="full")
+    with pytest.raises(ValueError, match=r"async_save=True with a disk tier"):
+        ZeroConfig(stage=3, async_save=True, offload_optimizer="disk", offload_dir="/tmp")
+    from lightning_zero import ZeroFabricStrategy
+
+    with pytest.raises(NotImplementedError, match="ZeroFabricStrategy does not take async_save=True"):
+        ZeroFabricStrategy(async_save=True)
