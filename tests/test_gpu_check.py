@@ -1,5 +1,5 @@
-"""``scripts/gpu_check.sh`` in its dry mode on the CPU (tiny sizes): every section runs its code between GPU sessions,
-so the one call a GPU session makes does not fail on something the CPU could have caught.
+"""``scripts/gpu_check.sh`` in its dry mode on the CPU (tiny sizes): every section runs its code between GPU runs,
+so the one call a GPU machine makes does not fail on something the CPU could have caught.
 
 The dry mode's own budgets end it within 95 s; on an idle 2-core machine it needs about 40 s plus the throughput
 section's. The tests triple the
