@@ -1,6 +1,6 @@
 """Bad input, refused clearly: every case names the problem and the fix, and leaves the files on disk untouched.
 
-This is the one table of user errors (README, "Guarantees under faults"); several cases are also tested in depth
+This is the one table of user errors (docs/faults.md, "Bad input"); several cases are also tested in depth
 where they are implemented. Each row: what the user did, the error type, text naming the problem, text naming the
 fix. Cases on a checkpoint damage a saved one first, then check that loading it changes no file.
 """

@@ -1,5 +1,6 @@
-"""The package layout: public names and Hydra targets resolve, no subpackage imports upwards, the README's
-architecture table lists exactly the files that exist, and every named note that is referenced exists."""
+"""The package layout: public names and Hydra targets resolve, no subpackage imports upwards, the architecture
+page (``docs/architecture.md``) pictures the layers as the subpackages declare them and its table lists exactly the
+files that exist, and every named note that is referenced exists."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import lightning_zero
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lightning_zero"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 SUBPACKAGES = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
 
 
@@ -195,9 +197,8 @@ def test_the_layers_have_no_cycle():
             del graph[sub]
 
 
-def _readme_paths() -> set[str]:
-    text = (ROOT / "README.md").read_text()
-    table = text.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+def _architecture_paths() -> set[str]:
+    table = ARCHITECTURE.read_text().split("## Which file owns what", 1)[1].split("\n## ", 1)[0]
     paths: set[str] = set()
     for row in table.splitlines():
         if not row.startswith("| `lightning_zero/"):
@@ -211,25 +212,25 @@ def _readme_paths() -> set[str]:
     return paths
 
 
-def test_readme_architecture_table_lists_exactly_what_exists():
+def test_architecture_table_lists_exactly_what_exists():
     existing = {f"lightning_zero/{sub}/" for sub in SUBPACKAGES}
     for path in PACKAGE.rglob("*.py"):
         relative = path.relative_to(ROOT).as_posix()
         if path.name == "__init__.py" and path.parent != PACKAGE:
             continue  # a subpackage's row stands for its __init__
         existing.add(relative)
-    listed = _readme_paths()
-    assert not existing - listed, f"missing from the README's architecture table: {sorted(existing - listed)}"
-    assert not listed - existing, f"listed in the README's architecture table but absent: {sorted(listed - existing)}"
+    listed = _architecture_paths()
+    page = ARCHITECTURE.relative_to(ROOT)
+    assert not existing - listed, f"missing from the table of {page}: {sorted(existing - listed)}"
+    assert not listed - existing, f"listed in the table of {page} but absent: {sorted(listed - existing)}"
 
 
 def test_architecture_picture_puts_every_subpackage_above_what_it_may_import():
-    text = (ROOT / "README.md").read_text().split("## Architecture", 1)[1]
-    picture = text.split("```text\n", 1)[1].split("```", 1)[0]
+    picture = ARCHITECTURE.read_text().split("```text\n", 1)[1].split("```", 1)[0]
     line_of: dict[str, int] = {}
     for number, line in enumerate(picture.splitlines()):
         for name in re.findall(r"(?:^|\s{2,})(\w+)/\s", line):  # a layer, not a word of a description
-            assert name not in line_of, f"{name}/ drawn twice in the README's architecture picture"
+            assert name not in line_of, f"{name}/ drawn twice in the picture of {ARCHITECTURE.name}"
             line_of[name] = number
     assert sorted(line_of) == SUBPACKAGES, f"the picture draws {sorted(line_of)}, the package has {SUBPACKAGES}"
     for sub in SUBPACKAGES:
@@ -241,6 +242,7 @@ def test_every_referenced_note_exists():
     sources = [
         *PACKAGE.rglob("*.py"),
         ROOT / "README.md",
+        *(ROOT / "docs").rglob("*.md"),
         *(ROOT / "benchmarks").glob("*.py"),
         ROOT / "benchmarks/README.md",
     ]

@@ -2,7 +2,7 @@
 
 - ``consolidate``: a sharded checkpoint directory to one plain checkpoint file.
 - ``estimate``: model-state memory and communication per rank for each stage, by formula or from a model config.
-- ``estimate_tables``: the tables ``estimate`` prints.
+- ``estimate_tables``: the tables ``estimate`` prints; ``estimate_plot``: the pictures it draws (``--plot``).
 - ``estimate_module``: ``estimate --model`` with a LightningModule class path, its micro-batch, peaks, ``--auto``.
 - ``estimate_zeropp``: ``estimate --ranks-per-node``: ZeRO++'s traffic by link and hpZ's memory, by formula.
 - ``fabric_run``, ``fabric_script``: ``fabric-run``, Lightning Fabric's ``fabric run`` with ZeRO's strategy names.

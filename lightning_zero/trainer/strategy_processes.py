@@ -159,7 +159,7 @@ class ProcessPerDevice(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if "nccl" in self._process_group_backend and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "0":
-            # See "Faults on NCCL" in the README: without error handling nothing ever ends a hung collective.
+            # See "Faults on NCCL" in docs/faults.md: without error handling nothing ever ends a hung collective.
             log.warning(
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a collective whose peer died or hangs will block this rank "
                 "forever; `collective_timeout_s` (%s s) only takes effect with error handling on. HINT: unset it "
