@@ -83,12 +83,106 @@ def test_no_subpackage_imports_upwards(subpackage):
         assert not bad, f"{path.relative_to(ROOT)} imports lightning_zero.{sorted(bad)}; allowed: {sorted(allowed)}"
 
 
-# config.py and config_checks.py import each other (the checks import ZeroConfig for its type only).
+# config.py runs its checks (config_checks.py), which import nothing of the package.
 @pytest.mark.parametrize(
-    ("module", "allowed"), [("config.py", {"config_checks"}), ("compat.py", set()), ("config_checks.py", {"config"})]
+    ("module", "allowed"), [("config.py", {"config_checks"}), ("compat.py", set()), ("config_checks.py", set())]
 )
 def test_config_and_compat_import_nothing_of_the_package(module, allowed):
     assert _imported_parts(PACKAGE / module) <= allowed
+
+
+@pytest.mark.parametrize("subpackage", SUBPACKAGES)
+def test_every_subpackage_says_what_it_owns(subpackage):
+    doc = ast.get_docstring(ast.parse((PACKAGE / subpackage / "__init__.py").read_text())) or ""
+    named = set(re.findall(r"``(\w+)``", doc))
+    files = {p.stem for p in (PACKAGE / subpackage).glob("*.py") if p.stem != "__init__"}
+    assert not files - named, f"lightning_zero/{subpackage}/__init__.py does not say what {sorted(files - named)} own"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each module of the package -> the modules of the package it imports. Every import counts, wherever it is: at
+    the top, inside a function, or under ``TYPE_CHECKING`` (a type-only import still means that one file cannot be
+    read without the other, and becomes a runtime circle the day the annotation is evaluated)."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package of this module, level - 1 packages up
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, *([base] if base else [])])
+                # `from lightning_zero.x import y` imports the module y when it is one, else a name of x
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:  # `import lightning_zero.x.y` as a name of a module
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A circle of imports (its modules in order, the first repeated at the end), or None."""
+    done: set[str] = set()
+    for start in sorted(graph):
+        path: list[str] = []
+        on_path: set[str] = set()
+        stack = [(start, iter(sorted(graph[start])))]
+        if start in done:
+            continue
+        path.append(start)
+        on_path.add(start)
+        while stack:
+            node, edges = stack[-1]
+            following = next(edges, None)
+            if following is None:
+                stack.pop()
+                path.pop()
+                on_path.discard(node)
+                done.add(node)
+            elif following in on_path:
+                return [*path[path.index(following) :], following]
+            elif following not in done:
+                stack.append((following, iter(sorted(graph[following]))))
+                path.append(following)
+                on_path.add(following)
+    return None
+
+
+def test_no_module_imports_in_a_circle():
+    graph = _module_graph()
+    assert len(graph) > 100, "the package's modules were not found"
+    assert "lightning_zero.engine.model_sharding" in graph["lightning_zero.trainer.strategy"], "imports not read"
+    cycle = _find_cycle(graph)
+    assert cycle is None, f"modules importing each other in a circle: {' -> '.join(cycle)}"
+
+
+def test_the_cycle_finder_finds_circles():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a", "c"}}) is None
+
+
+def test_the_front_doors_never_import_each_other():
+    graph = _module_graph()
+    for door, other in (("trainer", "fabric"), ("fabric", "trainer")):
+        assert other not in _allowed_imports(door), f"lightning_zero/{door}/ may import lightning_zero/{other}/"
+        for module, imported in graph.items():
+            if module.startswith(f"lightning_zero.{door}"):
+                sideways = sorted(m for m in imported if m.startswith(f"lightning_zero.{other}"))
+                assert not sideways, f"{module} imports {sideways}: the front doors stand side by side on the engine"
 
 
 def test_the_layers_have_no_cycle():

@@ -8,6 +8,6 @@
 - ``fabric_run``, ``fabric_script``: ``fabric-run``, Lightning Fabric's ``fabric run`` with ZeRO's strategy names.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,
-lightning_zero.offload, lightning_zero.checkpoint, lightning_zero.lightning, lightning_zero.fabric,
+lightning_zero.offload, lightning_zero.checkpoint, lightning_zero.engine, lightning_zero.trainer, lightning_zero.fabric,
 lightning_zero.hydra, lightning_zero.models, lightning_zero.planning
 """

@@ -106,7 +106,7 @@ class ZeroOptimizer(Optimizer):
         *,
         fp32_masters: bool = True,
         loss_scaler: DynamicLossScaler | None = None,
-        tiers: StateTiers | None = None,
+        tiers: StateTiers[ZeroOptimizer] | None = None,
     ) -> None:
         # Optimizer.__init__ is not called: the param groups, state and defaults are the wrapped optimizer's own
         # objects, so reading or changing a learning rate through either object is the same thing.
