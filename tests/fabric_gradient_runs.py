@@ -47,11 +47,11 @@ def _refusal(call: Any) -> str | None:
     return None
 
 
-def loop(name: str, precision: str) -> dict[str, Any]:
-    """Three steps read as a loop reads them: one backward; two backward passes into the same gradients (the Fabric
-    DCGAN example's discriminator); accumulation under ``no_backward_sync``. ZeRO only: a write, and a backward after a
-    read, refused."""
-    fabric: Fabric = make_fabric(name, precision)
+def loop(name: str, precision: str, **fields: Any) -> dict[str, Any]:
+    """Four steps read as a loop reads them: one backward; two backward passes into the same gradients (the Fabric
+    DCGAN example's discriminator); accumulation under ``no_backward_sync``; gradients discarded by
+    ``model.zero_grad(set_to_none=False)``. ZeRO only: a write, and a backward after a read, refused."""
+    fabric: Fabric = make_fabric(name, precision, **({} if name == "ddp" else fields))
     module = build()
     model, optimizer = fabric.setup(
         module, torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.1)
@@ -86,9 +86,16 @@ def loop(name: str, precision: str) -> dict[str, Any]:
     result["accumulated"] = reads(model)
     optimizer.step()
     optimizer.zero_grad()
+
+    fabric.backward(loss_of(model, batch(rank, 5)))
+    model.zero_grad(set_to_none=False)  # zeros, which SGD without momentum does not move
+    result["zeroed"] = reads(model)
+    optimizer.step()
+    optimizer.zero_grad()
     result["weights"] = weights(fabric, model)
     return result
 
 
-def battery(precision: str) -> dict[str, dict[str, Any]]:
-    return {name: loop(name, precision) for name in STRATEGIES}
+def battery(precision: str, overlap_comm: bool = True) -> dict[str, dict[str, Any]]:
+    """Every strategy; ``overlap_comm=False``: stage 1 reduces at the step, its ``.grad`` views kept until then."""
+    return {name: loop(name, precision, overlap_comm=overlap_comm) for name in STRATEGIES}

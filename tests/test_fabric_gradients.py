@@ -19,9 +19,14 @@ ZERO = [name for name in STRATEGIES if name != "ddp"]
 FROZEN = "_forward_module.module.0.bias"
 
 
-@pytest.fixture(scope="module", params=["32-true", "bf16-mixed"])
+@pytest.fixture(
+    scope="module",
+    params=[("32-true", True), ("bf16-mixed", True), pytest.param(("32-true", False), marks=pytest.mark.slow)],
+    ids=["32-true", "bf16-mixed", "32-true-no-overlap"],
+)
 def runs(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, dict[str, Any]]]]:
-    return request.param, run_distributed(battery, 2, request.param, init_process_group=False, timeout=150)
+    precision, overlap_comm = request.param
+    return precision, run_distributed(battery, 2, precision, overlap_comm, init_process_group=False, timeout=150)
 
 
 def _tolerance(precision: str) -> dict[str, float]:
@@ -58,8 +63,9 @@ def test_fabric_gradients_read_between_backward_and_step_match_fabric_ddp(runs):
         reference = per_rank["ddp"]
         for name in ZERO:
             run = per_rank[name]
-            for moment in ("one_backward", "two_backward", "accumulated"):
+            for moment in ("one_backward", "two_backward", "accumulated", "zeroed"):
                 _assert_reads_match(run[moment], reference[moment], precision)
+            assert all(float(norm) == 0.0 for norm in run["zeroed"]["norms"].values())
             # Every rank read the averaged gradient: the same values on both ranks.
             for name_, value in run["one_backward"]["values"].items():
                 torch.testing.assert_close(

@@ -279,8 +279,10 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         if self.config.exclude_frozen_parameters and not self._frozen_base_checked:
             refuse_unrestorable_frozen_base(self)  # before training, as the Trainer refuses it when fit starts
             self._frozen_base_checked = True
+        # Note [gradients between backward and step] in fabric/visible_gradients.py
+        self._loop_gradients.apply_zeroing()
         apply_zero_grad(self.models)  # Note [model.zero_grad() reaches the shards] in fabric/zero_grad.py
-        self._loop_gradients.hide()  # Note [gradients between backward and step] in fabric/visible_gradients.py
+        self._loop_gradients.hide()
         self._loop_gradients.before_backward()
         super().backward(tensor, module, *args, **kwargs)
         self._loop_gradients.show()
@@ -290,6 +292,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         zero = self.models.optimizer(optimizer)
         if zero is not None:
+            self._loop_gradients.apply_zeroing(zero)
             apply_zero_grad(self.models, only=zero)
         with engine_call(self.models):
             with self._loop_gradients.kept():

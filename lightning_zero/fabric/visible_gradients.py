@@ -85,7 +85,7 @@ class LoopGradients(GradientReads):
                     before = param.grad
                     param.grad, grad.zeroed = grad, False
                     self._shown.append((param, grad, before))
-                    if before is None and id(param) in watched:  # the marker: Note [model.zero_grad() reaches ...]
+                    if before is None and id(param) in watched:  # Note [model.zero_grad() reaches the shards]
                         model.markers[id(param)] = grad
                 self._live.add(id(optimizer))
 
@@ -99,6 +99,24 @@ class LoopGradients(GradientReads):
                 param.grad = None if grad.zeroed else before
         self._shown = kept
         self._live = {id(o) for o in {id(g._optimizer): g._optimizer for _, g, _ in kept}.values()}
+
+    def apply_zeroing(self, only: ZeroOptimizer | None = None) -> None:
+        """Before a backward, and before ``only``'s step: zero the gradients of each optimizer whose shown gradients a
+        ``zero_grad(set_to_none=False)`` zeroed, as it would have zeroed DDP's; refuse one that zeroed part of them."""
+        zeroed: dict[int, tuple[ZeroOptimizer, list[bool]]] = {}
+        for _, grad, _ in self._shown:
+            if only is None or grad._optimizer is only:
+                zeroed.setdefault(id(grad._optimizer), (grad._optimizer, []))[1].append(grad.zeroed)
+        for optimizer, flags in zeroed.values():
+            if all(flags):
+                optimizer.zero_grad(set_to_none=False)
+            elif any(flags):
+                raise RuntimeError(
+                    f"The gradients of part of {type(optimizer.optimizer).__name__}'s parameters were zeroed "
+                    "(`zero_grad(set_to_none=False)` of a submodule): ZeRO holds the averaged gradients in shards "
+                    "that parameters share, and cannot zero some of them. HINT: zero the whole model's gradients, "
+                    "`model.zero_grad()` or its optimizers' `zero_grad()`."
+                )
 
     @contextmanager
     def kept(self) -> Iterator[None]:
