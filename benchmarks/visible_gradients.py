@@ -1,15 +1,17 @@
 """What showing the reduced gradients as ``.grad`` costs a step (Note [gradients visible to hooks] in
 ``lightning_zero/engine/sharded_gradient.py``), for models of 200 and 2,000 parameter tensors, one process, stage 2:
 the Trainer's ``VisibleGradients.show`` and ``hide`` around ``on_before_optimizer_step`` (paid only when the module or
-a callback overrides the hook), and Fabric's ``LoopGradients.show`` after a synchronizing ``fabric.backward`` and
-``hide`` at the step (every Fabric step: Note [gradients between backward and step]), beside torch's own
-``module.zero_grad()`` over the same gradients, which every loop pays, in interleaved rounds.
+a callback overrides the hook), and what Fabric's ``LoopGradients`` adds to every step (``show`` after a synchronizing
+``fabric.backward``, the zeroing check, ``kept`` and ``hide`` around the step: Note [gradients between backward and
+step]), beside torch's own ``module.zero_grad()`` over the same gradients, which every loop pays, in interleaved
+rounds.
 
     .venv/bin/python benchmarks/visible_gradients.py
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 
@@ -24,7 +26,7 @@ from lightning_zero.fabric.module import ZeroForwardModule
 from lightning_zero.fabric.visible_gradients import LoopGradients
 from lightning_zero.trainer.visible_gradients import VisibleGradients
 
-ROUNDS = 50
+ROUNDS = 200
 
 
 class Layers(pl.LightningModule):
@@ -50,13 +52,16 @@ def main() -> None:
         models.models.append(SetUpModel(module, ZeroForwardModule(module), None, False, optimizers=[optimizer]))
         loop = LoopGradients(models)
         grads = [torch.zeros_like(p) for p in module.parameters()]
-        trainer_s = fabric_s = zero_grad_s = 0.0
+        times: dict[str, list[float]] = {"Trainer hooks": [], "Fabric loop": [], "module.zero_grad()": []}
         for round_ in range(ROUNDS + 3):  # the first three build the ShardedGradients (once per fit) and warm up
             start = time.perf_counter()
             visible.show(module, [optimizer])
             visible.hide()
             middle = time.perf_counter()
-            loop.show()
+            loop.show()  # what a Fabric step adds: after the backward, then around the step
+            loop.apply_zeroing(optimizer)
+            with loop.kept():
+                pass
             loop.hide(optimizer)
             end = time.perf_counter()
             for p, g in zip(module.parameters(), grads, strict=True):  # real gradients, set outside the timing
@@ -65,21 +70,16 @@ def main() -> None:
             module.zero_grad()
             done = time.perf_counter()
             if round_ >= 3:
-                trainer_s, fabric_s, zero_grad_s = (
-                    trainer_s + middle - start,
-                    fabric_s + end - middle,
-                    zero_grad_s + done - begin,
-                )
+                times["Trainer hooks"].append(middle - start)
+                times["Fabric loop"].append(end - middle)
+                times["module.zero_grad()"].append(done - begin)
         tensors = 2 * layers
-        for name, seconds in (
-            ("Trainer hooks", trainer_s),
-            ("Fabric loop", fabric_s),
-            ("module.zero_grad()", zero_grad_s),
-        ):
-            seconds /= ROUNDS
+        reference = statistics.median(times["module.zero_grad()"])
+        for name, rounds in times.items():  # medians: the machine is shared, a round may be preempted
+            seconds = statistics.median(rounds)
             print(
                 f"{tensors} parameter tensors, {name}: {seconds * 1e3:.2f} ms per step, "
-                f"{seconds / tensors * 1e6:.2f} us each ({seconds / zero_grad_s * ROUNDS:.2f}x torch's zero_grad)"
+                f"{seconds / tensors * 1e6:.2f} us each ({seconds / reference:.2f}x torch's zero_grad)"
             )
     dist.destroy_process_group()
 
