@@ -48,9 +48,10 @@ def _refusal(call: Any) -> str | None:
 
 
 def loop(name: str, precision: str, **fields: Any) -> dict[str, Any]:
-    """Four steps read as a loop reads them: one backward; two backward passes into the same gradients (the Fabric
-    DCGAN example's discriminator); accumulation under ``no_backward_sync``; gradients discarded by
-    ``model.zero_grad(set_to_none=False)``. ZeRO only: a write, and a backward after a read, refused."""
+    """Five steps read as a loop reads them: one backward; two backward passes into the same gradients (the Fabric DCGAN
+    example's discriminator); accumulation under ``no_backward_sync``; gradients discarded by
+    ``model.zero_grad(set_to_none=False)``; a second model's read before its backward. ZeRO only: a write, and a
+    backward after a read, refused."""
     fabric: Fabric = make_fabric(name, precision, **({} if name == "ddp" else fields))
     module = build()
     model, optimizer = fabric.setup(
@@ -92,10 +93,22 @@ def loop(name: str, precision: str, **fields: Any) -> dict[str, Any]:
     result["zeroed"] = reads(model)
     optimizer.step()
     optimizer.zero_grad()
-    result["weights"] = weights(fabric, model)
+
+    # A second model, read after a backward that did not reach it (a GAN's generator after the discriminator's): no
+    # gradient anywhere, then its own backward adds to nothing lost.
+    generator = build()
+    generator, generator_optimizer = fabric.setup(generator, torch.optim.SGD(generator.parameters(), lr=0.1))
+    fabric.backward(loss_of(model, batch(rank, 6)))
+    result["unreached"] = [torch.linalg.vector_norm(p.grad) for p in generator.parameters() if p.grad is not None]
+    fabric.backward(loss_of(generator, batch(rank, 7)))
+    result["reached"] = reads(generator)
+    for each in (optimizer, generator_optimizer):
+        each.step()
+        each.zero_grad()
+    result["weights"] = weights(fabric, model, generator)
     return result
 
 
-def battery(precision: str, overlap_comm: bool = True) -> dict[str, dict[str, Any]]:
+def battery(precision: str, overlap_comm: bool) -> dict[str, dict[str, Any]]:
     """Every strategy; ``overlap_comm=False``: stage 1 reduces at the step, its ``.grad`` views kept until then."""
     return {name: loop(name, precision, overlap_comm=overlap_comm) for name in STRATEGIES}

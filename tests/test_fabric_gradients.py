@@ -21,12 +21,20 @@ FROZEN = "_forward_module.module.0.bias"
 
 @pytest.fixture(
     scope="module",
-    params=[("32-true", True), ("bf16-mixed", True), pytest.param(("32-true", False), marks=pytest.mark.slow)],
-    ids=["32-true", "bf16-mixed", "32-true-no-overlap"],
+    params=[
+        ("32-true", True, False),
+        ("bf16-mixed", True, False),
+        pytest.param(("32-true", False, True), marks=pytest.mark.slow),
+    ],
+    ids=["32-true", "bf16-mixed", "32-true-no-overlap-native-collectives"],
 )
 def runs(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, dict[str, Any]]]]:
-    precision, overlap_comm = request.param
-    return precision, run_distributed(battery, 2, precision, overlap_comm, init_process_group=False, timeout=150)
+    """Each precision in one set of processes; the slow one without ``overlap_comm`` (stage 1's ``.grad`` views kept
+    until the step), on NCCL's code path (``LIGHTNING_ZERO_NATIVE_COLLECTIVES=1``)."""
+    precision, overlap_comm, native = request.param
+    env = {"LIGHTNING_ZERO_NATIVE_COLLECTIVES": "1"} if native else None
+    results = run_distributed(battery, 2, precision, overlap_comm, init_process_group=False, timeout=150, env=env)
+    return precision, results
 
 
 def _tolerance(precision: str) -> dict[str, float]:
@@ -65,6 +73,10 @@ def test_fabric_gradients_read_between_backward_and_step_match_fabric_ddp(runs):
             run = per_rank[name]
             for moment in ("one_backward", "two_backward", "accumulated", "zeroed"):
                 _assert_reads_match(run[moment], reference[moment], precision)
+            _assert_reads_match(run["reached"], reference["reached"], precision)
+            # No gradient reached the second model: DDP leaves None, ZeRO shows zeros (decided without a collective).
+            assert reference["unreached"] == []
+            assert [float(norm) for norm in run["unreached"]] == [0.0] * 3
             assert all(float(norm) == 0.0 for norm in run["zeroed"]["norms"].values())
             # Every rank read the averaged gradient: the same values on both ranks.
             for name_, value in run["one_backward"]["values"].items():
