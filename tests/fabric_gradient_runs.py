@@ -50,8 +50,8 @@ def _refusal(call: Any) -> str | None:
 def loop(name: str, precision: str, **fields: Any) -> dict[str, Any]:
     """Five steps read as a loop reads them: one backward; two backward passes into the same gradients (the Fabric DCGAN
     example's discriminator); accumulation under ``no_backward_sync``; gradients discarded by
-    ``model.zero_grad(set_to_none=False)``; a second model's read before its backward. ZeRO only: a write, and a
-    backward after a read, refused."""
+    ``model.zero_grad(set_to_none=False)``; a second model's read before its backward, after the first one's were
+    clipped. ZeRO only: a write, and a backward into gradients already read, refused."""
     fabric: Fabric = make_fabric(name, precision, **({} if name == "ddp" else fields))
     module = build()
     model, optimizer = fabric.setup(
@@ -66,10 +66,15 @@ def loop(name: str, precision: str, **fields: Any) -> dict[str, Any]:
     if zero:
         result["write"] = _refusal(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1))
         result["scale"] = _refusal(lambda: model.module[2].weight.grad.mul_(0.5))
-        result["backward_after_read"] = _refusal(lambda: fabric.backward(loss_of(model, batch(rank, 9))))
     optimizer.step()
     optimizer.zero_grad()
     result["after_step"] = {n: p.grad is None for n, p in model.named_parameters()}
+
+    fabric.backward(loss_of(model, batch(rank, 8)))
+    torch.linalg.vector_norm(model.module[0].weight.grad)  # a read: the reduction is finished
+    if zero:  # its gradients, and the refused backward's, are dropped
+        result["backward_after_read"] = _refusal(lambda: fabric.backward(loss_of(model, batch(rank, 9))))
+    optimizer.zero_grad()
 
     fabric.backward(loss_of(model, batch(rank, 1)))
     fabric.backward(loss_of(model, batch(rank, 2)))
@@ -100,6 +105,7 @@ def loop(name: str, precision: str, **fields: Any) -> dict[str, Any]:
     generator, generator_optimizer = fabric.setup(generator, torch.optim.SGD(generator.parameters(), lr=0.1))
     fabric.backward(loss_of(model, batch(rank, 6)))
     result["unreached"] = [torch.linalg.vector_norm(p.grad) for p in generator.parameters() if p.grad is not None]
+    fabric.clip_gradients(model, optimizer, max_norm=100.0)  # reduced, then a backward that does not reach them
     fabric.backward(loss_of(generator, batch(rank, 7)))
     result["reached"] = reads(generator)
     for each in (optimizer, generator_optimizer):

@@ -102,7 +102,7 @@ def test_fabric_gradients_refuse_writes_and_a_backward_after_a_read(runs):
                 assert "fabric.clip_gradients" in run[write], run[write]
             refusal = run["backward_after_read"]
             assert refusal is not None
-            assert "`fabric.backward` after the gradients" in refusal, refusal
+            assert "`fabric.backward` reached parameters of SGD after their gradients were reduced" in refusal, refusal
             assert "HINT" in refusal, refusal
 
 

@@ -284,7 +284,12 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         apply_zero_grad(self.models)  # Note [model.zero_grad() reaches the shards] in fabric/zero_grad.py
         self._loop_gradients.hide()
         self._loop_gradients.before_backward()
-        super().backward(tensor, module, *args, **kwargs)
+        try:
+            super().backward(tensor, module, *args, **kwargs)
+        except BaseException:
+            self._loop_gradients.after_backward(refuse=False)
+            raise
+        self._loop_gradients.after_backward()
         self._loop_gradients.show()
         mark(self.models)
 

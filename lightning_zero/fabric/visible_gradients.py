@@ -14,10 +14,12 @@ since the last step reads as zeros, where DDP leaves None (Fabric's DDP refuses 
 The reduction is not finished at the backward: a loop may call ``fabric.backward`` again before the step (the Fabric
 DCGAN example backpropagates two losses into its discriminator), and a finished reduction cannot take more. The first
 read that needs values (a norm, a copy, any operation but ``.data``/``.detach()``) finishes it, on every rank alike, as
-``fabric.clip_gradients`` does. After that, a ``fabric.backward`` that would add to those gradients before the step or
-``zero_grad()`` is refused: their masters were taken and possibly clipped, and the new gradients would be lost or added
-unclipped (bf16-mixed) or misreduced (stage 1); an optimizer whose finished reduction found no gradient on any rank
-(the generator's, read after the discriminator's backward) starts over instead, nothing lost. A write to a
+``fabric.clip_gradients`` does. After that, a ``fabric.backward`` that adds to those gradients before the step or
+``zero_grad()`` is refused as it ends (seen by the presence flags it sets): their masters were taken and possibly
+clipped, and the new gradients would be lost (bf16-mixed) or misreduced (stage 1); a backward that reaches only other
+optimizers' parameters (a value network's, after the policy's were clipped) is left alone, and an optimizer whose
+finished reduction found no gradient on any rank (a GAN's generator read after the discriminator's backward) starts
+over, nothing lost. A write to a
 ``ShardedGradient`` is refused (``fabric.clip_gradients`` clips), but ``zero_()`` is ``model.zero_grad(set_to_none=
 False)``: recorded, read as zeros, applied as Note [model.zero_grad() reaches the shards] applies a ``zero_grad()``;
 there the watched parameters' ``ShardedGradient``\\ s are the markers. ``optimizer.step()`` consumes the gradients
@@ -43,6 +45,7 @@ from lightning.fabric.utilities import rank_zero_warn
 from torch import Tensor
 from torch.nn import Parameter
 
+from lightning_zero.comm.collectives import all_reduce_sum
 from lightning_zero.engine.sharded_gradient import GradientReads, ShardedGradient, sharded_gradients
 from lightning_zero.fabric.models import SetUpModels
 from lightning_zero.fabric.zero_grad import engine_call
@@ -67,6 +70,8 @@ class LoopGradients(GradientReads):
         """``(parameter, shown, what .grad held before)``."""
         self._live: set[int] = set()
         """The optimizers whose gradients are shown now."""
+        self._finished: list[tuple[ZeroOptimizer, bytes]] = []
+        """During a backward: the optimizers whose gradients were already reduced, with this rank's presence flags."""
         self._warned = False
 
     def show(self) -> None:
@@ -148,22 +153,39 @@ class LoopGradients(GradientReads):
                     optimizer.reduce_gradients()
 
     def before_backward(self) -> None:
-        """Refuse a backward that would add to gradients a read or a clip has reduced; let an optimizer whose
-        reduction found no gradient anywhere start over (Note [gradients between backward and step])."""
+        """Watch the optimizers whose gradients a read or a clip has reduced; let one whose reduction found no
+        gradient anywhere start over (Note [gradients between backward and step])."""
         for optimizer in self._models.optimizers:
             if not optimizer._grads_ready:
                 continue
             if not optimizer.presence.any:
                 optimizer.zero_grad()
                 continue
-            raise RuntimeError(
-                f"`fabric.backward` after the gradients of {type(optimizer.optimizer).__name__} were reduced (read "
-                "through `.grad`, or clipped with `fabric.clip_gradients`) and before its `optimizer.step()` or "
-                "`zero_grad()`: ZeRO has taken the averaged gradient into the optimizer's shards and cannot add "
-                "another backward's to it (Note [gradients between backward and step] in "
-                "lightning_zero/fabric/visible_gradients.py). HINT: call every `fabric.backward` of a step before "
-                "reading or clipping its gradients (accumulate inside `fabric.no_backward_sync`), or step first."
-            )
+            self._finished.append((optimizer, optimizer.presence.swap_local()))
+
+    def after_backward(self, refuse: bool = True) -> None:
+        """Refuse, on every rank, a backward that added to gradients already reduced on some rank (Note [gradients
+        between backward and step]); ``refuse=False``: only give the flags back (the backward raised)."""
+        finished, self._finished = self._finished, []
+        arrived = [any(optimizer.presence.swap_local(flags)) for optimizer, flags in finished]
+        if not finished or not refuse:
+            return
+        # Every rank is in this state alike (reads and clips are collective); the arrivals are decided together, so
+        # that every rank raises, none waits for the others. Once per backward in this state only, never in a
+        # steady step.
+        counts = torch.tensor(arrived, dtype=torch.float32, device=finished[0][0]._device)
+        finished[0][0].ledger.record(all_reduce_sum(counts, finished[0][0].group)).wait()
+        for (optimizer, _), count in zip(finished, counts.tolist(), strict=True):
+            if count > 0:
+                raise RuntimeError(
+                    f"`fabric.backward` reached parameters of {type(optimizer.optimizer).__name__} after their "
+                    "gradients were reduced (read through `.grad`, or clipped with `fabric.clip_gradients`) and "
+                    "before its `optimizer.step()` or `zero_grad()`: ZeRO had taken the averaged gradient into the "
+                    "optimizer's shards and cannot add another backward's to it (Note [gradients between backward "
+                    "and step] in lightning_zero/fabric/visible_gradients.py). HINT: call every `fabric.backward` of a "
+                    "step before reading or clipping its gradients (accumulate inside `fabric.no_backward_sync`), or "
+                    "step first."
+                )
 
     def _of(self, optimizer: ZeroOptimizer) -> list[tuple[Parameter, ShardedGradient]]:
         made = self._made.get(id(optimizer))
