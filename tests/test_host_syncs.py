@@ -77,40 +77,37 @@ def test_stages_1_and_2_step_without_host_syncs(stage, accumulate):
 
 
 def _mixed_precision_syncs(cases: list[tuple[int, str]]) -> dict[str, dict[str, object]]:
-    """Per (stage, precision): the host reads of two steady steps, then of a step after an edit through ``p.data``
-    (what no version counter sees), and whether the edit was found (read after counting)."""
-    results: dict[str, dict[str, object]] = {}
+    return {f"stage{stage} {precision}": _mixed_precision_case(stage, precision) for stage, precision in cases}
+
+
+def _mixed_precision_case(stage: int, precision: str) -> dict[str, object]:
+    """The host reads of two steady steps, then of a step after an edit through ``p.data`` (what no version counter
+    sees), and whether the edit was found (read after counting)."""
     rank = dist.get_rank()
-    for stage, precision in cases:
-        dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
-        model = build_model("gpt").to(dtype)
-        config = ZeroConfig(stage=stage, check_rank_divergence=False)  # as on a GPU
-        gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu")) if stage == 3 else None
-        scaler = DynamicLossScaler(scale=2.0**4) if dtype == torch.float16 else None
-        inner = build_optimizer("adamw", model)
-        optimizer = ZeroOptimizer(model, inner, dist.group.WORLD, config, gatherer, loss_scaler=scaler)
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+    model = build_model("gpt").to(dtype)
+    config = ZeroConfig(stage=stage, check_rank_divergence=False)  # as on a GPU
+    gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu")) if stage == 3 else None
+    scaler = DynamicLossScaler(scale=2.0**4) if dtype == torch.float16 else None
+    inner = build_optimizer("adamw", model)
+    optimizer = ZeroOptimizer(model, inner, dist.group.WORLD, config, gatherer, loss_scaler=scaler)
 
-        def step(index: int) -> None:
-            loss = loss_fn("gpt", model, batch("gpt", rank, index, 0)).float()
-            (loss * (scaler.scale if scaler is not None else 1.0)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    def step(index: int) -> None:
+        loss = loss_fn("gpt", model, batch("gpt", rank, index, 0)).float()
+        (loss * (scaler.scale if scaler is not None else 1.0)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
 
-        step(0)  # warm-up: lazily created optimizer state, first-step checks
-        with count_host_syncs() as steady:
-            for index in range(1, 3):
-                step(index)
-        with gatherer.gathered(writeback=True) if gatherer is not None else nullcontext(), torch.no_grad():
-            for param in model.parameters():
-                param.data.mul_(0.5)  # through .data: no version counter moves
-        with count_host_syncs() as after_edit:
-            step(3)
-        results[f"stage{stage} {precision}"] = {
-            "steady": steady.where,
-            "after_edit": after_edit.where,
-            "flagged": optimizer.edits.flagged,
-        }
-    return results
+    step(0)  # warm-up: lazily created optimizer state, first-step checks
+    with count_host_syncs() as steady:
+        for index in range(1, 3):
+            step(index)
+    with gatherer.gathered(writeback=True) if gatherer is not None else nullcontext(), torch.no_grad():
+        for param in model.parameters():
+            param.data.mul_(0.5)  # through .data: no version counter moves
+    with count_host_syncs() as after_edit:
+        step(3)
+    return {"steady": steady.where, "after_edit": after_edit.where, "flagged": optimizer.edits.flagged}
 
 
 @pytest.mark.timeout(150)
