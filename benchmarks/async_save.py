@@ -11,9 +11,13 @@ a save). Each save goes through ``trainer.save_checkpoint`` (what ``ModelCheckpo
 ``ModelCheckpoint(save_top_k=1)`` would. The cost of a save is the time of the 10 steps it starts (its own time on
 the training thread included, and the background writer's competition for the CPU and the GIL) over that of the
 segments without a save on either side of its cycle, minus 1; the same estimator for the segment without a save
-against its neighbours is the noise floor. Also measured, per save: the training thread's time inside
-``save_checkpoint``, the writer thread's wall and CPU time, the process's extra CPU time, and the wake-up latency of a
-probe thread sleeping 1 ms at a time (its median rises when another thread holds the GIL). Prints a table and writes
+against its neighbours is the noise floor. The same again on the training thread's time not spent queued for a CPU
+(Linux ``schedstat``), which takes out most of what other people's processes add on shared cores.
+
+Also measured, per save: the training thread's time inside ``save_checkpoint``; the writer thread's wall and CPU
+time; the extra CPU time of the rank's processes, the training process and its writer process (what a save takes
+from a machine whose cores are all busy); and the wake-up latency of a probe thread sleeping 1 ms at a time (it
+rises when another thread holds the GIL, or when the cores are busy). Prints tables and writes
 ``results/async_save.json``.
 """
 
@@ -70,20 +74,46 @@ class Probe:
         self._thread.join()
 
 
+def children_cpu() -> float:
+    """CPU seconds of this process's running children (the writer process), from ``/proc``."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid():
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def not_queued() -> float:
+    """Seconds of this thread's life so far not spent waiting in a run queue for a CPU (``schedstat``'s second
+    field): the wall clock minus what other processes on busy cores take from it; waits for the GIL, for I/O and for
+    the other rank remain."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as stat:
+        queued = int(stat.read().split()[1])
+    return time.perf_counter() - queued / 1e9
+
+
 class Saves(pl.Callback):
-    """Records each step's end (wall and process CPU clocks) and, every ``EVERY`` steps, saves in the cycle's mode."""
+    """Records each step's end (wall clock; CPU time of the process and, every ``EVERY`` steps, of its children) and
+    every ``EVERY`` steps saves in the cycle's mode."""
 
     def __init__(self, root: str) -> None:
         self.root = root
         self.ends: list[float] = []
+        self.unqueued: list[float] = []
         self.cpu: list[float] = []
         self.saves: list[dict[str, Any]] = []
         self._previous: dict[str, str] = {}
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.ends.append(time.perf_counter())
-        self.cpu.append(time.process_time())
+        self.unqueued.append(not_queued())
         step = len(self.ends)
+        self.cpu.append(time.process_time() + (0.0 if step % EVERY else children_cpu()))
         if step % EVERY or step == trainer.max_steps:
             return
         mode = MODES[(step // EVERY - 1) % len(MODES)]
@@ -142,7 +172,14 @@ def _fit(root: str, model: str, batch: int, cycles: int) -> dict[str, Any]:
     with Probe() as probe:
         trainer.fit(LitGPT(config), data)
     AsyncSaver._write = write  # type: ignore[method-assign]
-    return {"ends": saves.ends, "cpu": saves.cpu, "saves": saves.saves, "writes": writes, "probe": probe.samples}
+    return {
+        "ends": saves.ends,
+        "unqueued": saves.unqueued,
+        "cpu": saves.cpu,
+        "saves": saves.saves,
+        "writes": writes,
+        "probe": probe.samples,
+    }
 
 
 def segments(values: list[float]) -> list[float]:
@@ -189,6 +226,7 @@ def main() -> None:
     run = results[0]  # rank 0's clocks; the ranks step in lockstep
     spans = segments(run["ends"])
     cost = costs(spans)
+    unqueued = costs(segments(run["unqueued"]))
     cpu = costs(segments(run["cpu"]), relative=False)
     step = statistics.median(spans[:: len(MODES)]) / EVERY
     print(f"{args.model}, batch {args.batch} x 128 per rank, 2 ranks: median step {step:.3f} s without saves")
@@ -205,9 +243,13 @@ def main() -> None:
             writer = f"{1e3 * wall:.0f} ms, {1e3 * busy:.0f} ms"
         label = "none (noise floor)" if mode == "none" else mode
         print(f"| {label} | {_percent(cost[mode])} | {100 * statistics.median(cost[mode]):+.1f}% | {own} | {writer} |")
+    print("\nThe same, counting only the training thread's time not queued for a CPU:")
+    for mode in MODES:
+        print(f"| {mode} | {_percent(unqueued[mode])} | {100 * statistics.median(unqueued[mode]):+.1f}% |")
     for mode in MODES:
         extra = statistics.median(cpu[mode])
-        print(f"process CPU time of a segment starting with a {mode} save, over a no-save segment's: {extra:+.3f} s")
+        print(f"CPU time (rank 0 and its writer process) of the 10 steps after a {mode} save, over no save's: ", end="")
+        print(f"{extra:+.3f} s")
     during: list[float] = []
     outside: list[float] = []
     for t, lat in run["probe"]:
@@ -221,7 +263,8 @@ def main() -> None:
     out = ROOT / "benchmarks" / "results" / "async_save.json"
     summary = {"model": args.model, "batch": args.batch, "cycles": args.cycles, "load": [load, load_after]}
     rank0 = {key: value for key, value in run.items() if key != "probe"}
-    out.write_text(json.dumps({**summary, "cost": cost, "cpu_cost": cpu, "rank0": rank0}, indent=1))
+    payload = {**summary, "cost": cost, "unqueued_cost": unqueued, "cpu_cost": cpu, "rank0": rank0}
+    out.write_text(json.dumps(payload, indent=1))
 
 
 if __name__ == "__main__":

@@ -121,10 +121,10 @@ class _SaveBothWays(pl.Callback):
             return
         strategy = trainer.strategy
         assert isinstance(strategy, ZeroStrategy)
-        self.writers = _writer_processes()
         trainer.save_checkpoint(f"{self.root}/async.ckpt")
         assert strategy.async_saver is not None
         strategy.async_saver.wait()
+        self.writers = _writer_processes()
         config, strategy.config = strategy.config, dataclasses.replace(strategy.config, async_save=False)
         trainer.save_checkpoint(f"{self.root}/sync.ckpt")
         strategy.config = config

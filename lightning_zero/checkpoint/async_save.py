@@ -1,4 +1,5 @@
-"""``ZeroConfig.async_save``: a sharded save written by a background thread while training goes on.
+"""``ZeroConfig.async_save``: a sharded save written in the background (a thread and a writer process) while training
+goes on.
 
 Note [asynchronous save]
 A save has two parts: copying what this rank owns out of the live state, and writing and committing it. The copy
@@ -14,12 +15,24 @@ of a second under gloo), so that the first save does not stall the step it follo
 The staging buffers (``HostStaging``) are kept from one save to the next and filled with one ``copy_`` per entry:
 as much host memory as what the rank writes, 16Ψ/N bytes for fp32 Adam at stage 3, held from the first save until
 the end of training (allocating it afresh at every save would fault every page in again, on the training thread).
-From a GPU they are pinned, the copies are queued without blocking, and one synchronization of the current stream
-waits for them all before training goes on (written for CUDA, not yet run on a GPU). Measured on 2 CPU ranks
-(``benchmarks/async_save.py``), the training thread spends ~1-5% of a synchronous save's time in an asynchronous
-one; the writer thread mostly waits (collectives, ``fsync``) with the GIL released, and holds it only for
-``torch.save``'s records and pickling (a probe thread's wake-up latency stays at its idle median while it writes),
-so a writer process would not buy back more than the CPU the write itself costs.
+From a GPU each copy is a synchronous device-to-host copy into that memory (written for CUDA, not yet run on one).
+
+Note [writer process]
+A thread of the training process that writes a checkpoint competes with the training thread for the GIL, and
+``torch.save`` holds it while it builds each record (the zip archive's CRC and copies, in C++, for every byte). On
+cores that are all busy, the writer thread is often descheduled while it holds the GIL, and the training thread
+waits for the scheduler as well: on 2 busy CPU ranks, a writer that used 0.09 s of CPU stretched the 10 steps
+after each save by ~50% (``benchmarks/async_save.py``, before this note). So the bytes are written by a process of
+their own (``write_worker.py``, started at the first save; it imports torch only): the staging memory is an anonymous
+``memfd`` that it maps through ``/proc/<pid>/fd``, the writer thread hands it each file's records by name (DCP's
+``WriteItem``s, resolved by the planner to staging buffers), and it writes them as DCP's ``_write_item`` does
+(``torch.save`` per record, the same bytes: ``tests/test_async_save.py`` compares them), with the file's CRC-32 and
+``fsync``, and answers each record's offset and length, from which the writer thread builds DCP's ``WriteResult``s.
+Everything else stays on the writer thread of the training process: DCP's planning and collectives, the table of
+contents, rank 0's commit and the barrier, so the commit protocol is unchanged, and the thread mostly waits with the
+GIL released. The process dies with the training process (``PR_SET_PDEATHSIG``; or at the end of its input), so a
+rank killed during a write commits nothing, as before. Remote URLs (fsspec filesystems are per process) and
+systems without ``memfd_create`` write from the thread as before.
 
 At most one save is in flight: a save, a load, a removal of a checkpoint and the end of training first wait for the
 one in flight and raise its error, on every rank. A removal asked while a save is in flight (``ModelCheckpoint``
@@ -184,7 +197,8 @@ class WriterProcess:
 
     def close(self) -> None:
         if self._process.stdin is not None:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # asked, not left to the end of its input: a fork may hold the pipe
+                pickle.dump(("exit",), self._process.stdin)
                 self._process.stdin.close()
         try:
             self._process.wait(timeout=60)
@@ -202,9 +216,9 @@ class AsyncSaver:
         if process_group is not None:
             ranks = dist.get_process_group_ranks(process_group)
             self._group = dist.new_group(ranks, timeout=timeout, backend="gloo")
-        shared = hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
-        self._staging = HostStaging(shared)
-        self._process = WriterProcess() if shared else None
+        self._staging = HostStaging(shared=hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"))
+        self._process: WriterProcess | None = None
+        """Started at the first save (it needs no collective, and training without saves needs no process)."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._after_commit: list[Callable[[], None]] = []
@@ -233,6 +247,8 @@ class AsyncSaver:
         rank = 0 if group is None else group.rank()
         tensors, toc = prepare_save(checkpoint, rank, averaged)
         snapshot = self._staging.snapshot(tensors)
+        if self._staging.shared and self._process is None:  # its imports run while the thread plans the save
+            self._process = WriterProcess()
         state = copy.deepcopy(checkpoint)  # Lightning's own state (loops, callbacks, RNG states) as of this step
         self._accepting = True
         self._thread = threading.Thread(
@@ -296,6 +312,7 @@ class AsyncSaver:
             self._staging.close()
             if self._process is not None:
                 self._process.close()
+                self._process = None
             if self._group is not None and dist.is_initialized():
                 dist.destroy_process_group(self._group)
             self._group = None

@@ -10,8 +10,9 @@ pickled requests on stdin and answers each on stdout (anything else printed goes
   DCP's ``_write_item`` writes them for ``torch.save`` (the same bytes), ``fsync`` it if ``sync``, and answer each
   record's ``(offset, length)`` and the file's CRC-32.
 
-Answers are ``("ok", value)`` or ``("error", message)``. It exits at the end of its input: when the training
-process closes it, or dies (also killed with it where ``prctl`` can ask for that).
+Answers are ``("ok", value)`` or ``("error", message)``. It exits when asked (``("exit",)``: a forked data loader
+worker may hold the pipe open) or at the end of its input, and is killed with the training process where ``prctl``
+can ask for that.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def main() -> None:
         try:
             request = pickle.load(requests)
         except EOFError:
+            return
+        if request[0] == "exit":
             return
         try:
             if request[0] == "map":
