@@ -152,3 +152,34 @@ def test_the_writer_process_writes_the_files_a_synchronous_save_writes():
         for name in set(names) - {".metadata"}:  # the shard files, the table of contents with their checksums
             with open(f"{root}/async.ckpt/{name}", "rb") as a, open(f"{root}/sync.ckpt/{name}", "rb") as s:
                 assert a.read() == s.read(), name
+
+
+class _KillWriter(pl.Callback):
+    """Kills rank 0's writer process after step 3, once the save of step 2 is committed."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == 3:
+            strategy = trainer.strategy
+            assert isinstance(strategy, ZeroStrategy)
+            assert strategy.async_saver is not None
+            strategy.async_saver.wait()  # step 2's save is committed
+            if trainer.global_rank == 0:
+                (pid,) = _writer_processes()
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def _lose_the_writer(root: str) -> None:
+    saves = ModelCheckpoint(dirpath=f"{root}/ck", every_n_train_steps=2, save_top_k=-1)
+    fit(_async(2), 2, 6, root, callbacks=[saves, _KillWriter()])
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd_create (Linux)")
+@pytest.mark.timeout(120)
+def test_a_lost_writer_process_fails_the_save_on_every_rank_and_commits_nothing():
+    with tempfile.TemporaryDirectory() as root:
+        with pytest.raises(DistributedTestError) as failed:
+            run_distributed(_lose_the_writer, 2, root, init_process_group=False, timeout=90)
+        assert sorted(failed.value.failures) == [0, 1]
+        assert all("Saving checkpoint" in failure for failure in failed.value.failures.values())
+        assert "writer process exited" in failed.value.failures[0]
+        assert sorted(os.listdir(f"{root}/ck")) == ["epoch=0-step=2.ckpt"]
