@@ -202,13 +202,23 @@ def native_collectives_on() -> Iterator[None]:
 def ddp_and_zero(model_name: str, optimizer_name: str, steps: int, accumulate: int, config: ZeroConfig) -> list[Run]:
     """One rank's [DDP run, ZeRO run] with identical seeds and data; the ZeRO run carries a second one with native
     collectives in ``extra["native"]`` (see the module docstring)."""
-    reference = train(model_name, optimizer_name, steps, accumulate, ddp)
+    reference = ddp_only(model_name, optimizer_name, steps, accumulate)
+    return [reference, zero_only(model_name, optimizer_name, steps, accumulate, config)]
+
+
+def ddp_only(model_name: str, optimizer_name: str, steps: int, accumulate: int) -> Run:
+    """``ddp_and_zero``'s DDP run alone: a reference several ZeRO configurations can share (it depends on none)."""
+    return train(model_name, optimizer_name, steps, accumulate, ddp)
+
+
+def zero_only(model_name: str, optimizer_name: str, steps: int, accumulate: int, config: ZeroConfig) -> Run:
+    """``ddp_and_zero``'s ZeRO run alone, with its native-collective twin in ``extra["native"]``."""
     wrap = zero3(config) if config.stage == 3 else zero(config)
     sharded = train(model_name, optimizer_name, steps, accumulate, wrap)
     if dist.get_world_size() > 1 and not native_collectives():  # one rank: no collective has two branches
         with native_collectives_on():
             sharded.extra["native"] = train(model_name, optimizer_name, steps, accumulate, wrap)
-    return [reference, sharded]
+    return sharded
 
 
 def assert_runs_match(reference: Run, candidate: Run, rtol: float = 1e-5, atol: float = 1e-6) -> None:
