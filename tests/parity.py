@@ -11,6 +11,7 @@ checks that run against DDP too, so every parity test covers both modes for the 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -31,6 +32,7 @@ from lightning_zero.models.param_groups import param_groups_with_weight_decay
 from lightning_zero.stage3.sharded_init import shard_module
 from tests.boundary_models import BATCHES as BOUNDARY_BATCHES
 from tests.boundary_models import BUILDERS as BOUNDARY_MODELS
+from tests.harness import run_distributed
 
 Batch = tuple[Tensor, Tensor]
 
@@ -219,6 +221,23 @@ def zero_only(model_name: str, optimizer_name: str, steps: int, accumulate: int,
         with native_collectives_on():
             sharded.extra["native"] = train(model_name, optimizer_name, steps, accumulate, wrap)
     return sharded
+
+
+@functools.cache
+def ddp_reference(world_size: int, model_name: str, optimizer_name: str, steps: int, accumulate: int) -> list[Run]:
+    """Each rank's ``ddp_only`` run, trained once per test session: every test comparing a ZeRO configuration with
+    the same DDP run (another stage, another option) reads it from here. Runs in the test process, not in a rank."""
+    return run_distributed(ddp_only, world_size, model_name, optimizer_name, steps, accumulate)
+
+
+def assert_zero_matches_ddp(
+    world_size: int, model_name: str, optimizer_name: str, steps: int, accumulate: int, config: ZeroConfig
+) -> None:
+    """``ddp_and_zero`` and ``assert_runs_match`` on every rank, the DDP side from ``ddp_reference``."""
+    sharded = run_distributed(zero_only, world_size, model_name, optimizer_name, steps, accumulate, config)
+    reference = ddp_reference(world_size, model_name, optimizer_name, steps, accumulate)
+    for expected, run in zip(reference, sharded, strict=True):
+        assert_runs_match(expected, run)
 
 
 def assert_runs_match(reference: Run, candidate: Run, rtol: float = 1e-5, atol: float = 1e-6) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from lightning_zero.engine.memory import model_state_bytes
 from lightning_zero.models.gpt import GPT, GPTConfig
 from lightning_zero.stage3.sharded_unit import UnitState
 from tests.harness import run_distributed
-from tests.parity import Run, assert_runs_match, ddp_and_zero, ddp_only, zero_only
+from tests.parity import assert_runs_match, assert_zero_matches_ddp, ddp_and_zero
 
 CPU = torch.device("cpu")
 
@@ -37,8 +36,7 @@ MODELS = [("gpt", "adamw"), ("transformer", "adamw"), ("gpt_checkpointed", "adam
 def test_stage3_matches_ddp(model, optimizer, world_size):
     # "gpt" ties its input embedding and output projection; "transformer" is nn.TransformerEncoder, whose attention
     # reads out_proj.weight outside out_proj's forward; "gpt_checkpointed" recomputes each block in backward.
-    for reference, sharded in run_distributed(ddp_and_zero, world_size, model, optimizer, 10, 1, ZeroConfig(stage=3)):
-        assert_runs_match(reference, sharded)
+    assert_zero_matches_ddp(world_size, model, optimizer, 10, 1, ZeroConfig(stage=3))
 
 
 @pytest.mark.timeout(180)
@@ -55,15 +53,7 @@ def test_stage3_matches_ddp(model, optimizer, world_size):
 )
 def test_stage3_options_match_ddp(config):
     for model in ("transformer", "gpt"):
-        sharded_runs = run_distributed(zero_only, 2, model, "adamw", 6, 2, config)
-        for reference, sharded in zip(_ddp_reference(model), sharded_runs, strict=True):
-            assert_runs_match(reference, sharded)
-
-
-@functools.cache
-def _ddp_reference(model: str) -> list[Run]:
-    """Each rank's DDP run for ``test_stage3_options_match_ddp``: no option changes it, so its five cases share it."""
-    return run_distributed(ddp_only, 2, model, "adamw", 6, 2)
+        assert_zero_matches_ddp(2, model, "adamw", 6, 2, config)
 
 
 def _sharded_init() -> tuple[bool, dict[str, float], list[str]]:
