@@ -113,6 +113,23 @@ class HalfHook(pl.Callback):
         checkpoint["state_dict"][key] = checkpoint["state_dict"][key].half()
 
 
+class Left(pl.Callback):
+    """Records, after the editing hooks, the tensors they put in the checkpoint (whole, on rank 0)."""
+
+    def __init__(self) -> None:
+        self.left: dict[str, Tensor] = {}
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        state = checkpoint["state_dict"]
+        trainable = _trainable(pl_module)
+        for key in [*trainable[0::2], trainable[3], "extra.scale"]:
+            value = state[key].detach()
+            whole = value.full_tensor() if isinstance(value, DTensor) else value  # collective: every rank
+            self.left[key] = whole.to("cpu", copy=True)
+
+
 class NormHook(pl.Callback):
     """Reads every entry (a norm for the logs) and changes nothing."""
 
@@ -188,13 +205,16 @@ def save_with_hooks(name: str, options: dict[str, Any], precision: str, model: A
     module = model()
     hooks = SaveHooks()
     before, after = Probe(), Probe()  # around the hooks: what handing the entries out read, what the hooks did
+    left = Left()
     saves = ModelCheckpoint(dirpath=f"{root}/{name}", filename="{step}", every_n_train_steps=STEPS, save_top_k=-1)
-    _trainer(strategy_of(name, options), STEPS, precision, [before, hooks, HalfHook(), after, saves]).fit(module)
+    callbacks = [before, hooks, HalfHook(), after, left, saves]
+    _trainer(strategy_of(name, options), STEPS, precision, callbacks).fit(module)
     path = f"{root}/{name}/step={STEPS}.ckpt"
     return {
         "types": sorted(hooks.types),
         "norms": hooks.norms,
         "saved": saved_model_state(path),
+        "left": left.left,
         "kept": (before.kept, after.kept, after.sizes),
     }
 
