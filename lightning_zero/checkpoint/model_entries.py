@@ -258,7 +258,7 @@ class HookEntries:
         assert self._values is not None, "stage 3"
         self._values.keys[id(param)] = key
         shape, dtype = owned.shape, self._dtypes[id(param)]
-        like = module_state.bucket_of(param).param_shard
+        like = torch.empty(0, device=module_state.bucket_of(param).device)  # the gathered values' device
         if not self._values.rows:  # state_dict_type="full": the full tensor, as DDP's
             whole = LazyEntry(like, shape, dtype, self._values, param, key)
             return _Handed(key, whole, whole._version, whole, param, owned)
