@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero import ZeroConfig
-from lightning_zero.lightning.engine_setup import shard_for_stage3, wrap_optimizers
-from lightning_zero.lightning.precision import ZeroPrecision
+from lightning_zero.engine.model_sharding import shard_for_stage3
+from lightning_zero.engine.optimizer_wrapping import wrap_optimizers
 from lightning_zero.models import GPT, GPTConfig
+from lightning_zero.trainer.precision import ZeroPrecision
 
 
 def _timed(fn: Any) -> float:

@@ -1,7 +1,7 @@
 """What showing the reduced gradients as ``.grad`` around ``on_before_optimizer_step`` costs a step (Note [gradients
-visible to hooks] in ``lightning_zero/lightning/grad_norm.py``): the time of ``VisibleGradients.show`` and ``hide``
-for models of 200 and 2,000 parameter tensors, one process, stage 2, when the module overrides the hook (without an
-override nothing runs). Paid only by runs whose module or callbacks override the hook.
+visible to hooks] in ``lightning_zero/trainer/visible_gradients.py``): the time of ``VisibleGradients.show`` and
+``hide`` for models of 200 and 2,000 parameter tensors, one process, stage 2, when the module overrides the hook
+(without an override nothing runs). Paid only by runs whose module or callbacks override the hook.
 
     .venv/bin/python benchmarks/visible_gradients.py
 """
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroOptimizer
-from lightning_zero.lightning.grad_norm import VisibleGradients
+from lightning_zero.trainer.visible_gradients import VisibleGradients
 
 ROUNDS = 50
 

@@ -14,7 +14,10 @@ imports upwards):
 - ``stage3``: parameters sharded too: unit policy, units, the gatherer, sharded initialization.
 - ``offload``: memory tiers: where shards live between uses (host memory, disk), read ahead and written behind.
 - ``checkpoint``: sharded checkpoint IO.
-- ``lightning``: ``ZeroStrategy``, ``ZeroPrecision``, ``ShardedEMA``, the memory count and report.
+- ``planning``: what a configuration costs before it runs, and ``stage="auto"``'s choice.
+- ``engine``: what both front doors do to a model and its optimizers: sharding, optimizer wrapping, memory tiers,
+  ``ZeroPrecision``, ``grad_norm``, the memory count.
+- ``trainer``: ``ZeroStrategy``, the Trainer's front door; ``ShardedEMA``, the memory report.
 - ``fabric``: ``ZeroFabricStrategy``, the Lightning Fabric front door over the same engine.
 - ``hydra``: structured configs and multirun launch; ``cli``: ``python -m lightning_zero`` commands.
 - ``models``: the example models and data (plain PyTorch / Lightning code).
@@ -27,18 +30,18 @@ from lightning_zero.checkpoint.sharded_checkpoint import CheckpointError, load_f
 from lightning_zero.cli.consolidate import consolidate_checkpoint
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.grad_norm import grad_norm
+from lightning_zero.engine.memory import ModelStateBytes, expected_model_state_bytes, model_state_bytes
 from lightning_zero.fabric.precision import ZeroFabricPrecision
 from lightning_zero.fabric.strategy import ZeroFabricStrategy
-from lightning_zero.lightning.ema import ShardedEMA
-from lightning_zero.lightning.grad_norm import grad_norm
-from lightning_zero.lightning.memory import ModelStateBytes, expected_model_state_bytes, model_state_bytes
-from lightning_zero.lightning.precision import ZeroPrecision
-from lightning_zero.lightning.report import MemoryReport
-from lightning_zero.lightning.strategy import ZeroStrategy
 from lightning_zero.sharding.loss_scaler import DynamicLossScaler
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer, RankDivergenceError
 from lightning_zero.stage3.sharded_init import shard_module
+from lightning_zero.trainer.ema import ShardedEMA
+from lightning_zero.trainer.precision import ZeroPrecision
+from lightning_zero.trainer.report import MemoryReport
+from lightning_zero.trainer.strategy import ZeroStrategy
 
 __all__ = [
     "CheckpointError",

@@ -158,7 +158,7 @@ class ZeroConfig:
     """As DDP's ``broadcast_buffers``: before a forward of the training loop, every rank takes rank 0's buffers
     (BatchNorm running statistics), so the ranks keep one model. Synchronized exactly when DDP does: before a
     training or (during ``fit``) validation step whose previous step was a training step outside gradient
-    accumulation (Note [buffers follow rank 0] in ``lightning/strategy.py``). False: each rank keeps its own."""
+    accumulation (Note [buffers follow rank 0] in ``engine/buffers.py``). False: each rank keeps its own."""
 
     elementwise_optimizers: tuple[str, ...] = ()
     """Optimizer classes, by class name (``"Lion"``) or qualified name, that may be sharded although they are not

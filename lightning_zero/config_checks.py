@@ -2,18 +2,20 @@
 the class-name fields against a model's modules.
 
 Kept apart from ``config.py``, which holds the fields and their documentation; the checks run in
-``ZeroConfig.__post_init__``, so an invalid config never exists.
+``ZeroConfig.__post_init__``, so an invalid config never exists. This file imports nothing of ``config.py`` (which
+imports it): the config it checks is typed ``UncheckedConfig``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from lightning_zero.config import ZeroConfig
+UncheckedConfig = Any
+"""The ``ZeroConfig`` being checked, inside its ``__post_init__``: until these checks pass its fields hold whatever
+the caller gave (keywords, YAML through Hydra), so they are read as anything, and each check states what it expects."""
 
 TIERS = ("none", "cpu", "disk")
 """The values of ``offload_optimizer`` and ``offload_params``."""
@@ -21,7 +23,7 @@ ZEROPP_OFF: dict[str, object] = {"quantize_weights": False, "hpz_partition_size"
 """The ZeRO++ switches and their values when off."""
 
 
-def check_zeropp(config: ZeroConfig) -> None:
+def check_zeropp(config: UncheckedConfig) -> None:
     if config.ranks_per_node is not None:
         check_positive_int("ranks_per_node", config.ranks_per_node)
     check_positive_int("hpz_partition_size", config.hpz_partition_size)
@@ -48,7 +50,7 @@ def check_zeropp(config: ZeroConfig) -> None:
             )
 
 
-def check_auto(config: ZeroConfig) -> None:
+def check_auto(config: UncheckedConfig) -> None:
     if not isinstance(config.auto, bool):
         raise TypeError(f"Invalid ZeroConfig.auto: {config.auto!r}. Expected True or False.")
     for name in ("auto_device_budget", "auto_host_budget"):
@@ -59,7 +61,7 @@ def check_auto(config: ZeroConfig) -> None:
         raise ValueError(f"Invalid ZeroConfig.auto_headroom: {headroom!r}. Expected a fraction, 0 <= f < 1.")
 
 
-def check_offload(config: ZeroConfig) -> None:
+def check_offload(config: UncheckedConfig) -> None:
     for name in ("offload_optimizer", "offload_params"):
         if getattr(config, name) not in TIERS:
             raise ValueError(f"Invalid ZeroConfig.{name}: {getattr(config, name)!r}. Expected 'none', 'cpu' or 'disk'.")
@@ -90,7 +92,7 @@ def check_offload(config: ZeroConfig) -> None:
         )
 
 
-def check_offload_optimizer_state(config: ZeroConfig) -> None:
+def check_offload_optimizer_state(config: UncheckedConfig) -> None:
     state = config.offload_optimizer_state
     if state not in ("with_masters", "disk"):
         raise ValueError(f"Invalid ZeroConfig.offload_optimizer_state: {state!r}. Expected 'with_masters' or 'disk'.")
@@ -116,7 +118,7 @@ def check_offload_optimizer_state(config: ZeroConfig) -> None:
         )
 
 
-def check_offload_overlap(config: ZeroConfig) -> None:
+def check_offload_overlap(config: UncheckedConfig) -> None:
     check_non_negative_int("offload_overlap_warmup", config.offload_overlap_warmup)
     if config.offload_overlap not in ("exact", "delayed"):
         raise ValueError(
@@ -139,7 +141,7 @@ def check_offload_overlap(config: ZeroConfig) -> None:
             )
 
 
-def check_class_names(name: str, config: ZeroConfig, example: str) -> None:
+def check_class_names(name: str, config: UncheckedConfig, example: str) -> None:
     """A field holding None or module class names: lists from YAML are frozen as a tuple."""
     classes: object = getattr(config, name)  # typed loosely: YAML and callers may pass anything
     if classes is None:
@@ -152,7 +154,7 @@ def check_class_names(name: str, config: ZeroConfig, example: str) -> None:
     object.__setattr__(config, name, tuple(names))
 
 
-def check_checkpointing_policy(config: ZeroConfig) -> None:
+def check_checkpointing_policy(config: UncheckedConfig) -> None:
     """Module classes (a class, a set, a list from YAML) are frozen as a tuple; a callable stays as it is."""
     policy: object = config.activation_checkpointing_policy  # typed loosely: YAML and callers may pass anything
     if policy is None or (callable(policy) and not isinstance(policy, type)):
@@ -198,7 +200,7 @@ def check_classes_exist(root: torch.nn.Module, names: tuple[str, ...], field: st
         )
 
 
-def check_async_save(config: ZeroConfig) -> None:
+def check_async_save(config: UncheckedConfig) -> None:
     """``async_save`` holds what each rank writes in host memory while a thread writes it: a full checkpoint is
     assembled on rank 0 instead, and the disk tiers stream their saves."""
     if config.async_save and (config.state_dict_type == "full" or config.offloads_to_disk):

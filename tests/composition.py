@@ -47,7 +47,7 @@ class Refusal:
     error must say."""
 
     options: tuple[tuple[str, Any], ...]  # (factor, value) pairs, all of which a refused case holds
-    why: str  # for the README's table
+    why: str  # for the table of docs/composition.md
     says: tuple[str, ...]  # substrings the error must contain (the options and the fix)
 
     def holds(self, case: Mapping[str, Any]) -> bool:

@@ -161,7 +161,7 @@ def several(cases: list[tuple[Any, ...]]) -> list[list[Run]]:
 def batch_norm_loop(strategy: str | ZeroFabricStrategy) -> tuple[list[float], list[Tensor]]:
     """A BatchNorm model whose ranks see differently scaled data, accumulating over two micro-batches, evaluated
     after every step: the losses, evaluations and final running statistics show whose buffers each forward used
-    (Note [buffers follow rank 0] in ``lightning_zero/lightning/strategy.py``)."""
+    (Note [buffers follow rank 0] in ``lightning_zero/engine/buffers.py``)."""
     fabric = make_fabric(strategy)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))

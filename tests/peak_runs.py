@@ -18,10 +18,10 @@ import torch
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.auto_setup import AUTO_KEY
 from lightning_zero.planning.auto_config import Budget, Decision, candidates, decide
 from lightning_zero.planning.fake_step import release_fake_tensors
 from lightning_zero.planning.module_step import predict_lightning_module
+from lightning_zero.trainer.auto_setup import AUTO_KEY
 from tests import memory_probe
 from tests.peak_models import CHECKPOINTED, MODELS, TINY, GPTModule, LlamaModule
 

@@ -1,6 +1,6 @@
 """Bad input, refused clearly: every case names the problem and the fix, and leaves the files on disk untouched.
 
-This is the one table of user errors (README, "Guarantees under faults"); several cases are also tested in depth
+This is the one table of user errors (docs/faults.md, "Bad input"); several cases are also tested in depth
 where they are implemented. Each row: what the user did, the error type, text naming the problem, text naming the
 fix. Cases on a checkpoint damage a saved one first, then check that loading it changes no file.
 """
@@ -19,10 +19,10 @@ from torch import nn
 
 from lightning_zero import RankDivergenceError, ZeroConfig, ZeroOptimizer, ZeroStrategy
 from lightning_zero.checkpoint.files import DCP_METADATA_FILE, LIGHTNING_STATE_FILE, CheckpointError
-from lightning_zero.lightning.precision import to_zero_precision
 from lightning_zero.sharding.param_groups import trainable_named_groups
 from lightning_zero.stage3.sharded_init import _default_init
 from lightning_zero.stage3.wrap_policy import find_unit_roots
+from lightning_zero.trainer.precision import to_zero_precision
 from tests.harness import run_distributed
 from tests.test_checkpoint_files import Payload, _load, _mlp, _save
 from tests.test_stage3 import _diverge_after_prefetching_started

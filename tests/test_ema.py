@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ShardedEMA, ZeroStrategy
 from lightning_zero.cli import consolidate
-from lightning_zero.lightning import ema
+from lightning_zero.trainer import ema
 from tests.harness import run_distributed
 from tests.test_checkpoint_trainer import BATCH, TinyGPT, weights
 

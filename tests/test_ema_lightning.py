@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import EMAWeightAveraging
 
 from lightning_zero import ShardedEMA, ZeroStrategy
 from lightning_zero.cli import consolidate
-from lightning_zero.lightning.strategy_checkpoint import refuse_weight_averaging_at_stage_3
+from lightning_zero.trainer.strategy_checkpoint import refuse_weight_averaging_at_stage_3
 from tests.harness import run_distributed
 from tests.test_ema import DECAY, SAVE_AT, AtStep, _close, _fit, trainer_weights
 

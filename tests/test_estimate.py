@@ -21,7 +21,7 @@ from lightning_zero.cli.estimate import (
     paper_estimates,
 )
 from lightning_zero.cli.estimate_tables import GATHER_PERSISTENT
-from lightning_zero.lightning.memory import ModelStateBytes, model_state_bytes
+from lightning_zero.engine.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.models import GPTConfig
 from lightning_zero.models.gpt import GPT
 from lightning_zero.models.param_groups import param_groups_with_weight_decay
@@ -278,7 +278,7 @@ def test_plot_needs_matplotlib_or_writes_a_png(tmp_path, capsys):
 
 
 def test_model_state_by_tier_moves_what_each_tier_holds():
-    from lightning_zero.lightning.memory import ModelStateBytes, model_state_by_tier
+    from lightning_zero.engine.memory import ModelStateBytes, model_state_by_tier
 
     state = ModelStateBytes(parameters=100, gradients=100, master_weights=200, optimizer_state=400)
     assert model_state_by_tier(state, 3, "disk", "disk") == (0, 0, 800)

@@ -40,7 +40,7 @@ from tests.test_teardown import TrackedModule, _sharded_state
 pytestmark = pytest.mark.gpu
 RTOL, ATOL = 1e-4, 1e-5  # NCCL's ring sums in another order than gloo's; both runs share every other kernel
 TOLERANCES = {"32-true": (RTOL, ATOL), "bf16-mixed": (2e-2, 2e-2)}  # bf16: as tests/test_mixed_precision.py
-RANKS_TIMEOUT = 120  # seconds for one test's ranks: a hang must not eat the other tests' share of a GPU session
+RANKS_TIMEOUT = 120  # seconds for one test's ranks: a hang must not eat the other tests' share of a GPU run
 TEST_TIMEOUT = 180
 WORLDS = [pytest.param(n, marks=pytest.mark.gpus(n), id=f"{n}gpu") for n in (1, 2)]
 """One NCCL rank per GPU: a test parametrized by these runs on one GPU and, where there are two, on two."""

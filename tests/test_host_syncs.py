@@ -1,15 +1,18 @@
-"""Host-device synchronizations in the steady-state step (counted with ``tests/host_syncs.py``): exactly one per step
-at every stage (stage 3 with the divergence check off, its default on GPUs). That one is the decision of which
-parameters got a gradient on some rank (Note [unused parameters]): as under DDP, a parameter without one is left out
-of the step, and torch's optimizers skip a parameter by looking at ``p.grad is None`` on the host."""
+"""Host-device synchronizations in the steady-state step (counted with ``tests/host_syncs.py``): none at any stage in
+fp32 (stage 3 with the divergence check off, its default on GPUs). Which parameters got a gradient on some rank is
+decided without reading the exchanged flags when every parameter got one on this rank (Note [unused parameters]);
+a rank that saw a parameter without one reads them once per step, and so does fp16's overflow check. Separate fp32
+masters add the edit check's read (Note [edits reach the masters])."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroOptimizer, shard_module
+from lightning_zero.sharding.loss_scaler import DynamicLossScaler
 from tests.harness import run_distributed
 from tests.host_syncs import count_host_syncs
 from tests.parity import batch, build_model, build_optimizer, loss_fn
@@ -65,9 +68,9 @@ def _only_the_used_flags(where: list[str], steps: int) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_stages_1_and_2_step_with_one_host_sync(stage, accumulate):
+def test_stages_1_and_2_step_without_host_syncs(stage, accumulate):
     for where in run_distributed(_steady_state_syncs, 2, stage, accumulate):
-        _only_the_used_flags(where, steps=2)
+        assert where == []
 
 
 def _stage3_steady_state_syncs(check: bool | None) -> list[str]:
@@ -90,11 +93,11 @@ def _stage3_steady_state_syncs(check: bool | None) -> list[str]:
 
 
 @pytest.mark.timeout(120)
-def test_stage3_steps_with_one_host_sync_when_the_divergence_check_is_off():
+def test_stage3_steps_without_host_syncs_when_the_divergence_check_is_off():
     # Off is what ZeroConfig(check_rank_divergence=None) resolves to on a GPU.
     assert ZeroConfig(stage=3).checks_rank_divergence_on(torch.device("cuda", 0)) is False
     for where in run_distributed(_stage3_steady_state_syncs, 2, False):
-        _only_the_used_flags(where, steps=2)
+        assert where == []
 
 
 @pytest.mark.timeout(120)
@@ -103,4 +106,68 @@ def test_stage3_divergence_check_reads_one_exchange_per_gather():
     for where in run_distributed(_stage3_steady_state_syncs, 2, True):
         checks = [w for w in where if "parameter_gatherer.py" in w]
         assert checks, "the check must read the exchanged unit indices"
-        _only_the_used_flags([w for w in where if w not in checks], steps=2)
+        assert [w for w in where if w not in checks] == []
+
+
+class _Branches(nn.Module):
+    """Rank 1 never calls ``unused_on_rank_1``; rank 0 calls both branches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.always = nn.Linear(4, 4)
+        self.unused_on_rank_1 = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.always(x)
+        return y + self.unused_on_rank_1(x) if dist.get_rank() == 0 else y
+
+
+def _syncs_per_rank(stage: int, precision: str) -> dict[str, object]:
+    torch.manual_seed(0)
+    dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision, torch.float32)
+    model = _Branches().to(dtype)
+    config = ZeroConfig(stage=stage, bucket_numel=20, check_rank_divergence=False)  # as on a GPU
+    gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu")) if stage == 3 else None
+    scaler = DynamicLossScaler(scale=2.0**4) if dtype == torch.float16 else None
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = ZeroOptimizer(
+        model, inner, dist.group.WORLD, config, gatherer, fp32_masters=dtype != torch.float32, loss_scaler=scaler
+    )
+
+    def step() -> None:
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(dist.get_rank())).to(dtype)
+        (model(x).float().square().mean() * (scaler.scale if scaler is not None else 1.0)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    before = [m.detach().clone() for m in optimizer.masters]
+    with count_host_syncs() as syncs:
+        for _ in range(2):
+            step()
+    return {
+        "where": syncs.where,
+        "moved": [not torch.equal(b, m) for b, m in zip(before, optimizer.masters, strict=True)],
+    }
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("stage", "precision"), [(1, "32-true"), (3, "32-true"), (2, "bf16-mixed")])
+def test_only_a_rank_missing_a_gradient_reads_the_flags(stage, precision):
+    # Rank 0 had every gradient: each parameter was used on some rank, nothing to read. Rank 1 lacks the branch it
+    # skipped: it reads the summed flags (once per step) to learn that rank 0 used it, and steps it as DDP would.
+    # In bf16-mixed the edit check of the separate masters reads its flags once per step on both (Note [edits reach
+    # the masters]).
+    rank0, rank1 = run_distributed(_syncs_per_rank, 2, stage, precision)
+    edit_checks = 2 if precision == "bf16-mixed" else 0
+    assert len(rank0["where"]) == edit_checks, rank0["where"]
+    assert len(rank1["where"]) == 2 + edit_checks, rank1["where"]
+    for run in (rank0, rank1):
+        assert run["moved"], "this rank steps no shard"
+        assert all(run["moved"]), run["moved"]  # every parameter stepped, as under DDP
+
+
+@pytest.mark.timeout(120)
+def test_fp16_reads_the_overflow_check_and_the_edit_check_once_per_step():
+    for run in run_distributed(_syncs_per_rank, 2, 2, "16-mixed"):
+        assert len(run["where"]) == 2 * 2, run["where"]  # the overflow flag (with the used flags), the edit flags

@@ -1,5 +1,6 @@
-"""The package layout: public names and Hydra targets resolve, no subpackage imports upwards, the README's
-architecture table lists exactly the files that exist, and every named note that is referenced exists."""
+"""The package layout: public names and Hydra targets resolve, no subpackage imports upwards, the architecture
+page (``docs/architecture.md``) pictures the layers as the subpackages declare them and its table lists exactly the
+files that exist, and every named note that is referenced exists."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import lightning_zero
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lightning_zero"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 SUBPACKAGES = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
 
 
@@ -81,12 +83,106 @@ def test_no_subpackage_imports_upwards(subpackage):
         assert not bad, f"{path.relative_to(ROOT)} imports lightning_zero.{sorted(bad)}; allowed: {sorted(allowed)}"
 
 
-# config.py and config_checks.py import each other (the checks import ZeroConfig for its type only).
+# config.py runs its checks (config_checks.py), which import nothing of the package.
 @pytest.mark.parametrize(
-    ("module", "allowed"), [("config.py", {"config_checks"}), ("compat.py", set()), ("config_checks.py", {"config"})]
+    ("module", "allowed"), [("config.py", {"config_checks"}), ("compat.py", set()), ("config_checks.py", set())]
 )
 def test_config_and_compat_import_nothing_of_the_package(module, allowed):
     assert _imported_parts(PACKAGE / module) <= allowed
+
+
+@pytest.mark.parametrize("subpackage", SUBPACKAGES)
+def test_every_subpackage_says_what_it_owns(subpackage):
+    doc = ast.get_docstring(ast.parse((PACKAGE / subpackage / "__init__.py").read_text())) or ""
+    named = set(re.findall(r"``(\w+)``", doc))
+    files = {p.stem for p in (PACKAGE / subpackage).glob("*.py") if p.stem != "__init__"}
+    assert not files - named, f"lightning_zero/{subpackage}/__init__.py does not say what {sorted(files - named)} own"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each module of the package -> the modules of the package it imports. Every import counts, wherever it is: at
+    the top, inside a function, or under ``TYPE_CHECKING`` (a type-only import still means that one file cannot be
+    read without the other, and becomes a runtime circle the day the annotation is evaluated)."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package of this module, level - 1 packages up
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, *([base] if base else [])])
+                # `from lightning_zero.x import y` imports the module y when it is one, else a name of x
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:  # `import lightning_zero.x.y` as a name of a module
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A circle of imports (its modules in order, the first repeated at the end), or None."""
+    done: set[str] = set()
+    for start in sorted(graph):
+        path: list[str] = []
+        on_path: set[str] = set()
+        stack = [(start, iter(sorted(graph[start])))]
+        if start in done:
+            continue
+        path.append(start)
+        on_path.add(start)
+        while stack:
+            node, edges = stack[-1]
+            following = next(edges, None)
+            if following is None:
+                stack.pop()
+                path.pop()
+                on_path.discard(node)
+                done.add(node)
+            elif following in on_path:
+                return [*path[path.index(following) :], following]
+            elif following not in done:
+                stack.append((following, iter(sorted(graph[following]))))
+                path.append(following)
+                on_path.add(following)
+    return None
+
+
+def test_no_module_imports_in_a_circle():
+    graph = _module_graph()
+    assert len(graph) > 100, "the package's modules were not found"
+    assert "lightning_zero.engine.model_sharding" in graph["lightning_zero.trainer.strategy"], "imports not read"
+    cycle = _find_cycle(graph)
+    assert cycle is None, f"modules importing each other in a circle: {' -> '.join(cycle)}"
+
+
+def test_the_cycle_finder_finds_circles():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a", "c"}}) is None
+
+
+def test_the_front_doors_never_import_each_other():
+    graph = _module_graph()
+    for door, other in (("trainer", "fabric"), ("fabric", "trainer")):
+        assert other not in _allowed_imports(door), f"lightning_zero/{door}/ may import lightning_zero/{other}/"
+        for module, imported in graph.items():
+            if module.startswith(f"lightning_zero.{door}"):
+                sideways = sorted(m for m in imported if m.startswith(f"lightning_zero.{other}"))
+                assert not sideways, f"{module} imports {sideways}: the front doors stand side by side on the engine"
 
 
 def test_the_layers_have_no_cycle():
@@ -101,9 +197,8 @@ def test_the_layers_have_no_cycle():
             del graph[sub]
 
 
-def _readme_paths() -> set[str]:
-    text = (ROOT / "README.md").read_text()
-    table = text.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+def _architecture_paths() -> set[str]:
+    table = ARCHITECTURE.read_text().split("## Which file owns what", 1)[1].split("\n## ", 1)[0]
     paths: set[str] = set()
     for row in table.splitlines():
         if not row.startswith("| `lightning_zero/"):
@@ -117,22 +212,37 @@ def _readme_paths() -> set[str]:
     return paths
 
 
-def test_readme_architecture_table_lists_exactly_what_exists():
+def test_architecture_table_lists_exactly_what_exists():
     existing = {f"lightning_zero/{sub}/" for sub in SUBPACKAGES}
     for path in PACKAGE.rglob("*.py"):
         relative = path.relative_to(ROOT).as_posix()
         if path.name == "__init__.py" and path.parent != PACKAGE:
             continue  # a subpackage's row stands for its __init__
         existing.add(relative)
-    listed = _readme_paths()
-    assert not existing - listed, f"missing from the README's architecture table: {sorted(existing - listed)}"
-    assert not listed - existing, f"listed in the README's architecture table but absent: {sorted(listed - existing)}"
+    listed = _architecture_paths()
+    page = ARCHITECTURE.relative_to(ROOT)
+    assert not existing - listed, f"missing from the table of {page}: {sorted(existing - listed)}"
+    assert not listed - existing, f"listed in the table of {page} but absent: {sorted(listed - existing)}"
+
+
+def test_architecture_picture_puts_every_subpackage_above_what_it_may_import():
+    picture = ARCHITECTURE.read_text().split("```text\n", 1)[1].split("```", 1)[0]
+    line_of: dict[str, int] = {}
+    for number, line in enumerate(picture.splitlines()):
+        for name in re.findall(r"(?:^|\s{2,})(\w+)/\s", line):  # a layer, not a word of a description
+            assert name not in line_of, f"{name}/ drawn twice in the picture of {ARCHITECTURE.name}"
+            line_of[name] = number
+    assert sorted(line_of) == SUBPACKAGES, f"the picture draws {sorted(line_of)}, the package has {SUBPACKAGES}"
+    for sub in SUBPACKAGES:
+        above = sorted(dep for dep in _allowed_imports(sub) - {sub, "config", "compat"} if line_of[dep] <= line_of[sub])
+        assert not above, f"{sub}/ may import {above}, which the picture draws beside or above it"
 
 
 def test_every_referenced_note_exists():
     sources = [
         *PACKAGE.rglob("*.py"),
         ROOT / "README.md",
+        *(ROOT / "docs").rglob("*.md"),
         *(ROOT / "benchmarks").glob("*.py"),
         ROOT / "benchmarks/README.md",
     ]

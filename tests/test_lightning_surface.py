@@ -1,7 +1,8 @@
 """The surface users know from Lightning's sharded strategies: every argument and method that ``FSDPStrategy``,
 ``DeepSpeedStrategy`` and ``ModelParallelStrategy`` add to (or override in) Lightning's ``ParallelStrategy`` is either
-on ``ZeroStrategy`` too or named, with the reason, in the README's table "Compared with Lightning's sharded
-strategies"; and the table names nothing those classes do not have, so it cannot rot either way."""
+on ``ZeroStrategy`` too or named, with the reason, in the table "Compared with Lightning's sharded strategies" of
+``docs/lightning-strategies.md``; and the table names nothing those classes do not have, so it cannot rot either
+way."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 
 from lightning_zero import ZeroConfig, ZeroStrategy
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "lightning-strategies.md"
 SHARDED = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
 
 
@@ -34,8 +35,8 @@ def _added_members(cls: type) -> set[str]:
     return names
 
 
-def _readme_table() -> set[str]:
-    text = README.read_text()
+def _page_table() -> set[str]:
+    text = PAGE.read_text()
     section = text.split("## Compared with Lightning's sharded strategies", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     return {name for row in rows for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", row.split("|")[1])}
@@ -47,21 +48,21 @@ ZERO_MEMBERS = _added_members(ZeroStrategy)
 
 @pytest.mark.parametrize("cls", SHARDED, ids=lambda cls: cls.__name__)
 def test_every_argument_of_lightnings_sharded_strategies_is_taken_or_explained(cls):
-    unexplained = sorted(_arguments(cls) - ZERO_ARGUMENTS - _readme_table())
-    assert not unexplained, f"{cls.__name__} arguments neither on ZeroStrategy nor in the README table: {unexplained}"
+    unexplained = sorted(_arguments(cls) - ZERO_ARGUMENTS - _page_table())
+    assert not unexplained, f"{cls.__name__} arguments neither on ZeroStrategy nor in {PAGE.name}: {unexplained}"
 
 
 @pytest.mark.parametrize("cls", SHARDED, ids=lambda cls: cls.__name__)
 def test_every_method_of_lightnings_sharded_strategies_is_implemented_or_explained(cls):
-    unexplained = sorted(_added_members(cls) - ZERO_MEMBERS - _readme_table())
-    assert not unexplained, f"{cls.__name__} methods neither on ZeroStrategy nor in the README table: {unexplained}"
+    unexplained = sorted(_added_members(cls) - ZERO_MEMBERS - _page_table())
+    assert not unexplained, f"{cls.__name__} methods neither on ZeroStrategy nor in {PAGE.name}: {unexplained}"
 
 
-def test_the_readme_table_names_only_what_lightnings_sharded_strategies_have():
+def test_the_table_names_only_what_lightnings_sharded_strategies_have():
     surface = set().union(*(_arguments(cls) | _added_members(cls) for cls in SHARDED))
-    table = _readme_table()
+    table = _page_table()
     assert len(table) > 40
-    assert not table - surface, f"README table rows for names no Lightning sharded strategy has: {table - surface}"
+    assert not table - surface, f"{PAGE.name} rows for names no Lightning sharded strategy has: {table - surface}"
 
 
 @pytest.mark.parametrize(("stage", "params"), [(2, "none"), (3, "cpu")])

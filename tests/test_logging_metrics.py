@@ -10,8 +10,8 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_zero import MemoryReport, ZeroStrategy
-from lightning_zero.lightning.report import COLLECTIVES
 from lightning_zero.models import GPTConfig, LitGPT, SyntheticTextDataModule
+from lightning_zero.trainer.report import COLLECTIVES
 from tests.harness import run_distributed
 
 TINY = GPTConfig.tiny()

@@ -1,6 +1,6 @@
 """Mixed precision under every stage: models DDP trains in "bf16-mixed"/"16-mixed" (fp32 buffers added before a
 LayerNorm, on torch's TransformerEncoder and on a Hugging Face model), edits of the parameters reaching the fp32
-masters, and one loss scale per optimizer (Note [mixed precision runs any model] in ``lightning/precision.py``)."""
+masters, and one loss scale per optimizer (Note [mixed precision runs any model] in ``engine/precision.py``)."""
 
 from __future__ import annotations
 

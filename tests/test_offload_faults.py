@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_zero import ZeroConfig
-from lightning_zero.lightning.offload_setup import build_memory_tiers
+from lightning_zero.engine.tier_setup import build_memory_tiers
 from lightning_zero.offload.directory import (
     OffloadDirectory,
     OffloadDirectoryError,

@@ -21,7 +21,7 @@ from lightning_zero import (
     ZeroStrategy,
     expected_model_state_bytes,
 )
-from lightning_zero.lightning.precision import to_zero_precision
+from lightning_zero.trainer.precision import to_zero_precision
 from tests.harness import run_distributed
 from tests.parity import batch, build_model
 from tests.test_lightning_features import (

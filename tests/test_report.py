@@ -9,10 +9,10 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.lightning.memory import ModelStateBytes
-from lightning_zero.lightning.report import FitReport, MemoryReport, RankReport, format_report
-from lightning_zero.lightning.report_plot import memory_by_stage
+from lightning_zero.engine.memory import ModelStateBytes
 from lightning_zero.models import GPTConfig, LitGPT, SyntheticTextDataModule
+from lightning_zero.trainer.report import FitReport, MemoryReport, RankReport, format_report
+from lightning_zero.trainer.report_plot import memory_by_stage
 from tests.harness import run_distributed
 
 TINY = GPTConfig.tiny()

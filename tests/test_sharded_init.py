@@ -288,7 +288,7 @@ def test_sharding_moves_what_is_materialized_to_the_device_and_keeps_the_paramet
 
 def _shard_a_model_built_on_the_cpu(layers: int) -> tuple[int, int, int]:
     """(peak bytes allocated while sharding onto another device, the model's bytes, its largest unit's bytes)."""
-    from lightning_zero.lightning.engine_setup import shard_for_stage3
+    from lightning_zero.engine.model_sharding import shard_for_stage3
     from lightning_zero.models.gpt import GPT, GPTConfig
     from tests.memory_probe import NewStorageBytes
 

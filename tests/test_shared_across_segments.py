@@ -3,7 +3,7 @@ every stage, and every bucket reduced exactly once per step.
 
 Under reentrant checkpointing each segment's recomputation runs a backward of its own, so the post-accumulate-grad
 hook of a parameter used in k segments fires k times in one backward (Note [final gradients] in
-``lightning_zero/sharding/gradient_reducer.py``). DDP refuses that case (a parameter marked ready twice), so the
+``lightning_zero/sharding/gradient_arrivals.py``). DDP refuses that case (a parameter marked ready twice), so the
 reference is DDP on the same model without checkpointing: the same mathematics.
 """
 

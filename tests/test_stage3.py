@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero import RankDivergenceError, ZeroConfig, ZeroOptimizer, expected_model_state_bytes, shard_module
-from lightning_zero.lightning.memory import model_state_bytes
+from lightning_zero.engine.memory import model_state_bytes
 from lightning_zero.models.gpt import GPT, GPTConfig
 from lightning_zero.stage3.sharded_unit import UnitState
 from tests.harness import run_distributed

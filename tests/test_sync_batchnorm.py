@@ -181,7 +181,7 @@ def _fit(strategy: str, sync_batchnorm: bool, steps: int = 4, build_in: str = "i
 def _runs() -> dict[str, dict[str, Any]]:
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_zero.lightning import strategy_processes
+    from lightning_zero.trainer import strategy_processes
 
     # Both strategies' refusal of SyncBatchNorm on the CPU, lifted now that it has CPU kernels.
     ddp_refusal = DistributedDataParallel._passing_sync_batchnorm_handle

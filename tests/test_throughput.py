@@ -14,10 +14,10 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_zero import MemoryReport, ZeroStrategy
+from lightning_zero.engine.throughput import batch_sizes
 from lightning_zero.fabric.strategy import ZeroFabricStrategy
-from lightning_zero.lightning.report import format_report
-from lightning_zero.lightning.throughput import batch_sizes
 from lightning_zero.models import GPT, GPTConfig, LitGPT, SyntheticTextDataModule
+from lightning_zero.trainer.report import format_report
 from tests.harness import run_distributed
 
 TINY = GPTConfig.tiny()

@@ -28,7 +28,7 @@ for path in (str(ROOT), str(ROOT / "benchmarks")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from gpu_check import full_save, gpt, offload_speed, sections  # noqa: E402  (after the path set-up above)
+from gpu_check import full_save, gpt, offload_speed, sections, throughput  # noqa: E402  (after the path set-up above)
 from gpu_check.common import Config, Ledger, brief  # noqa: E402
 
 Section = Callable[[Config], dict[str, Any]]
@@ -42,8 +42,9 @@ SECTIONS: list[tuple[str, Section, float, float]] = [
     ("full_save_nccl", full_save.full_save_nccl, 20, 15),
     ("offload_largest_model", gpt.offload_largest, 160, 25),
     ("offload_speed", offload_speed.offload_speed, 150, 25),
+    ("gpt_throughput", throughput.gpt_throughput, 300, 40),  # alone: --only gpt_throughput
 ]
-TOTAL_BUDGET = {"gpu": 480.0, "dry": 55.0}
+TOTAL_BUDGET = {"gpu": 480.0, "dry": 95.0}
 
 
 def parse(argv: list[str]) -> tuple[Config, float, float, list[str]]:

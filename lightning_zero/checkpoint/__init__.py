@@ -4,6 +4,8 @@
 - ``slices``: which flat range of each parameter (and its optimizer state) this rank owns; the load plan.
 - ``format``: the on-disk layout over ``torch.distributed.checkpoint`` (flat chunks, the table of contents).
 - ``files``: safe reading (no code runs on load), integrity checks and the atomic commit.
+- ``local_commit``: the atomic commit of a directory on a local filesystem (with or without ``RENAME_EXCHANGE``),
+  and its recovery.
 - ``storage``: local paths and fsspec URLs (``s3://``, ``gs://``, ``memory://``); the commit on an object store.
 - ``full``: DDP / full checkpoints and plain state dicts as input.
 - ``frozen``: ``exclude_frozen_parameters``: adapter-sized checkpoints, the frozen base restored from its source.

@@ -2,7 +2,7 @@
 
 ``Location`` is one file or directory on one filesystem; ``locate`` turns what a user passes (a path, a
 ``file://`` URL or a remote URL) into one. Local paths keep the local commit (a rename, Note [atomic commit] in
-``files.py``); remote ones commit as Note [commit on an object store] says.
+``local_commit.py``); remote ones commit as Note [commit on an object store] says.
 
 Note [commit on an object store]
 An object store has no directories and no atomic rename (S3's and GCS's "rename" copies, then deletes, object by

@@ -9,7 +9,7 @@ tensor, as ``state_dict()`` has them) plus Lightning's fields (epoch, global ste
 ``MyModule.load_from_checkpoint(OUT_FILE)`` and ``nn.Module.load_state_dict(torch.load(OUT_FILE)["state_dict"])``
 both work. Optimizer and LR-scheduler state are left out, as in Lightning's ``save_weights_only`` checkpoints.
 ``--weights ema`` exports the moving average ``ShardedEMA`` kept (saved as optimizer state: Note [EMA as optimizer
-state] in ``lightning/ema.py``) in place of the trained weights, for every parameter that has one; frozen parameters
+state] in ``trainer/ema.py``) in place of the trained weights, for every parameter that has one; frozen parameters
 and buffers, which are not averaged, are exported as they are.
 
 Tensors are read one at a time, each from every saved chunk of it (fp32 masters where the run kept them), so peak
@@ -44,7 +44,7 @@ from lightning_zero.compat import dcp_load
 # Lightning state that only makes sense next to the optimizer tensors this file leaves out, and WeightAveraging's
 # averaged-model counters, which belong with the averaged copy that is either exported or left out.
 _DROPPED = ("optimizer_states", "lr_schedulers", "averaging_state")
-# The optimizer state entry ShardedEMA keeps its average in (lightning_zero.lightning.ema.EMA_KEY; cli may not import
+# The optimizer state entry ShardedEMA keeps its average in (lightning_zero.trainer.ema.EMA_KEY; cli may not import
 # lightning, so the name is repeated here and a test checks they agree).
 EMA_STATE = "ema"
 

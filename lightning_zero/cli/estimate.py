@@ -2,6 +2,7 @@
 
     python -m lightning_zero estimate --params 7.5e9 --gpus 64    # the ZeRO paper's formula
     python -m lightning_zero estimate --model gpt7b --gpus 1024   # the strategy's own layout of a conf/model/ GPT
+    python -m lightning_zero estimate --model gpt7b --gpus 64 --plot memory.png --plot-gpus 8 64 1024  # a picture
 
 The first applies the ZeRO paper's formula (Ψ parameters, N ranks, K bytes of optimizer state per parameter): with
 ``--params 7.5e9 --gpus 64`` it prints the paper's example, 120.0, 31.4, 16.6 and 1.9 GB for DDP and stages 1-3.
@@ -187,7 +188,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="ZeroConfig.activation_checkpointing_policy: the layer classes that recompute their activations",
     )
-    parser.add_argument("--plot", type=Path, default=None, help="also write a PNG bar chart (needs matplotlib)")
+    plot_help = "also write a PNG of each stage's model state per rank by memory tier: none, host, disk (matplotlib)"
+    parser.add_argument("--plot", type=Path, default=None, metavar="FILE", help=plot_help)
+    parser.add_argument("--plot-gpus", type=_parse_count, nargs="+", metavar="N", help="--plot: a panel per N (--gpus)")
     return parser
 
 
@@ -263,9 +266,27 @@ def main(argv: list[str]) -> int:
         print("\n" + textwrap.fill(peak_intro(peaks, args.precision), width=WIDTH), end="\n\n")
         print(format_peaks(peaks))
     if args.plot is not None:
-        from lightning_zero.lightning.report_plot import plot_memory_by_stage
+        from lightning_zero.cli.estimate_plot import plot_memory_by_tier
 
-        bars = {("DDP" if e.stage == 0 else f"ZeRO-{e.stage}"): e.state for e in estimates}
-        plot_memory_by_stage(bars, args.plot, f"{title} on {n:,} ranks, {args.precision}, K = {precisions.k}")
+        layout = config if exact else None
+        worlds = args.plot_gpus or [n]
+        panels = {w: estimates if w == n else _estimates_at(args, extra, w, precisions, layout) for w in worlds}
+        what = f"Model state per rank by stage and memory tier: {args.model or title}, {args.precision}"
+        plot_memory_by_tier(panels, args.plot, f"{what}, K = {precisions.k}", args.offload_ratio)
         print(f"\nchart written to {args.plot}")
     return 0
+
+
+def _estimates_at(
+    args: argparse.Namespace, extra: list[str], world: int, precisions: Precisions, config: ZeroConfig | None
+) -> list[StageEstimate]:
+    """Every stage at another world size, for ``--plot-gpus`` (a layout uses its meta model up: a fresh one)."""
+    if config is None:
+        return paper_estimates(args.params, world, precisions)
+    if is_class_path(args.model):
+        module = instantiate(args.model, init_args(extra, "model"))
+    else:
+        module = load_model(args.model, args.config_dir)
+    with torch.device("meta"):
+        module.configure_model()
+    return layout_estimates(module, first_optimizer(module.configure_optimizers()), world, precisions, config)

@@ -25,11 +25,11 @@ from torch import Tensor
 
 from lightning_zero.compat import tree_map_only
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.models.lightning_gpt import LitGPT
 from lightning_zero.planning.auto_config import candidates, decide, format_decision, local_budget
 from lightning_zero.planning.module_step import predict_lightning_module
 from lightning_zero.planning.peak import PeakPrediction
+from lightning_zero.trainer.precision import ZeroPrecision
 
 TRAINING_PRECISION: dict[str, Literal["32-true", "bf16-mixed", "16-mixed"]] = {
     "fp32": "32-true",

@@ -102,8 +102,14 @@ class Send:
     """Bytes of that tensor that leave this rank with the op's bandwidth-optimal algorithm: a reduce-scatter or an
     all-to-all sends the (N-1)/N of its input that other ranks own, an all-gather its input to N-1 ranks, the root
     of a broadcast its tensor to N-1 ranks (the others none), an all-reduce twice the (N-1)/N of its tensor."""
-    destinations: tuple[int, ...] = ()
-    """The global ranks ``wire_bytes`` go to, in equal parts (Note [bytes by link] in ``ledger.py``)."""
+    group: ProcessGroup | None = field(default=None, compare=False, repr=False)
+    """A collective's: ``wire_bytes`` go to every other rank of this group, in equal parts (Note [bytes by link] in
+    ``ledger.py``, which splits them once per group, not per call). Not pickled: a group lives in its process."""
+    peer: int | None = None
+    """A point-to-point send's: the global rank ``wire_bytes`` go to."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Send, (self.op, self.numel, self.dtype, self.wire_bytes, None, self.peer)
 
 
 @dataclass
@@ -212,15 +218,10 @@ def _nbytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def peers(group: ProcessGroup) -> tuple[int, ...]:
-    """The global ranks of ``group`` other than this one: where a collective over it sends."""
-    me = dist.get_rank()
-    return tuple(r for r in dist.get_process_group_ranks(group) if r != me)
-
-
 def make_send(function: Callable[..., Any], tensor: Tensor, wire_bytes: int, group: ProcessGroup) -> Send:
-    """The ``Send`` of one call of ``function`` handed ``tensor``, sending ``wire_bytes`` to the rest of ``group``."""
-    return Send(function.__name__, tensor.numel(), tensor.dtype, wire_bytes, peers(group) if wire_bytes else ())
+    """The ``Send`` of one call of ``function`` handed ``tensor``, sending ``wire_bytes`` to the rest of ``group``.
+    O(1) in the group's size: where the bytes go is resolved by the ledger, once per group."""
+    return Send(function.__name__, tensor.numel(), tensor.dtype, wire_bytes, group if wire_bytes else None)
 
 
 def reduce_scatter(
@@ -391,7 +392,7 @@ def _exchange(
             for work in posted:
                 assert work is not None, "this rank is a member of the group"
                 works.append(work)
-            records += [Send("isend", t.numel(), t.dtype, _nbytes(t), (other,)) for t in sends]
+            records += [Send("isend", t.numel(), t.dtype, _nbytes(t), peer=other) for t in sends]
     held = buffers + (() if scratch is None else (scratch,))
     return PendingCollective(kind, tuple(works), held, tuple(records), finish, stream)
 

@@ -12,7 +12,7 @@
   (``state_dict_type="full"``); ``checkpoint_layout``: where each object of a state goes, what each load takes.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,
-lightning_zero.offload, lightning_zero.checkpoint, lightning_zero.planning, and from lightning_zero.lightning what
-both front doors share (``engine_setup``, ``offload_setup``, ``precision``, ``throughput``, the strategy presets and
-the checkpoint helpers).
+lightning_zero.offload, lightning_zero.checkpoint, lightning_zero.planning, lightning_zero.engine
+
+What the Trainer's front door does too is in the engine, below both; the two doors never import each other.
 """

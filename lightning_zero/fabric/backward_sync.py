@@ -5,23 +5,21 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.nn import Module
 from typing_extensions import override
 
 from lightning_zero.compat import FabricBackwardSyncControl
-
-if TYPE_CHECKING:
-    from lightning_zero.fabric.models import SetUpModel
-    from lightning_zero.fabric.strategy import ZeroFabricStrategy
+from lightning_zero.fabric.models import SetUpModel, SetUpModels
 
 
 class ZeroBackwardSyncControl(FabricBackwardSyncControl):
     """``fabric.no_backward_sync(model)``: the model's reducers accumulate locally inside."""
 
-    def __init__(self, strategy: ZeroFabricStrategy) -> None:
-        self._strategy = strategy
+    def __init__(self, models: SetUpModels) -> None:
+        self._models = models
+        """The strategy's set-up models (Note [several models in one Fabric] in ``models.py``)."""
 
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager[Any]:
@@ -29,7 +27,7 @@ class ZeroBackwardSyncControl(FabricBackwardSyncControl):
         outside reduces them all (as DDP's ``no_sync``)."""
         if not enabled:
             return nullcontext()
-        model = self._strategy.models.of(module)
+        model = self._models.of(module)
         if model is None:
             raise TypeError(
                 f"`no_backward_sync` got a {type(module).__name__} that ZeroFabricStrategy did not set up. HINT: pass "
@@ -44,8 +42,5 @@ class ZeroBackwardSyncControl(FabricBackwardSyncControl):
         with ExitStack() as stack:
             for reducer in model.reducers():
                 stack.enter_context(reducer.no_sync())
-            model.accumulating = True  # Note [buffers follow rank 0]
-            try:
-                yield
-            finally:
-                model.accumulating = False
+            stack.enter_context(model.buffers.no_sync())  # Note [buffers follow rank 0]
+            yield

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from os import PathLike
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import torch.distributed as dist
 from torch.nn import Module
 
 from lightning_zero.checkpoint.files import CheckpointError, load_lightning_state
@@ -46,6 +47,7 @@ from lightning_zero.checkpoint.sharded_checkpoint import (
 )
 from lightning_zero.checkpoint.storage import Location, locate
 from lightning_zero.compat import validate_keys_for_strict_loading
+from lightning_zero.config import ZeroConfig
 from lightning_zero.fabric.checkpoint_layout import (
     FABRIC_NAMES,
     FORMAT_KEYS,
@@ -56,19 +58,39 @@ from lightning_zero.fabric.checkpoint_layout import (
     save_layout,
     saved_contents,
 )
-from lightning_zero.fabric.models import SetUpModel
+from lightning_zero.fabric.models import SetUpModel, SetUpModels
 from lightning_zero.fabric.module import refuse_released_parameters
-
-if TYPE_CHECKING:
-    from lightning_zero.fabric.strategy import ZeroFabricStrategy
+from lightning_zero.offload.memory_tiers import MemoryTiers
 
 CheckpointPath = str | PathLike[str]
 """A checkpoint's location: a local path or an fsspec URL."""
 
 
+class CheckpointingStrategy(Protocol):
+    """What these functions use of ``ZeroFabricStrategy`` (``strategy.py``, which calls them)."""
+
+    pretrained_source: str | None
+    """Set by a load of pretrained weights or of a checkpoint that left the frozen base out."""
+
+    @property
+    def config(self) -> ZeroConfig: ...
+    @property
+    def models(self) -> SetUpModels: ...
+    @property
+    def _tiers(self) -> MemoryTiers | None: ...
+    @property
+    def _module(self) -> Module | None: ...
+    @property
+    def built_on_meta(self) -> bool: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def process_group(self) -> dist.ProcessGroup: ...
+
+
 # -- save ------------------------------------------------------------------------------------------------------------
 def save_fabric_checkpoint(
-    strategy: ZeroFabricStrategy,
+    strategy: CheckpointingStrategy,
     path: CheckpointPath,
     state: dict[str, Any],
     filter: dict[str, Callable[[str, Any], bool]],
@@ -126,7 +148,7 @@ def save_fabric_checkpoint(
 
 
 def _save_one_file(
-    strategy: ZeroFabricStrategy, path: CheckpointPath, checkpoint: dict[str, Any], layout: SaveLayout
+    strategy: CheckpointingStrategy, path: CheckpointPath, checkpoint: dict[str, Any], layout: SaveLayout
 ) -> None:
     """The one model of ``layout`` (or none) and its optimizers saved, as one file (Note [one-file Fabric
     checkpoints])."""
@@ -166,7 +188,7 @@ def _fabric_layout(
     return {**arranged, **checkpoint}
 
 
-def refuse_unrestorable_frozen_base(strategy: ZeroFabricStrategy) -> None:
+def refuse_unrestorable_frozen_base(strategy: CheckpointingStrategy) -> None:
     """``exclude_frozen_parameters=True`` on a model built on meta whose frozen base no ``fabric.load_raw`` loaded:
     no checkpoint of it could be resumed (Note [frozen base restored from its source]). Decided from state every rank
     shares."""
@@ -187,7 +209,7 @@ def refuse_unrestorable_frozen_base(strategy: ZeroFabricStrategy) -> None:
 
 # -- load ------------------------------------------------------------------------------------------------------------
 def load_fabric_checkpoint(
-    strategy: ZeroFabricStrategy, path: CheckpointPath, state: dict[str, Any], strict: bool
+    strategy: CheckpointingStrategy, path: CheckpointPath, state: dict[str, Any], strict: bool
 ) -> dict[str, Any]:
     """Restore the objects of ``state`` from the directory (or one file) ``path``, in place; plain values are
     replaced in ``state``. Returns what of the checkpoint was not restored: all of it but the models' and
@@ -234,7 +256,7 @@ def load_fabric_checkpoint(
 
 
 def _load_one_file(
-    strategy: ZeroFabricStrategy, origin: Location, contents: dict[str, Any], state: dict[str, Any], strict: bool
+    strategy: CheckpointingStrategy, origin: Location, contents: dict[str, Any], state: dict[str, Any], strict: bool
 ) -> dict[str, Any]:
     """Note [one-file Fabric checkpoints]: each set-up model and optimizer of ``state`` from the entry of its name."""
     if not state:
@@ -278,7 +300,7 @@ def _load_one_file(
 
 
 def _load_pretrained(
-    strategy: ZeroFabricStrategy, path: CheckpointPath, state: dict[str, Any], strict: bool
+    strategy: CheckpointingStrategy, path: CheckpointPath, state: dict[str, Any], strict: bool
 ) -> dict[str, Any]:
     models = [m for m in (strategy.models.of(o) for o in state.values()) if m is not None]
     if len(models) != 1 or len(state) != 1:
@@ -290,19 +312,19 @@ def _load_pretrained(
     return {}
 
 
-def _unloaded_meta(strategy: ZeroFabricStrategy, model: SetUpModel) -> bool:
+def _unloaded_meta(strategy: CheckpointingStrategy, model: SetUpModel) -> bool:
     """Built on meta and only initialized: nothing loaded into it yet."""
     return model.built_on_meta and strategy.pretrained_source is None
 
 
-def _note_frozen_source(strategy: ZeroFabricStrategy, loaded: dict[str, Any]) -> None:
+def _note_frozen_source(strategy: CheckpointingStrategy, loaded: dict[str, Any]) -> None:
     """A checkpoint whose frozen base came from a pretrained source: so did this run's, and its saves say so."""
     frozen = loaded.get(FROZEN_KEY)
     if isinstance(frozen, dict) and frozen.get("source") is not None:
         strategy.pretrained_source = frozen["source"]
 
 
-def load_raw(strategy: ZeroFabricStrategy, path: CheckpointPath, obj: Any, strict: bool) -> None:
+def load_raw(strategy: CheckpointingStrategy, path: CheckpointPath, obj: Any, strict: bool) -> None:
     """``fabric.load_raw(path, obj)``. A set-up model takes a full state-dict file (``torch.save(model.state_dict())``,
     or a Lightning checkpoint, a ``.safetensors`` file or a Hugging Face directory), streamed into its shards
     (``load_full_state_dict``), or a sharded directory's weights; a set-up optimizer takes a torch optimizer's

@@ -14,8 +14,7 @@ model. An optimizer over the parameters of several set-up models is refused: eac
 reduced and checkpointed with that model.
 
 The functions here do the engine's work for one model (``set_up_model``, ``set_up_optimizer``) over
-``lightning/engine_setup.py``, as module-level functions over explicit arguments, so that a second front door can use
-them.
+``lightning_zero.engine``, which the Trainer's strategy stands on too.
 """
 
 from __future__ import annotations
@@ -32,9 +31,11 @@ from torch.optim import Optimizer
 
 from lightning_zero.compat import sync_module_states
 from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.buffers import BufferBroadcast, broadcast_buffers
+from lightning_zero.engine.model_sharding import on_meta, shard_for_stage3
+from lightning_zero.engine.optimizer_wrapping import wrap_optimizers
+from lightning_zero.engine.precision import ParameterPrecision
 from lightning_zero.fabric.module import ZeroForwardModule
-from lightning_zero.lightning.engine_setup import broadcast_buffers, shard_for_stage3, wrap_optimizers
-from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.activation_checkpointing import apply_activation_checkpointing_policy
 from lightning_zero.sharding.gradient_reducer import GradientReducer
@@ -57,10 +58,9 @@ class SetUpModel:
     """Whether stage 3 built it on the meta device and initialized it (no weights of its own)."""
     optimizers: list[ZeroOptimizer] = field(default_factory=list)
     """Its optimizers, in the order they were set up."""
-    broadcast_next_forward: bool = True
-    """Whether its next forward takes rank 0's buffers (Note [buffers follow rank 0] in ``lightning/strategy.py``)."""
-    accumulating: bool = False
-    """Inside ``fabric.no_backward_sync`` of this model."""
+    buffers: BufferBroadcast = field(default_factory=BufferBroadcast)
+    """Whether its next forward takes rank 0's buffers (Note [buffers follow rank 0] in ``engine/buffers.py``),
+    accumulating inside ``fabric.no_backward_sync`` of this model."""
     watched: dict[int, list[Parameter]] = field(default_factory=dict)
     """``id(optimizer)`` -> the parameters carrying its markers (Note [model.zero_grad() reaches the shards] in
     ``fabric/zero_grad.py``)."""
@@ -158,7 +158,7 @@ def set_up_optimizer(
     optimizer: Optimizer,
     group: dist.ProcessGroup,
     config: ZeroConfig,
-    precision: ZeroPrecision,
+    precision: ParameterPrecision,
     tiers: MemoryTiers | None,
     num_processes: int,
 ) -> ZeroOptimizer:
@@ -172,7 +172,3 @@ def set_up_optimizer(
     for zero, scaler in zip(models.optimizers, precision.loss_scalers_for(len(models.optimizers)), strict=True):
         zero.loss_scaler = scaler
     return wrapped[-1]
-
-
-def on_meta(module: Module) -> bool:
-    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))

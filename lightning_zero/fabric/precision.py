@@ -1,9 +1,10 @@
-"""``ZeroFabricPrecision``: ``ZeroPrecision`` (``lightning/precision.py``) under Fabric's protocol.
+"""``ZeroFabricPrecision``: ZeRO's precision (``ParameterPrecision``, ``engine/precision.py``) under Fabric's protocol.
 
 The parameters' dtypes, the masters, autocast, the normalization layers and the loss scalers are
-``ZeroPrecision``'s, unchanged; only the calls differ. Fabric's ``Strategy.backward`` ignores what ``pre_backward``
-returns and back-propagates from ``backward``'s argument, so the loss is scaled there (as Fabric's ``MixedPrecision``
-does); there are no Trainer hooks to call around it; and ``optimizer_step`` takes the optimizer alone.
+``ParameterPrecision``'s, as the Trainer's ``ZeroPrecision`` has them; only the calls differ. Fabric's
+``Strategy.backward`` ignores what ``pre_backward`` returns and back-propagates from ``backward``'s argument, so the
+loss is scaled there (as Fabric's ``MixedPrecision`` does); there are no Trainer hooks to call around it; and
+``optimizer_step`` takes the optimizer alone.
 
 What the model's forward sees and returns is what Fabric's own plugins give it (``MixedPrecision``,
 ``HalfPrecision``), so that a Fabric loop computes what it computes under Fabric's DDP: floating inputs in the
@@ -24,14 +25,15 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_zero.compat import DtypeContextManager, convert_fp_tensor
-from lightning_zero.lightning.precision import ZeroPrecision
+from lightning_zero.engine.precision import ParameterPrecision
 from lightning_zero.sharding.loss_scaler import scale_for_backward
 
 
-class ZeroFabricPrecision(ZeroPrecision):
-    """ZeRO's precision plugin for ``Fabric(strategy="zero*", precision=...)``: see ``ZeroPrecision``."""
+class ZeroFabricPrecision(ParameterPrecision):
+    """ZeRO's precision plugin for ``Fabric(strategy="zero*", precision=...)``: see ``ParameterPrecision``."""
 
     _strategy_name = "ZeroFabricStrategy"
+    _front_door = "Fabric"
 
     @override
     def convert_input(self, data: Any) -> Any:
@@ -63,7 +65,7 @@ class ZeroFabricPrecision(ZeroPrecision):
     @override
     def post_backward(self, tensor: Tensor, module: Any) -> Tensor:
         if self.after_backward is not None:
-            self.after_backward()  # Note [no partial gradients] in lightning/grad_norm.py
+            self.after_backward()  # Note [no partial gradients] in engine/grad_norm.py
         return tensor
 
     @override

@@ -18,18 +18,16 @@ Thin glue, in the order a Fabric loop calls it:
   ``ZeroOptimizer``'s reduction, accumulation and clipping over shards, as the Trainer's strategy uses them.
 - ``save_checkpoint``/``load_checkpoint``: the Trainer's sharded directory (``fabric/checkpoint.py``).
 
-Everything both front doors do to the engine is in ``lightning/engine_setup.py``.
+Everything both front doors do to the engine is in ``lightning_zero.engine``, below both.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -42,9 +40,24 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.comm.fault_monitor import FaultMonitor
 from lightning_zero.compat import FabricSharded
 from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.fault_watch import FaultWatch
+from lightning_zero.engine.grad_norm import hide_partial_gradients
+from lightning_zero.engine.model_sharding import (
+    full_state_dicts,
+    gathered_parameters,
+    install_module_state,
+    module_state_of,
+    on_meta,
+    serving,
+    stage3_init_context,
+)
+from lightning_zero.engine.optimizer_wrapping import as_zero_optimizer
+from lightning_zero.engine.precision import to_zero_precision
+from lightning_zero.engine.presets import StartMethod, register_presets
+from lightning_zero.engine.throughput import StepThroughput, ThroughputSummary, compute_dtype
+from lightning_zero.engine.tier_setup import build_memory_tiers, close_memory_tiers
 from lightning_zero.fabric.backward_sync import ZeroBackwardSyncControl
 from lightning_zero.fabric.checkpoint import (
     CheckpointPath,
@@ -53,28 +66,14 @@ from lightning_zero.fabric.checkpoint import (
     refuse_unrestorable_frozen_base,
     save_fabric_checkpoint,
 )
-from lightning_zero.fabric.models import SetUpModel, SetUpModels, on_meta, set_up_model, set_up_optimizer
+from lightning_zero.fabric.models import SetUpModel, SetUpModels, set_up_model, set_up_optimizer
 from lightning_zero.fabric.module import full_tensors
 from lightning_zero.fabric.precision import ZeroFabricPrecision
 from lightning_zero.fabric.zero_grad import apply_zero_grad, engine_call, mark, watched
-from lightning_zero.lightning.engine_setup import (
-    broadcast_buffers,
-    calling,
-    install_module_state,
-    module_state_of,
-    serving,
-)
-from lightning_zero.lightning.grad_norm import hide_partial_gradients
-from lightning_zero.lightning.offload_setup import build_memory_tiers
-from lightning_zero.lightning.precision import to_zero_precision
-from lightning_zero.lightning.presets import register_presets
-from lightning_zero.lightning.strategy_checkpoint import as_zero_optimizer
-from lightning_zero.lightning.strategy_processes import StartMethod
-from lightning_zero.lightning.throughput import StepThroughput, ThroughputSummary, compute_dtype
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.gradient_reducer import GradientReducer
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
-from lightning_zero.stage3.library_init import MetaDeviceExceptMetrics, ParamInitFn, pretrained_on_meta_hint
+from lightning_zero.stage3.library_init import MetaDeviceExceptMetrics, ParamInitFn
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 
 
@@ -130,14 +129,13 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
             timeout=timeout or timedelta(seconds=self.config.collective_timeout_s),
             start_method=start_method,
         )
-        self._backward_sync_control = ZeroBackwardSyncControl(self)
         self._param_init_fn = param_init_fn
         self.models = SetUpModels()
         """The models set up, each with its units and optimizers (Note [several models in one Fabric] in
         ``fabric/models.py``)."""
+        self._backward_sync_control = ZeroBackwardSyncControl(self.models)
         self._tiers: MemoryTiers | None = None
-        self._fault_monitor: FaultMonitor | None = None
-        self._excepthook: Callable[[type[BaseException], BaseException, TracebackType | None], Any] | None = None
+        self._fault_watch = FaultWatch(catch_uncaught=True)  # a Fabric loop's exception reaches no strategy hook
         self.pretrained_source: str | None = None
         """The pretrained weights ``fabric.load_raw`` loaded, recorded by checkpoints that leave frozen parameters
         out (Note [frozen base restored from its source])."""
@@ -162,7 +160,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         """Whether stage 3 built the (first) model on the meta device and initialized it (no weights of its own)."""
         return bool(self.models) and self.models.models[0].built_on_meta
 
-    # -- precision: ZeRO's own (lightning/precision.py) -------------------------------------------------------------
+    # -- precision: ZeRO's own (engine/precision.py) -------------------------------------------------------------
     @property
     @override
     def precision(self) -> ZeroFabricPrecision:
@@ -172,9 +170,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
     @override
     def precision(self, precision: Precision | None) -> None:
         # Fabric assigns the plugin it built from `Fabric(precision=...)`; we translate it (or refuse it).
-        zero_precision = to_zero_precision(precision, ZeroFabricPrecision)
-        assert isinstance(zero_precision, ZeroFabricPrecision)
-        self._zero_precision = zero_precision
+        self._zero_precision = to_zero_precision(precision, ZeroFabricPrecision)
         # Fabric reads `_precision` to learn that the strategy was given a plugin of its own.
         self._precision = self._zero_precision if precision is not None else None
 
@@ -188,35 +184,15 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self._fault_monitor is None:
-            # Names the rank that failed, died or hangs in the errors of the others (comm/fault_monitor.py). A
-            # Fabric loop's exception reaches no strategy hook, so the monitor sees it as it leaves the script.
-            self._fault_monitor = FaultMonitor.from_default_group()
-            if self._fault_monitor is not None:
-                self._fault_monitor.start()
-                self._excepthook = sys.excepthook
-                sys.excepthook = self._on_uncaught_exception
-
-    def _on_uncaught_exception(
-        self, kind: type[BaseException], exception: BaseException, traceback: TracebackType | None
-    ) -> Any:
-        if self._fault_monitor is not None:
-            self._fault_monitor.on_exception(exception)  # adds the note naming the rank at fault
-        previous = self._excepthook or sys.__excepthook__
-        return previous(kind, exception, traceback)
+        self._fault_watch.start()
 
     # -- model and optimizers ----------------------------------------------------------------------------------------
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[Any]:
         if self.config.stage != 3:
             return super().module_init_context(empty_init)
-        if not empty_init:  # on the CPU, as under Fabric's FSDP: sharded onto the device unit by unit
-            return self.precision.module_init_context()
-        stack = ExitStack()
-        stack.enter_context(MetaDeviceExceptMetrics())  # materialized unit by unit in setup_module
-        stack.enter_context(self.precision.module_init_context())
-        stack.enter_context(pretrained_on_meta_hint("`fabric.init_module(empty_init=True)`"))
-        return stack
+        where = "`fabric.init_module(empty_init=True)`"  # empty: on meta; else on the CPU, as under Fabric's FSDP
+        return stage3_init_context(self.precision.module_init_context(), empty_init, where)
 
     @override
     def module_sharded_context(self) -> AbstractContextManager[Any]:
@@ -269,11 +245,9 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         return module if model is None else model.module
 
     def _forward_of_the_loop(self, model: SetUpModel, module: Module, args: Any) -> None:
-        """Broadcast rank 0's buffers where DDP would (Note [buffers follow rank 0] in ``lightning/strategy.py``):
+        """Broadcast rank 0's buffers where DDP would (Note [buffers follow rank 0] in ``engine/buffers.py``):
         at the model's first forward, and after a forward with gradients outside its ``no_backward_sync``."""
-        if model.broadcast_next_forward and self.config.broadcast_buffers:
-            broadcast_buffers(module, self.process_group)
-        model.broadcast_next_forward = torch.is_grad_enabled() and not model.accumulating
+        model.buffers.before_forward(module, self.process_group, self.config.broadcast_buffers)
         if torch.is_grad_enabled():
             self._throughput.on_batch(args)  # Note [throughput from the real step]
 
@@ -294,7 +268,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         return self._throughput.summary(self.world_size, self.root_device, dtype, peak_flops)
 
     def _hide_partial_gradients(self) -> None:
-        hide_partial_gradients(self._optimizers)  # Note [no partial gradients] in lightning/grad_norm.py
+        hide_partial_gradients(self._optimizers)  # Note [no partial gradients] in engine/grad_norm.py
 
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
@@ -322,27 +296,16 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         """Full parameters of ``module`` (a set-up model, or a module of one; default: every set-up model) on every
         rank inside the context: for sampling, EMA or export. Call it on every rank; ``writeback=True`` keeps
         changes. Stages 1 and 2 hold full parameters already."""
-        target = self._set_up_model(module)
-        wanted = None if target is None else {id(p) for p in target.parameters()}
-        with ExitStack() as stack:
-            for model in self.models:
-                held = {id(p) for p in model.module.parameters()}
-                if model.gatherer is None or (wanted is not None and wanted.isdisjoint(held)):
-                    continue
-                stack.enter_context(calling([model.gatherer], "gathered_parameters()"))  # Note [one-rank calls]
-                stack.enter_context(model.gatherer.gathered(target, writeback=writeback))
-            yield
+        models = [(model.module, model.gatherer) for model in self.models]
+        with gathered_parameters(models, self._set_up_model(module), writeback):
+            yield  # Note [one-rank calls]
 
     @contextmanager
     def full_state_dict(self, offload_to_cpu: bool = True, rank0_only: bool = False) -> Generator[None, None, None]:
         """Inside the context a stage-3 model's ``state_dict()`` gives full tensors instead of DTensors (on the CPU
         with ``offload_to_cpu``, only on rank 0 with ``rank0_only``): Note [a stage-3 model's state dict]. Call it on
         every rank. Stages 1 and 2 give full tensors always."""
-        with ExitStack() as stack:
-            for model in self.models:
-                state = module_state_of(model.module)
-                if state is not None:
-                    stack.enter_context(state.full_state_dict(offload_to_cpu, rank0_only))
+        with full_state_dicts((module_state_of(m.module) for m in self.models), offload_to_cpu, rank0_only):
             yield
 
     # -- the barrier first serves a rank calling a model alone (Note [one-rank calls]) ------------------------------
@@ -351,7 +314,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         with serving(m.gatherer for m in self.models):
             super().barrier(*args, **kwargs)
 
-    # -- clipping over shards (Note [reduced gradients live in the optimizer] in lightning/precision.py) -------------
+    # -- clipping over shards (Note [reduced gradients live in the optimizer] in trainer/precision.py) -------------
     @override
     def clip_gradients_norm(
         self,
@@ -424,16 +387,9 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
     # -- end ---------------------------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        if self._fault_monitor is not None:
-            self._fault_monitor.stop()
-            self._fault_monitor = None
-        if self._excepthook is not None:
-            sys.excepthook = self._excepthook
-            self._excepthook = None
-        if self._tiers is not None:
-            self._tiers.restore()
-            self._tiers.close()
-            self._tiers = None
+        self._fault_watch.stop()
+        close_memory_tiers(self._tiers, self._optimizers)
+        self._tiers = None
         super().teardown()
 
     @classmethod

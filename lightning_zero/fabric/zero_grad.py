@@ -4,7 +4,7 @@ Note [model.zero_grad() reaches the shards]
 Fabric loops zero gradients with the model's ``zero_grad()`` as often as with the optimizer's (Lightning's Fabric
 DCGAN example: ``discriminator.zero_grad()`` before the discriminator's backward passes). Under DDP that sets every
 ``.grad`` to None. Under ZeRO a reduced gradient lives in the reducer (a bucket's shard, or stage 1's flat buffer
-with ``.grad`` hidden, Note [no partial gradients] in ``lightning/grad_norm.py``), not in ``.grad``, so
+with ``.grad`` hidden, Note [no partial gradients] in ``engine/grad_norm.py``), not in ``.grad``, so
 ``nn.Module.zero_grad`` finds nothing to clear, and what a backward left since the model's optimizers last stepped
 would be added to the next step. In the DCGAN loop that is the discriminator's gradient of the generator's loss: the
 discriminator would step on it, silently, where DDP drops it.

@@ -188,7 +188,7 @@ def _on_device(state: ModelStateBytes, config: ZeroConfig, device_total: int) ->
 
 DISK_IO_ENTRIES = 4
 """The disk tier's read-ahead and write-behind budgets, each in entries of the largest size
-(``lightning/offload_setup.py``)."""
+(``engine/tier_setup.py``)."""
 
 
 def _disk_io_bytes(estimate: StageEstimate, config: ZeroConfig, p: Precisions, disk: int) -> int:

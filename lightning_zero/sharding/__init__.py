@@ -3,6 +3,8 @@
 - ``flat_bucket``: ``FlatBucket``, parameters flattened into one padded buffer split into N equal shards.
 - ``gradient_reducer``: the reduction protocol (hooks, ordered launch, end-of-backward flush); the stage-1
   (``full_grad_reducer``) and stage-2 (``sharded_grad_reducer``) storages plug into it.
+- ``gradient_arrivals``: when a bucket's gradients are final in a backward (hook calls counted per parameter).
+- ``gradient_owners``: which optimizer steps which elements of a reducer's gradient shards shared by several.
 - ``param_groups``: the user's param groups over this rank's shard (segments, masters, views, the checks).
 - ``param_edits``: ``ParamEdits``, which parameter shards were edited between steps, found by digests on the
   device (Note [edits reach the masters]).

@@ -25,8 +25,12 @@ class FullGradReducer(GradientReducer):
     of the gradients there. The first gradient of a bucket in the next backward allocates its buffer uninitialized:
     each parameter's first gradient is copied into its slot and the parameter's ``.grad`` becomes a view of the
     slot, so later micro-batches accumulate in place; slots that got no gradient, and the padding, are zeroed just
-    before the reduction (Note [staging without memset] in ``sharded_grad_reducer.py``, the same bookkeeping).
-    ``set_to_none=False`` keeps the buffers and zeroes them.
+    before the reduction (Note [staging without memset]). ``set_to_none=False`` keeps the buffers and zeroes them.
+
+    Note [staging without memset]
+    A buffer allocated uninitialized is written once per slot: each parameter's first gradient of the round is
+    copied into its slot, later ones are added (autograd, into the view), and only the slots that got no gradient and
+    the padding are zeroed, just before the reduction, instead of zeroing the whole buffer and then adding to it.
 
     Note [reduced shard in place]
     A reduction writes this rank's averaged shard into this rank's own slice of the bucket's gradient buffer (the

@@ -73,6 +73,8 @@ class GradientArrivals:
             self._start[i] = total
             total += len(bucket.params)
         self._sizes = [len(b.params) for b in buckets]
+        self.positions = total
+        """How many parameters (positions) there are."""
         self.expected = [1] * total
         """Hook calls per backward after which a parameter's gradient is final; learned in the first backward."""
         self.learning = True

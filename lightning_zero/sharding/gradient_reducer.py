@@ -100,6 +100,10 @@ class GradientReducer:
         self.state = [BucketState.FILLING] * len(self.buckets)
         self.arrivals = GradientArrivals(self.buckets)
         """Which parameters' gradients are final in the backward running now (Note [final gradients])."""
+        self.present = bytearray(self.arrivals.positions)
+        """Per parameter (``arrivals.position``): 1 once a gradient arrived on this rank, in any backward (``no_sync``
+        ones too), until the optimizer that steps it resets it (Note [unused parameters] in ``gradient_presence.py``).
+        Set by the one hook the parameter has."""
         self.owners = GradientOwners(self.buckets)
         """Which optimizer steps which elements of each shard (Note [gradients of several optimizers])."""
         self._launched = [False] * len(self.buckets)
@@ -218,6 +222,7 @@ class GradientReducer:
         return bucket.dtype if name is None else dtype_from_name(name)
 
     def _on_grad_accumulated(self, bucket: FlatBucket, slot: ParamSlot, position: int, param: nn.Parameter) -> None:
+        self.present[position] = 1
         if self._launched[bucket.index]:
             raise late_gradient_error(slot)
         if self.state[bucket.index] is not BucketState.FILLING:

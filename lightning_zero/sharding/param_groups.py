@@ -145,11 +145,8 @@ def adopt_edits(runs: list[MasterRun]) -> None:
     [edits reach the masters])."""
     if not runs:
         return
-    edited = [run.shard != run.master.to(run.shard.dtype) for run in runs]
-    # One host synchronization for all runs; edits are rare, so the masters are usually left untouched.
-    for run, mask, any_edit in zip(runs, edited, torch.stack([m.any() for m in edited]).tolist(), strict=True):
-        if any_edit:
-            torch.where(mask, run.shard, run.master, out=run.master)
+    for run in runs:  # no host synchronization: unedited elements get their own master value back
+        torch.where(run.shard != run.master.to(run.shard.dtype), run.shard, run.master, out=run.master)
 
 
 @torch.no_grad()

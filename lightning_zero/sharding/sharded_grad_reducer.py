@@ -23,13 +23,15 @@ from lightning_zero.sharding.gradient_reducer import GradientReducer, accumulate
 class ShardedGradReducer(GradientReducer):
     """Stage 2: gradients are reduce-scattered during every backward and only this rank's shard is kept.
 
-    Note [staging without memset]
-    A bucket collects its gradients in a full-size staging buffer lent by the pool, whose content is stale. Each
-    parameter's first gradient of the round is copied into its slot and later ones (a module called twice, local
-    accumulation) are added, so a slot is written once instead of zeroed and then added to. Slots that got no
-    gradient, and the padding, are zeroed just before the reduction. Autograd is not pointed at the staging slots
-    (``.grad`` views): it adds into an existing ``.grad``, which needs the slot zeroed first, and it computes each
-    gradient into a fresh tensor anyway, so a zeroed slot plus an add costs more than the copy and saves nothing.
+    Note [gradients held until launch]
+    Each parameter keeps the gradient autograd computed in ``.grad`` (accumulated there by autograd if a second one
+    arrives in the round: a module called twice, a reentrant recomputation, local accumulation) until its bucket
+    launches; the hook only notes which tensor holds it. At the launch the bucket's content is assembled once: on
+    gloo sent as pieces (Note [gradients sent from where autograd put them]), otherwise written into a staging
+    buffer lent by the pool with one ``torch.cat`` over the bucket's gradients, zeros where none arrived and the
+    padding (converting to the reduction's dtype as it copies). A copy per parameter in the hook (a slice, a view
+    and a ``copy_``, ~10 µs of Python each) was the largest part of each gradient's hook. Memory: the gradients live
+    until the launch, then the staging buffer exists beside them for the copy, as FSDP2's reduce-scatter input does.
 
     Note [gradient shards between steps]
     ``zero_grad()`` (``set_to_none=True``, torch's default) frees the gradient shards, as torch frees ``.grad``: the
@@ -66,15 +68,12 @@ class ShardedGradReducer(GradientReducer):
         self._frees_shard = [s is None for s in self.shards]
         """Whether zero_grad frees the bucket's shard: the ones allocated here, not those a subclass keeps."""
         self._shard_is_zero = [True] * len(self.buckets)
-        self._staging: list[Tensor | None] = [None] * len(self.buckets)
-        self._stale: list[set[int]] = [set() for _ in self.buckets]
-        """Offsets of the slots of each staging buffer not yet written this round: Note [staging without memset]."""
         self._pieces_possible = [
             takes_pieces(b.device, group) and self._reduce_dtype(b) == b.dtype != torch.float16 for b in self.buckets
         ]
         self._held: list[dict[int, Tensor] | None] = [None] * len(self.buckets)
-        """Per bucket sent in pieces this round: slot offset -> the gradient autograd left in ``.grad`` (Note
-        [gradients sent from where autograd put them]); None for a bucket that stages its gradients."""
+        """Per bucket with gradients this round: slot offset -> the gradient autograd left in ``.grad`` (Note
+        [gradients held until launch]); None before the bucket's first gradient of the round."""
         self._zeros: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
         self._cuts: dict[int, list[tuple[int, int, int, int]]] = {}
 
@@ -82,53 +81,34 @@ class ShardedGradReducer(GradientReducer):
         # Inside no_sync(), "local" accumulation keeps adding into the staging buffers until the last micro-batch.
         return self.require_sync or self.config.grad_accumulation == "sharded"
 
-    def _staging_for(self, bucket: FlatBucket) -> Tensor:
-        staging = self._staging[bucket.index]
-        if staging is None:
-            staging = self.pool.take(bucket.padded_numel, self._reduce_dtype(bucket), bucket.device)
-            staging[bucket.numel :].zero_()  # the padding: < world_size elements
-            self._staging[bucket.index] = staging
-            self._stale[bucket.index] = {slot.offset for slot in bucket.slots}
-        return staging
-
-    def _sends_pieces(self, bucket: FlatBucket) -> bool:
-        """Whether ``bucket`` goes without a staging buffer this round (decided at its first gradient)."""
-        held = self._held[bucket.index]
-        undecided = held is None and self._staging[bucket.index] is None
-        if undecided and self._pieces_possible[bucket.index] and self.reduce_scatter is reduce_scatter:  # not qgZ's
-            self._held[bucket.index] = held = {}
-        return held is not None
-
     def _store(self, bucket: FlatBucket, slot: ParamSlot, param: nn.Parameter) -> None:
         grad = param.grad
         assert grad is not None
-        if self._sends_pieces(bucket):  # Note [gradients sent from where autograd put them]
-            held = self._held[bucket.index]
-            assert held is not None
-            held[slot.offset] = grad  # the latest .grad holds everything accumulated this round
-            return
-        view = FlatBucket.param_view(self._staging_for(bucket), slot)
-        if grad.data_ptr() != view.data_ptr():
-            stale = self._stale[bucket.index]
-            if slot.offset in stale:  # Note [staging without memset]
-                view.copy_(grad)
-                stale.discard(slot.offset)
-            else:  # a second gradient in one round: reentrant recomputation, local accumulation
-                view.add_(grad)
-        param.grad = None  # the full gradient lives on only in the bucket
+        held = self._held[bucket.index]
+        if held is None:
+            held = self._held[bucket.index] = {}
+        held[slot.offset] = grad  # the latest .grad holds everything accumulated this round
+
+    def _take_held(self, bucket: FlatBucket) -> list[Tensor]:
+        """The bucket's content, item by item, ending its round (Note [gradients held until launch]): each
+        gradient flat (zeros where none arrived on this rank: it still contributes), then the padding."""
+        held = self._held[bucket.index] or {}
+        self._held[bucket.index] = None
+        for param in bucket.params:
+            # The gradients live on in what the launch builds from them; one assigned by hand, never accumulated,
+            # is dropped: the bucket's round is over.
+            param.grad = None
+        items = [
+            held[s.offset].reshape(-1) if s.offset in held else self._zeros_of(s.numel, bucket) for s in bucket.slots
+        ]
+        items.append(self._zeros_of(bucket.padded_numel - bucket.numel, bucket))
+        return items
 
     def _launch(self, bucket: FlatBucket) -> PendingCollective:
-        if self._sends_pieces(bucket):
+        if self._pieces_possible[bucket.index] and self.reduce_scatter is reduce_scatter:  # gloo's, not qgZ's
             return self._launch_pieces(bucket)
-        # No gradient may have arrived on this rank: it still contributes (zeros).
-        staging = self._staging_for(bucket)
-        for slot in bucket.slots:
-            if slot.offset in self._stale[bucket.index]:
-                staging[slot.offset : slot.offset + slot.numel].zero_()
-        self._stale[bucket.index] = set()
-        self._staging[bucket.index] = None
-        for param in bucket.params:
-            param.grad = None  # a gradient assigned by hand, never accumulated: the bucket's round is over
+        staging = self.pool.take(bucket.padded_numel, self._reduce_dtype(bucket), bucket.device)
+        torch.cat(self._take_held(bucket), out=staging)  # one copy per bucket, converting to the reduction's dtype
         self._lent[bucket.index].append(staging)  # back to the pool once the reduction has completed
         return self._into_shard(bucket, lambda output: self._reduce_scatter(bucket, output, staging))
 
@@ -146,18 +126,8 @@ class ShardedGradReducer(GradientReducer):
 
     def _launch_pieces(self, bucket: FlatBucket) -> PendingCollective:
         """Note [gradients sent from where autograd put them]: each rank's chunk as pieces of the gradients."""
-        held = self._held[bucket.index]
-        assert held is not None
-        self._held[bucket.index] = None
-        for param in bucket.params:
-            param.grad = None  # the gradients live on in the collective until it completes, then in the shard
-        # The bucket's content, item by item: each gradient (zeros where none arrived; a .grad of another dtype, a
-        # hook's, converted as a copy into a staging buffer would), then the padding.
-        items: list[Tensor] = []
-        for slot in bucket.slots:
-            grad = held.get(slot.offset)
-            items.append(self._zeros_of(slot.numel, bucket) if grad is None else grad.reshape(-1).to(bucket.dtype))
-        items.append(self._zeros_of(bucket.padded_numel - bucket.numel, bucket))
+        # A .grad of another dtype (a hook's) is converted, as the copy into a staging buffer would.
+        items = [item.to(bucket.dtype) for item in self._take_held(bucket)]
         chunks: list[list[Tensor]] = [[] for _ in range(self.world_size)]
         for item, start, stop, rank in self._cuts_of(bucket):
             chunks[rank].append(items[item][start:stop])
@@ -211,7 +181,7 @@ class ShardedGradReducer(GradientReducer):
             shard = self.shards[bucket.index] = self._allocate_shard(bucket, torch.zeros)
             self._shard_is_zero[bucket.index] = False
         elif self._shard_is_zero[bucket.index]:
-            shard.zero_()  # consumed by a step and not reduced into since (Note [staging without memset])
+            shard.zero_()  # consumed by a step and not reduced into since (no memset at the step)
             self._shard_is_zero[bucket.index] = False
         return shard
 
@@ -226,21 +196,15 @@ class ShardedGradReducer(GradientReducer):
             super()._zero_spans(bucket, owner)
 
     def _has_local_gradients(self, bucket: FlatBucket) -> bool:
-        return self._held[bucket.index] is not None or self._staging[bucket.index] is not None
+        return self._held[bucket.index] is not None
 
     def _zero_grad(self, buckets: Sequence[FlatBucket], set_to_none: bool) -> None:
         self._consume(buckets)
         for bucket in buckets:
             i = bucket.index
-            # Gradients of a round that was never reduced (a local no_sync backward) are dropped, wherever they
-            # were kept: held as autograd left them, or staged (Note [staging without memset]); a staging buffer
-            # goes back to the pool, and the next backward takes one whose slots are all stale.
+            # Gradients of a round that was never reduced (a local no_sync backward) are dropped: they were held
+            # where autograd left them (Note [gradients held until launch]), in .grad, cleared below.
             self._held[i] = None
-            staging = self._staging[i]
-            if staging is not None:
-                self.pool.give(staging)
-            self._staging[i] = None
-            self._stale[i] = set()
             if set_to_none and self._frees_shard[i]:  # Note [gradient shards between steps]
                 self.shards[i] = None
             for param in bucket.params:

@@ -106,7 +106,7 @@ class ZeroOptimizer(Optimizer):
         *,
         fp32_masters: bool = True,
         loss_scaler: DynamicLossScaler | None = None,
-        tiers: StateTiers | None = None,
+        tiers: StateTiers[ZeroOptimizer] | None = None,
     ) -> None:
         # Optimizer.__init__ is not called: the param groups, state and defaults are the wrapped optimizer's own
         # objects, so reading or changing a learning rate through either object is the same thing.
@@ -168,7 +168,7 @@ class ZeroOptimizer(Optimizer):
         if tiers is not None or (len(self.buckets) > 1 and (gatherer is not None or overlap)):
             self._step_chunks = build_step_chunks(self.buckets, self.segments, self.masters, self._runs)
         init_hook_registries(self)  # Note [step hooks]
-        self.presence = GradientPresence(self.buckets, group_of)
+        self.presence = GradientPresence(self.buckets, group_of, self.reducer.present, self.reducer.arrivals)
         """Which parameters got a gradient since the last step (Note [unused parameters])."""
         self._raw_step = without_step_hooks(type(optimizer).step)  # Note [step hooks]
         self.edits = ParamEdits(self.buckets)
@@ -235,12 +235,18 @@ class ZeroOptimizer(Optimizer):
             non_finite_check_and_unscale_(present, found, torch.full_like(found, inv_scale))
         if self.tiers is not None:  # the tiered gradients' overflow check and unscaling: Note [tiered step]
             self.tiers.gradients_reduced(found, inv_scale)
-        # One collective decides both, identically on every rank: (1 + parameters,) of 0/1 flags, summed.
+        # One collective decides both, identically on every rank: (1 + parameters,) of 0/1 flags, summed. Its sum is
+        # read (a host synchronization) only for the overflow flag or when this rank lacks a gradient: Note [unused
+        # parameters].
         flags = torch.cat([found, self.presence.local_flags(device)])
         self.ledger.record(all_reduce_sum(flags, self.group)).wait()
-        decided = flags.tolist()
-        self._found_inf = self.loss_scaler is not None and decided[0] > 0
-        self.presence.decide(decided[1:])
+        if self.loss_scaler is None and self.presence.all_arrived_here():
+            self._found_inf = False
+            self.presence.decide(None)
+        else:
+            decided = flags.tolist()
+            self._found_inf = self.loss_scaler is not None and decided[0] > 0
+            self.presence.decide(decided[1:])
         for i, (seg, master, reduced) in enumerate(zip(self.segments, self.masters, grads, strict=True)):
             self.segment_used[i] = self.presence.used(seg.bucket, seg.slot)
             master.grad = reduced if self.segment_used[i] else None

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol, TypeVar
 
 from torch import Tensor
 
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.param_groups import MasterRun, Segment
 
-if TYPE_CHECKING:
-    from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
+OptimizerT = TypeVar("OptimizerT", contravariant=True)
+"""The optimizer the tiers attach to: ``ZeroOptimizer``, which imports this file (``StateTiers[ZeroOptimizer]``), so
+this file does not name it."""
 
 
 class TierStep(enum.Enum):
@@ -32,7 +33,7 @@ class TierStep(enum.Enum):
     optimizer settles)."""
 
 
-class StateTiers(Protocol):
+class StateTiers(Protocol[OptimizerT]):
     """The memory tiers as the optimizer sees them (``lightning_zero.offload``): masters, optimizer state and (stage
     3) gradient shards of some buckets live in a tier between steps; the step loads each bucket's around its update
     (Note [tiered step])."""
@@ -45,7 +46,7 @@ class StateTiers(Protocol):
         shard themselves (the host tier's) is in no run."""
         ...
 
-    def attach(self, optimizer: ZeroOptimizer) -> None:
+    def attach(self, optimizer: OptimizerT) -> None:
         """Take over the tiered buckets' masters and state (called once, at the end of construction)."""
         ...
 

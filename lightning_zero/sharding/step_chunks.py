@@ -52,7 +52,7 @@ def step_in_chunks(
     optimizer: Optimizer,
     raw_step: Callable[[Optimizer], Any],
     chunks: list[StepChunk],
-    tiers: StateTiers | None,
+    tiers: StateTiers[Any] | None,
     ledger: CommLedger,
     group: ProcessGroup,
     edits: ParamEdits,
@@ -94,7 +94,7 @@ def step_in_chunks(
 
 def publish_in_flight(
     chunks: list[StepChunk],
-    tiers: StateTiers,
+    tiers: StateTiers[Any],
     ledger: CommLedger,
     group: ProcessGroup,
     edits: ParamEdits,
@@ -116,7 +116,7 @@ def publish_in_flight(
 
 def _publish(
     chunk: StepChunk,
-    tiers: StateTiers | None,
+    tiers: StateTiers[Any] | None,
     ledger: CommLedger,
     group: ProcessGroup,
     edits: ParamEdits,

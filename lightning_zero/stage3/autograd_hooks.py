@@ -17,7 +17,10 @@ the unit's frozen weights, so a unit is not freed on arrivals in a nested backwa
 or the end of the backward frees it. Likewise in any backward when the unit's forward made a tensor require grad
 that is no parameter (``enable_input_require_grads`` on a frozen embedding inside the unit): its gradient is computed
 through the unit's weights after the trainable ones may have arrived. Such a unit is found after its forward, from
-the leaves its outputs' graph reaches (``only_parameters_reached``), and waits for the end of the backward.
+the leaves its outputs' graph reaches (``only_parameters_reached``), and waits for the end of the backward. Not
+the root unit: its outputs' graph is the whole model's, and walking it after every forward cost O(model) on the step's
+critical path (6.7 ms at 24 layers); the root is freed at the end of the backward instead, as FSDP2 frees its root
+(its last gradient, the embedding's, arrives there in a language model anyway).
 Reducing a unit's gradients is separate from freeing it: buckets are reduced as their gradients arrive, whatever
 happens to the parameters.
 """

@@ -132,8 +132,10 @@ class UnitExchange:
             return
         pending, everyone = check
         pending.wait()
-        indices = everyone.tolist()
-        if len(set(indices)) > 1:
+        # One scalar read whatever the world size (a list of every rank's index cost O(world) per unit); the
+        # indices are listed only for the error.
+        if bool((everyone != unit.index).any()):
+            indices = everyone.tolist()
             names = ", ".join(f"rank {r}: {self.units[i].name!r}" for r, i in enumerate(indices))
             leaf = self._leaf_candidate(sorted(set(indices)))
             raise RankDivergenceError(

@@ -311,7 +311,7 @@ def pretrained_on_meta_hint(where: str) -> Iterator[None]:
             f"{error}\nAt stage 3 {where} builds the model on the meta device, so its weights can only come "
             "afterwards. HINT: build it from its config (`AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("
             "path))`) and load the weights into the shards with `trainer.fit(model, ckpt_path=path)` or "
-            '`lightning_zero.load_full_state_dict` (README, "Pretrained weights"); or call `from_pretrained` in '
+            "`lightning_zero.load_full_state_dict` (docs/fine-tuning.md); or call `from_pretrained` in "
             "`__init__`, which builds the whole model on every rank first."
         ) from error
 

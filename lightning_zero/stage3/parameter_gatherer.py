@@ -4,15 +4,7 @@ Per step, for each unit:  pre-forward: gather (+ prefetch the next unit), hook t
 post-forward: free, and hook the outputs  ->  pre-backward (first output gradient): gather (+ prefetch the previous
 unit)  ->  backward  ->  post-backward (the inputs' gradients exist): free (Note [post-backward] in
 ``autograd_hooks.py``).  Communication: two all-gathers and one reduce-scatter of every parameter, 3Ψ(N-1)/N per
-rank.
-
-Note [forward order]
-Prefetching needs to know which unit runs next. Until the first backward ends, the order of first pre-forward calls
-is recorded (forward prefetches along it) and so is the order of first post-forward calls: backward runs roughly in
-reverse of the latter (the root unit finishes its forward last and starts backward first), so backward prefetches
-along that reversed order, skipping units autograd will not reach. Every rank records the same order once units
-whose use depends on the data are merged (Note [data-dependent units] in ``divergence.py``); nothing is prefetched
-before the order is known.
+rank. Prefetching follows the order of the previous passes (Note [forward order] in ``unit_order.py``).
 
 Note [placeholders under compile]
 ``torch.compile`` traces a module's forward hooks with it, and would compile the gather (whose collectives and
@@ -33,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
+from itertools import islice
 from typing import Any
 
 import torch
@@ -42,10 +35,9 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.comm.collectives import ProcessGroup
 from lightning_zero.comm.ledger import CommLedger
-from lightning_zero.compat import current_graph_task_id, queue_autograd_callback
+from lightning_zero.compat import current_graph_task_id
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.flat_bucket import FlatBucket
-from lightning_zero.sharding.gradient_arrivals import in_nested_backward
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
 from lightning_zero.stage3.autograd_hooks import (
     PostBackwardCounts,
@@ -58,7 +50,9 @@ from lightning_zero.stage3.divergence import NOTHING, RankDivergenceError, UnitE
 from lightning_zero.stage3.gathered_buffers import GatheredBuffers
 from lightning_zero.stage3.one_rank_calls import OneRankCalls
 from lightning_zero.stage3.outside_step import OutsideStep
-from lightning_zero.stage3.sharded_unit import ShardedUnit, UnitState
+from lightning_zero.stage3.sharded_unit import LiveNumel, ShardedUnit, UnitState
+from lightning_zero.stage3.unit_backward import UnitBackward
+from lightning_zero.stage3.unit_order import UnitOrder
 
 __all__ = ["ParameterGatherer", "RankDivergenceError"]
 
@@ -67,9 +61,10 @@ def _in_backward() -> bool:
     return current_graph_task_id() != -1
 
 
-class ParameterGatherer(OutsideStep):
+class ParameterGatherer(OutsideStep, UnitBackward):
     """Owns the stage-3 units of one model, the resident (persistent) buckets, and the gradient reducer over both;
-    gathers outside a step through ``OutsideStep`` (``outside_step.py``)."""
+    gathers in backward through ``UnitBackward`` (``unit_backward.py``) and outside a step through ``OutsideStep``
+    (``outside_step.py``)."""
 
     def __init__(
         self,
@@ -101,8 +96,8 @@ class ParameterGatherer(OutsideStep):
         """Whether the unit's last forward hooked an input that requires grad, or made a tensor require grad that is
         no parameter: either way it is not freed when its gradients arrive (Note [post-backward])."""
         self._depth = {u.index: 0 for u in units}  # nested forward calls of the same unit
-        self._forward_order: list[int] = []  # Note [forward order]
-        self._finish_order: list[int] = []
+        self._forward_order = UnitOrder()  # Note [forward order]
+        self._finish_order = UnitOrder(reverse=True)  # backward's: the reverse of the order forwards finish in
         self._order_frozen = False
         self._backward_callback_queued = False
         self.buffers = GatheredBuffers(device)
@@ -124,6 +119,11 @@ class ParameterGatherer(OutsideStep):
         self._post_backwards = PostBackwardCounts(u.index for u in units)
         self._freed_by_arrivals: set[int] = set()
         """Units freed in this backward when their gradients arrived: still counted as live by the prefetch limit."""
+        self._live = LiveNumel()  # what the prefetch limit counts, kept up to date by the units themselves
+        for unit in units:
+            assert unit.state is UnitState.SHARDED, unit
+            unit.live = self._live
+        self._single_arrivals: dict[int, bool] = {}
         self.calls: OneRankCalls | None = None
         """Set on a group of several ranks: calls outside a step meet the other ranks first (Note [one-rank calls])."""
         self._call_depth = 0
@@ -205,8 +205,8 @@ class ParameterGatherer(OutsideStep):
         self._depth[unit.index] += 1
         if self._depth[unit.index] > 1:
             return
-        if not self._order_frozen and unit.index not in self._forward_order:
-            self._forward_order.append(unit.index)  # Note [forward order]
+        if not self._order_frozen:
+            self._forward_order.record(unit.index)  # Note [forward order]
         self._gather(unit)
         self._wait(unit)
         self._prefetch(unit, self._forward_order)
@@ -219,15 +219,17 @@ class ParameterGatherer(OutsideStep):
         self._depth[unit.index] -= 1
         if self._depth[unit.index] > 0:
             return
-        if not self._order_frozen and unit.index not in self._finish_order:
-            self._finish_order.insert(0, unit.index)  # reversed: the backward order
+        if not self._order_frozen:
+            self._finish_order.record(unit.index)
         differentiated = False
         if torch.is_grad_enabled():
             tensors = [t for t in tensors_in(output) if t.requires_grad]
             if tensors:
                 members = (unit, *self._children[unit.index])
                 frees_on_arrivals = any(m.trainable_buckets for m in members) and not self._inputs_hooked[unit.index]
-                if frees_on_arrivals and not only_parameters_reached(tensors):
+                # The root's graph is the whole model's, not walked at every step: the root is freed at the end of
+                # backward, as FSDP2 frees its root (Note [post-backward]).
+                if frees_on_arrivals and (unit.index == 0 or not only_parameters_reached(tensors)):
                     self._inputs_hooked[unit.index] = True  # freed at the end of backward (Note [post-backward])
                 torch.autograd.graph.register_multi_grad_hook(tensors, partial(self._pre_backward, unit), mode="any")
                 self._reached_in_backward.add(unit.index)
@@ -242,71 +244,6 @@ class ParameterGatherer(OutsideStep):
             # that only read some weights) is freed now rather than held until the next backward or step.
             self.release_all(keep=unit if keep else None)
             self.buffers.clear()  # Note [gathered buffers reused]
-
-    # -- backward -------------------------------------------------------------------------------------------------
-    @torch.compiler.disable  # Note [placeholders under compile]
-    def _pre_backward(self, unit: ShardedUnit, grad: Any) -> None:
-        unit = self._owner(unit)
-        if not self._backward_callback_queued:
-            queue_autograd_callback(self._on_backward_end)
-            self._backward_callback_queued = True
-            self.reducer.queue_flush()  # after ours: rounds end before the last reductions (Note [bucket flush])
-            self._remaining = {u.index: len(u.trainable_buckets) for u in self.units}
-        # Autograd is about to run this use of the unit: its parameters are needed, even if its own gradients are
-        # complete (a unit called several times still computes input gradients for every call).
-        self._gather(unit)
-        self._wait(unit)
-        self._prefetch(unit, self._finish_order, only=self._reached_in_backward)
-
-    @torch.compiler.disable  # Note [placeholders under compile]
-    def _post_backward(self, unit: ShardedUnit, where: Registration) -> None:
-        if self._owner(unit) is not unit:
-            return
-        # The units merged into this one are done too, used or not: their gradients go out now.
-        done = [b for child in self._children[unit.index] for b in child.trainable_buckets]
-        last = self._post_backwards.ran(unit.index, where)
-        if last and (where is Registration.FORWARD or self._single_arrival(unit)):
-            done = unit.trainable_buckets + done  # Note [one order of collectives]: this unit's backward is over
-        self.reducer.complete(done)
-        if self._depth[unit.index] == 0:  # Note [post-backward]
-            self._release(unit, reuse=self._reused_soon(unit, self._finish_order))
-
-    def _single_arrival(self, unit: ShardedUnit) -> bool:
-        """Whether every rank knows that each parameter of ``unit`` gets its gradient in one reentrant segment's
-        backward (learned in the first backward, maxed over ranks: Note [final gradients])."""
-        arrivals = self.reducer.arrivals
-        positions = (arrivals.position(b.index, i) for b in unit.trainable_buckets for i in range(len(b.params)))
-        return not arrivals.learning and all(arrivals.expected[p] == 1 for p in positions)
-
-    def _on_bucket_complete(self, bucket: FlatBucket) -> None:
-        member = self._unit_of_bucket.get(id(bucket))
-        if member is None:  # a resident bucket
-            return
-        self._remaining[member.index] -= 1
-        unit = self._owner(member)
-        if any(self._remaining[m.index] for m in self._children[unit.index]):
-            return
-        # A unit whose inputs need no gradient is done once its own gradients are (Note [post-backward]); any other
-        # unit waits for its post-backward, since computing its input gradient still reads its parameters. Not in a
-        # reentrant segment's backward: that one goes on to its segment's input gradient, reading them too.
-        if (
-            self._remaining[unit.index] == 0
-            and self._depth[unit.index] == 0
-            and not self._inputs_hooked[unit.index]
-            and not in_nested_backward()
-        ):
-            self._freed_by_arrivals.add(unit.index)  # Note [one order of collectives]
-            self._release(unit, reuse=self._reused_soon(unit, self._finish_order))
-
-    def _on_backward_end(self) -> None:
-        self._backward_callback_queued = False
-        self._reached_in_backward.clear()
-        self._post_backwards.reset()
-        self._freed_by_arrivals.clear()
-        self._end_of_pass()
-        self._order_frozen = True
-        self.release_all()
-        self.buffers.clear()  # Note [gathered buffers reused]
 
     # -- gathering --------------------------------------------------------------------------------------------------
     def _gather(self, unit: ShardedUnit, prefetch: bool = False, exact: bool = False) -> None:
@@ -359,8 +296,8 @@ class ParameterGatherer(OutsideStep):
             self.gather_group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
             self.exchange.group = self.gather_group
         if merged:
-            self._forward_order = [i for i in self._forward_order if i not in self.exchange.merged_into]
-            self._finish_order = [i for i in self._finish_order if i not in self.exchange.merged_into]
+            self._forward_order.remove(self.exchange.merged_into.keys())
+            self._finish_order.remove(self.exchange.merged_into.keys())
 
     def _wait(self, unit: ShardedUnit) -> None:
         if self._checks_later:
@@ -377,17 +314,15 @@ class ParameterGatherer(OutsideStep):
         for member in (unit, *self._children[unit.index]):
             member.release(keep_in)
 
-    def _reused_soon(self, unit: ShardedUnit, order: list[int]) -> bool:
+    def _reused_soon(self, unit: ShardedUnit, order: UnitOrder) -> bool:
         """Whether a unit a few places after ``unit`` in this pass's ``order``, not gathered yet, has a bucket of
         the byte size of one of ``unit``'s: its gather would take the memory ``unit`` releases (Note [gathered
         buffers reused]). Looks no further than prefetching reaches, so kept memory is taken almost at once."""
         if not self.buffers.enabled or not self._order_frozen or unit.index not in order:
             return False
-        following = order[order.index(unit.index) + 1 :]
-        if _in_backward():  # only the units autograd will reach are gathered
-            following = [i for i in following if i in self._reached_in_backward]
+        only = self._reached_in_backward if _in_backward() else None  # only the units autograd will reach
         mine = {b.full_nbytes for m in (unit, *self._children[unit.index]) for b in m.buckets}
-        for index in following[:2]:
+        for index in islice(order.following(unit.index, only), 2):
             later = self.units[index]
             if later.state is UnitState.SHARDED and any(
                 b.full_nbytes in mine for m in (later, *self._children[index]) for b in m.buckets
@@ -395,25 +330,20 @@ class ParameterGatherer(OutsideStep):
                 return True
         return False
 
-    def _prefetch(self, unit: ShardedUnit, order: list[int], only: set[int] | None = None) -> None:
+    def _prefetch(self, unit: ShardedUnit, order: UnitOrder, only: set[int] | None = None) -> None:
         """Issue the gather of the unit after ``unit`` in ``order`` if the live-elements limit allows; in backward,
         the next unit autograd will reach (``only``): a frozen unit it never reaches is not gathered at all."""
         limit = self.config.prefetch_limit_numel
-        if limit == 0 or unit.index not in order or (self._rounds and not self._order_frozen):
+        if limit == 0 or (self._rounds and not self._order_frozen):
             return
-        following = order[order.index(unit.index) + 1 :]
-        if only is not None:
-            following = [i for i in following if i in only]
-        if not following:
+        following = next(order.following(unit.index, only), None)
+        if following is None:
             return
-        target = self.units[following[0]]
+        target = self.units[following]
         if target.state is not UnitState.SHARDED:
             return
         # Rank-independent (Note [one order of collectives]): a unit freed when its gradients arrived still counts.
-        live = sum(
-            u.numel for u in self.units if u.state is not UnitState.SHARDED or u.index in self._freed_by_arrivals
-        )
-        if limit is None or live + target.numel <= limit:
+        if limit is None or self._live.numel + target.numel <= limit:
             self._gather(target, prefetch=True)
 
     def remove_hooks(self) -> None:

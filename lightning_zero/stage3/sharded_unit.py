@@ -28,6 +28,18 @@ class UnitState(enum.Enum):
     """Parameters are views of the full buffers and may be used. 1/N + 1 of the unit."""
 
 
+class LiveNumel:
+    """Elements of a model's units that the prefetch limit (``ZeroConfig.prefetch_limit_numel``) counts as live:
+    every unit not ``SHARDED``, and every unit ``counted_while_sharded`` (freed when its gradients arrived in the
+    backward running now: Note [one order of collectives]). A running sum the units update as they change, so that
+    a prefetch reads it without looking at every unit."""
+
+    __slots__ = ("numel",)
+
+    def __init__(self) -> None:
+        self.numel = 0
+
+
 class ShardSource(Protocol):
     """Where a unit's shards live between uses when not in memory (the memory tiers, ``lightning_zero.offload``):
     ``acquire`` makes a bucket's ``param_shard`` readable until the matching ``release``."""
@@ -63,10 +75,34 @@ class ShardedUnit:
         """How the buckets are all-gathered: plainly, or ZeRO++'s way (``stage3/zeropp.py``)."""
         self.shard_source: ShardSource | None = None
         """Set when the shards live in a memory tier: each is acquired from it while the unit is not SHARDED."""
+        self.live = LiveNumel()
+        """The sum this unit is counted in; the gatherer gives every unit of a model the same one."""
+        self._counted_while_sharded = False
+        self._trainable_buckets = [b for b in buckets if b.trainable]
 
     @property
     def trainable_buckets(self) -> list[FlatBucket]:
-        return [b for b in self.buckets if b.trainable]
+        return self._trainable_buckets
+
+    @property
+    def counted_live(self) -> bool:
+        return self.state is not UnitState.SHARDED or self._counted_while_sharded
+
+    def count_while_sharded(self, counted: bool) -> None:
+        """Keep (or stop keeping) the unit in ``live`` even while it is ``SHARDED``."""
+        before = self.counted_live
+        self._counted_while_sharded = counted
+        self._recount(before)
+
+    def _set_state(self, state: UnitState) -> None:
+        before = self.counted_live
+        self.state = state
+        self._recount(before)
+
+    def _recount(self, before: bool) -> None:
+        after = self.counted_live
+        if after != before:
+            self.live.numel += self.numel if after else -self.numel
 
     def gather(
         self, group: ProcessGroup, ledger: CommLedger, buffers: GatheredBuffers | None = None, exact: bool = False
@@ -85,7 +121,7 @@ class ShardedUnit:
                 self.shard_source.acquire(bucket)
             pending = comm.gather(bucket, flat, group, self.stream)
             self._pending.append((bucket, flat, ledger.record(pending)))
-        self.state = UnitState.GATHERING
+        self._set_state(UnitState.GATHERING)
 
     def wait(self) -> None:
         if self.state is not UnitState.GATHERING:
@@ -94,7 +130,7 @@ class ShardedUnit:
             pending.wait()  # compute waits for the gather here, and only here
             bucket.attach(flat)
         self._pending.clear()
-        self.state = UnitState.GATHERED
+        self._set_state(UnitState.GATHERED)
 
     def release(self, keep_in: GatheredBuffers | None = None) -> None:
         """Free the full parameters (waiting first if a gather is still in flight: its buffers must outlive it, and
@@ -109,7 +145,7 @@ class ShardedUnit:
                 keep_in.give(memory)
             if self.shard_source is not None:
                 self.shard_source.release(bucket)
-        self.state = UnitState.SHARDED
+        self._set_state(UnitState.SHARDED)
 
     def __repr__(self) -> str:
         return f"ShardedUnit({self.index}, {self.name!r}, numel={self.numel}, state={self.state.value})"

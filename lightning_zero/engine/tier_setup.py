@@ -1,9 +1,12 @@
-"""Building a rank's memory tiers for the strategy: the directory checks and the free-space checks, done before
-anything is written (Note [tier directories] in ``offload/directory.py``)."""
+"""A rank's memory tiers as a strategy holds them: built with the directory checks and the free-space checks, done
+before anything is written (Note [tier directories] in ``offload/directory.py``); every shard brought into memory
+for a while; closed at the end."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -88,3 +91,32 @@ def _state_bytes_per_element(optimizer: Optimizer) -> int:
     except Exception:
         return 8  # the optimizer cannot be rebuilt without its arguments: assume Adam's two fp32 moments
     return sum(v.element_size() for v in clone.state[probe].values() if isinstance(v, torch.Tensor) and v.numel() == 16)
+
+
+@contextmanager
+def shards_in_memory(tiers: MemoryTiers | None, optimizers: Iterable[ZeroOptimizer]) -> Iterator[None]:
+    """Every shard of this rank (parameters, masters, optimizer state) in memory inside the context, put back into
+    its tier afterwards; without tiers it does nothing. A delayed update still in flight lands first."""
+    if tiers is None:
+        yield
+        return
+    for optimizer in optimizers:
+        optimizer.settle()  # Note [delayed parameter update] in offload/host_steps.py
+    tiers.load_all()
+    try:
+        yield
+    finally:
+        tiers.unload_all()
+
+
+def close_memory_tiers(tiers: MemoryTiers | None, optimizers: Iterable[ZeroOptimizer] | None) -> None:
+    """The end of a rank's tiers. With the ``optimizers`` (a run that ends as planned) the last delayed update lands
+    and every shard goes back where the model reads it (``restore``); in every case the tiers' IO stops and this
+    rank's tier files are removed (Note [tier directories])."""
+    if tiers is None:
+        return
+    if optimizers is not None:
+        for optimizer in optimizers:
+            optimizer.settle()  # the last delayed update reaches the model
+        tiers.restore()
+    tiers.close()

@@ -41,9 +41,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_zero.comm.collectives import all_gather
-from lightning_zero.lightning.strategy import ZeroStrategy
-from lightning_zero.lightning.strategy_checkpoint import iter_zero_optimizers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
+from lightning_zero.trainer.strategy import ZeroStrategy
+from lightning_zero.trainer.strategy_checkpoint import iter_zero_optimizers
 
 EMA_KEY = "ema"
 """The optimizer state entry holding a master's average (Note [EMA as optimizer state])."""

@@ -8,21 +8,12 @@ The lifecycle, in Lightning's hook order:
 - ``optimizer_step``: the gradient reduction is finished right after the closure (forward + backward), so that
   ``on_before_optimizer_step`` hooks and gradient clipping see the reduced gradients (as the ``ZeroOptimizer``'s
   master gradients, not as parameters' ``.grad``: Note [reduced gradients live in the optimizer] in
-  ``lightning/precision.py``); then the sharded step and the parameter all-gather run.
+  ``trainer/precision.py``); then the sharded step and the parameter all-gather run.
 - ``block_backward_sync``: Lightning enters it for the non-final micro-batches of gradient accumulation.
 
 Stage 3 adds: ``model_sharded_context`` (``configure_model``) and ``tensor_init_context``
 (``trainer.init_module(empty_init=True)``) build on the meta device; ``setup`` shards the model unit by unit
 (``stage3/sharded_init.py``); each ``*_step`` runs with the root unit gathered, as a forward of the root module.
-
-Note [buffers follow rank 0]
-DDP (``broadcast_buffers=True``) broadcasts rank 0's buffers at the start of a forward of its wrapper when the
-previous forward ran with gradients enabled outside ``no_sync`` (and at the first forward of a fit). Under
-Lightning, training steps and, during ``fit``, validation steps are forwards of the wrapper; validation runs without
-gradients. So the first validation step after training evaluates rank 0's BatchNorm statistics on every rank, the
-first training step after validation does not broadcast, and accumulating micro-batches broadcast only at the first
-of each window. ``ZeroStrategy`` broadcasts at exactly those points (``ZeroConfig.broadcast_buffers``), in one
-coalesced broadcast of every buffer, as DDP does.
 """
 
 from __future__ import annotations
@@ -45,21 +36,29 @@ from lightning_zero.checkpoint.module_state import ModuleState
 from lightning_zero.comm.topology import Link
 from lightning_zero.compat import MockOptimizer, sync_module_states
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.auto_setup import choose_configuration
-from lightning_zero.lightning.engine_setup import calling, install_module_state, shard_for_stage3, wrap_optimizers
-from lightning_zero.lightning.grad_norm import hide_partial_gradients
-from lightning_zero.lightning.memory import ModelStateBytes, host_tier_bytes, model_state_bytes
-from lightning_zero.lightning.offload_setup import build_memory_tiers
-from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
-from lightning_zero.lightning.presets import register_presets, with_cpu_offload
-from lightning_zero.lightning.root_unit_steps import RootUnitSteps
-from lightning_zero.lightning.strategy_checkpoint import as_zero_optimizer, iter_zero_optimizers
-from lightning_zero.lightning.strategy_processes import StartMethod
+from lightning_zero.engine.buffers import BufferBroadcast
+from lightning_zero.engine.grad_norm import hide_partial_gradients
+from lightning_zero.engine.memory import ModelStateBytes, communication_per_step, model_state_bytes, tier_bytes
+from lightning_zero.engine.model_sharding import (
+    full_state_dicts,
+    gathered_parameters,
+    install_module_state,
+    on_meta,
+    shard_for_stage3,
+    stage3_init_context,
+)
+from lightning_zero.engine.optimizer_wrapping import as_zero_optimizer, wrap_optimizers
+from lightning_zero.engine.presets import StartMethod, register_presets, with_cpu_offload
+from lightning_zero.engine.tier_setup import build_memory_tiers, close_memory_tiers, shards_in_memory
 from lightning_zero.offload.memory_tiers import MemoryTiers, TierBytes
 from lightning_zero.planning.auto_config import Decision
 from lightning_zero.sharding.activation_checkpointing import apply_activation_checkpointing_policy
 from lightning_zero.stage3.library_init import MetaDeviceExceptMetrics, ParamInitFn, pretrained_on_meta_hint
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
+from lightning_zero.trainer.auto_setup import choose_configuration
+from lightning_zero.trainer.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.trainer.root_unit_steps import RootUnitSteps
+from lightning_zero.trainer.strategy_checkpoint import iter_zero_optimizers
 
 
 class ZeroStrategy(RootUnitSteps):
@@ -112,8 +111,7 @@ class ZeroStrategy(RootUnitSteps):
         )
         self._param_init_fn = param_init_fn
         self._gatherer: ParameterGatherer | None = None
-        self._broadcast_next_forward = True  # Note [buffers follow rank 0]
-        self._accumulating = False  # inside block_backward_sync
+        self._buffer_broadcast = BufferBroadcast()  # Note [buffers follow rank 0]
         self._tiers: MemoryTiers | None = None
         """This rank's memory tiers (``ZeroConfig.offload_*``), built in ``setup``."""
         self._module_state: ModuleState | None = None
@@ -178,16 +176,14 @@ class ZeroStrategy(RootUnitSteps):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self.precision_plugin.after_backward = self._hide_partial_gradients
-            self._broadcast_next_forward = True  # a fresh DDP wrapper's state: Note [buffers follow rank 0]
+            self._buffer_broadcast = BufferBroadcast()  # a fresh DDP wrapper's state: Note [buffers follow rank 0]
         self.setup_precision_plugin()
 
     def _shard_model(self) -> None:
         if self._gatherer is not None:  # fit, then validate/test/predict: already sharded
             return
         assert self.lightning_module is not None
-        self.built_on_meta = any(
-            t.is_meta for t in (*self.lightning_module.parameters(), *self.lightning_module.buffers())
-        )
+        self.built_on_meta = on_meta(self.lightning_module)
         self._gatherer = shard_for_stage3(
             self.lightning_module,
             self.config,
@@ -248,13 +244,9 @@ class ZeroStrategy(RootUnitSteps):
         as FSDP's strategy does, and ``setup`` moves it to the device unit by unit as it shards (Note [partly meta
         models]). Stages 1 and 2 behave as DDP: every rank builds the whole model on its device (uninitialized memory
         with ``empty_init=True``, which the broadcast from rank 0 in ``setup`` makes equal on every rank)."""
-        if self.config.stage == 3 and empty_init:
-            hint = pretrained_on_meta_hint("`trainer.init_module(empty_init=True)`")
-            with MetaDeviceExceptMetrics(), self.precision_plugin.tensor_init_context(), hint:
-                yield
-            return
         if self.config.stage == 3:
-            with self.precision_plugin.tensor_init_context():
+            where = "`trainer.init_module(empty_init=True)`"
+            with stage3_init_context(self.precision_plugin.tensor_init_context(), empty_init, where):
                 yield
             return
         with super().tensor_init_context(empty_init=empty_init):
@@ -267,10 +259,8 @@ class ZeroStrategy(RootUnitSteps):
         """Full parameters of ``module`` (default: the whole model) on every rank inside the context: for sampling,
         EMA or export. Call it on every rank. With ``writeback=True`` changes to the parameters are kept. Stages 1
         and 2 always hold full parameters, so there it does nothing."""
-        if self._gatherer is None:
-            yield
-            return
-        with calling([self._gatherer], "gathered_parameters()"), self._gatherer.gathered(module, writeback=writeback):
+        models = [(self.lightning_module, self._gatherer)] if self.lightning_module is not None else []
+        with gathered_parameters(models, module, writeback):
             yield  # Note [one-rank calls]
 
     @contextmanager
@@ -278,10 +268,7 @@ class ZeroStrategy(RootUnitSteps):
         """Inside the context a stage-3 model's ``state_dict()`` gives full tensors instead of DTensors (on the CPU
         with ``offload_to_cpu``, only on rank 0 with ``rank0_only``): Note [a stage-3 model's state dict]. Call it on
         every rank. Stages 1 and 2 give full tensors always."""
-        if self._module_state is None:
-            yield
-            return
-        with self._module_state.full_state_dict(offload_to_cpu, rank0_only):
+        with full_state_dicts([self._module_state], offload_to_cpu, rank0_only):
             yield
 
     @contextmanager
@@ -291,15 +278,8 @@ class ZeroStrategy(RootUnitSteps):
         model needs it (``ShardedEMA``'s validation swap: Note [averages in the tiers]), and it costs this rank's
         model state (16Ψ/N for fp32 Adam), not the tiers' few buckets; checkpoints and ``load_full_state_dict``
         stream through the tiers instead (Note [checkpoints stream through the tiers] in ``checkpoint/tiered.py``)."""
-        if self._tiers is None:
+        with shards_in_memory(self._tiers, iter_zero_optimizers(self.optimizers)):
             yield
-            return
-        self.settle_optimizers()
-        self._tiers.load_all()
-        try:
-            yield
-        finally:
-            self._tiers.unload_all()
 
     @override
     def model_to_device(self) -> None:
@@ -337,11 +317,8 @@ class ZeroStrategy(RootUnitSteps):
         with ExitStack() as stack:
             for optimizer in iter_zero_optimizers(self.optimizers):
                 stack.enter_context(optimizer.no_sync())
-            self._accumulating = True  # Note [buffers follow rank 0]
-            try:
-                yield
-            finally:
-                self._accumulating = False
+            stack.enter_context(self._buffer_broadcast.no_sync())  # Note [buffers follow rank 0]
+            yield
 
     # -- introspection -------------------------------------------------------------------------------------------
     def model_state_bytes(self) -> ModelStateBytes:
@@ -353,36 +330,22 @@ class ZeroStrategy(RootUnitSteps):
         """This rank's model state by memory tier: in device memory now, placed in the host tier, in the tier file
         on disk (``ZeroConfig.offload_*``)."""
         assert self.lightning_module is not None
-        resident = self.model_state_bytes().total
-        optimizers = list(iter_zero_optimizers(self.optimizers))
-        host = host_tier_bytes(self.config, optimizers, self._gatherer)
-        disk = self._tiers.disk_bytes() if self._tiers is not None else 0
-        stored = self._tiers.host_store_bytes() if self._tiers is not None else 0  # host tier, not held as tensors
-        return TierBytes(resident - host + stored, host, disk)
+        optimizers = iter_zero_optimizers(self.optimizers)
+        return tier_bytes(self.config, self.lightning_module, optimizers, self._gatherer, self._tiers)
 
     def communication_per_step(self, link: Link | None = None) -> dict[str, int]:
         """Bytes this rank sent in the last optimizer step of each optimizer, per collective: in all, or with
         ``link="intra_node"`` / ``"inter_node"`` only those to ranks on its own node / on other nodes (Note [bytes
         by link] in ``comm/ledger.py``)."""
-        total: dict[str, int] = {}
-        ledgers = {id(o.ledger): o.ledger for o in iter_zero_optimizers(self.optimizers)}  # stage 3 shares one
-        for ledger in ledgers.values():
-            for kind, nbytes in ledger.last_step_bytes(link).items():
-                total[kind] = total.get(kind, 0) + nbytes
-        return total
+        return communication_per_step(iter_zero_optimizers(self.optimizers), link)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         with suppress(Exception):  # the run's own error is the one to see; the save committed or left nothing
             self.finish_saves()
-        self._close_tiers()
-
-    def _close_tiers(self) -> None:
-        """Stop the tiers' IO and remove this rank's tier files (Note [tier directories])."""
-        if self._tiers is not None:
-            self._tiers.close()
-            self._tiers = None
+        close_memory_tiers(self._tiers, None)
+        self._tiers = None
 
     @override
     def teardown(self) -> None:
@@ -401,13 +364,10 @@ class ZeroStrategy(RootUnitSteps):
         """
         self.finish_saves()  # Note [asynchronous save]: committed before fit returns
         self._stop_fault_monitor()
-        if self._tiers is not None:
-            self.settle_optimizers()  # the last delayed update reaches the model
-            self._tiers.restore()
-        self._close_tiers()
+        close_memory_tiers(self._tiers, iter_zero_optimizers(self.optimizers))
+        self._tiers = None
         module = self.lightning_module
-        on_meta = module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers()))
-        if self._gatherer is None and not on_meta:
+        if self._gatherer is None and not (module is not None and on_meta(module)):
             for optimizer in iter_zero_optimizers(self.optimizers):
                 optimizer.reducer.remove_hooks()
             self.unsync_layers()

@@ -59,11 +59,12 @@ from lightning_zero.checkpoint.sharded_checkpoint import (
 )
 from lightning_zero.compat import MockOptimizer, route_checkpoint_model_state
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.auto_setup import AUTO_KEY
-from lightning_zero.lightning.strategy_processes import ProcessPerDevice
+from lightning_zero.engine.optimizer_wrapping import as_zero_optimizer
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
+from lightning_zero.trainer.auto_setup import AUTO_KEY
+from lightning_zero.trainer.strategy_processes import ProcessPerDevice
 
 
 class ShardedCheckpointing(ProcessPerDevice):
@@ -383,17 +384,6 @@ def refuse_parameter_changing_callbacks(trainer_callbacks: list[pl.Callback], st
                 )
                 + "or train with strategy='ddp'."
             )
-
-
-def as_zero_optimizer(optimizer: Any) -> ZeroOptimizer:
-    # LightningOptimizer wraps the strategy's optimizer in manual optimization.
-    optimizer = getattr(optimizer, "_optimizer", optimizer)
-    if not isinstance(optimizer, ZeroOptimizer):
-        raise TypeError(
-            f"ZeroStrategy expected a ZeroOptimizer but got {type(optimizer).__name__}. HINT: do not replace "
-            "`trainer.optimizers` after setup; return your optimizers from `configure_optimizers`."
-        )
-    return optimizer
 
 
 def iter_zero_optimizers(optimizers: list[Optimizer]) -> Iterator[ZeroOptimizer]:

@@ -15,7 +15,7 @@ import logging
 import os
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -31,7 +31,6 @@ from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
-from lightning_zero.comm.fault_monitor import FaultMonitor
 from lightning_zero.compat import (
     MultiProcessingLauncher,
     SubprocessScriptLauncher,
@@ -41,11 +40,11 @@ from lightning_zero.compat import (
     layer_sync,
     sync_ddp_if_available,
 )
-from lightning_zero.lightning.engine_setup import serving
+from lightning_zero.engine.fault_watch import FaultWatch
+from lightning_zero.engine.model_sharding import serving
+from lightning_zero.engine.presets import StartMethod
 
 log = logging.getLogger(__name__)
-
-StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
 class ProcessPerDevice(ParallelStrategy):
@@ -86,7 +85,7 @@ class ProcessPerDevice(ParallelStrategy):
         self._timeout = timeout
         self._start_method: StartMethod = start_method
         self._num_nodes = 1
-        self._fault_monitor: FaultMonitor | None = None
+        self._fault_watch = FaultWatch()
         self._layers_synced = False
         """``sync_layers`` converted the model for this fit; ``unsync_layers`` reverts it."""
 
@@ -160,7 +159,7 @@ class ProcessPerDevice(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if "nccl" in self._process_group_backend and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "0":
-            # See "Faults on NCCL" in the README: without error handling nothing ever ends a hung collective.
+            # See "Faults on NCCL" in docs/faults.md: without error handling nothing ever ends a hung collective.
             log.warning(
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a collective whose peer died or hangs will block this rank "
                 "forever; `collective_timeout_s` (%s s) only takes effect with error handling on. HINT: unset it "
@@ -168,20 +167,14 @@ class ProcessPerDevice(ParallelStrategy):
                 self._timeout.total_seconds(),
             )
         # Names the rank that failed, died or hangs in the errors of the others (see ``comm/fault_monitor.py``).
-        if self._fault_monitor is None:
-            self._fault_monitor = FaultMonitor.from_default_group()
-            if self._fault_monitor is not None:
-                self._fault_monitor.start()
+        self._fault_watch.start()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        if self._fault_monitor is not None:
-            self._fault_monitor.on_exception(exception)
+        self._fault_watch.on_exception(exception)
 
     def _stop_fault_monitor(self) -> None:
-        if self._fault_monitor is not None:
-            self._fault_monitor.stop()
-            self._fault_monitor = None
+        self._fault_watch.stop()
 
     # -- Trainer(sync_batchnorm=True) ---------------------------------------------------------------------------------
     def sync_layers(self, trainer: pl.Trainer, sharded: bool = False) -> None:

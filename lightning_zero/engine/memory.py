@@ -1,7 +1,8 @@
 """Model-state memory per rank: what the sharded objects really hold, and what the ZeRO paper says they should.
 
 ``model_state_bytes`` counts the bytes of the tensors themselves (each storage once), not the process RSS, so it is
-exact and free of allocator effects. ``expected_model_state_bytes`` (the paper's formula for the same quantity),
+exact and free of allocator effects; ``tier_bytes`` splits it by memory tier, ``communication_per_step`` adds what a
+step sent. ``expected_model_state_bytes`` (the paper's formula for the same quantity),
 ``ModelStateBytes`` and ``model_state_by_tier`` live in ``planning/model_state.py``, where the estimates use them
 before any rank exists; they are imported here for the code that counts a running model.
 """
@@ -12,8 +13,9 @@ from collections.abc import Iterable
 
 from torch import Tensor, nn
 
+from lightning_zero.comm.topology import Link
 from lightning_zero.config import ZeroConfig
-from lightning_zero.offload.memory_tiers import place_by_ratio
+from lightning_zero.offload.memory_tiers import MemoryTiers, TierBytes, place_by_ratio
 from lightning_zero.planning.model_state import ModelStateBytes, expected_model_state_bytes, model_state_by_tier
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
@@ -95,10 +97,41 @@ def host_tier_bytes(
     return total
 
 
+def tier_bytes(
+    config: ZeroConfig,
+    module: nn.Module,
+    optimizers: Iterable[ZeroOptimizer],
+    gatherer: ParameterGatherer | None,
+    tiers: MemoryTiers | None,
+) -> TierBytes:
+    """This rank's model state by memory tier: in device memory now, placed in the host tier, in the tier file on
+    disk (``ZeroConfig.offload_*``)."""
+    optimizers = list(optimizers)
+    resident = model_state_bytes(module, optimizers, gatherer).total
+    host = host_tier_bytes(config, optimizers, gatherer)
+    disk = tiers.disk_bytes() if tiers is not None else 0
+    stored = tiers.host_store_bytes() if tiers is not None else 0  # host tier, not held as tensors
+    return TierBytes(resident - host + stored, host, disk)
+
+
+def communication_per_step(optimizers: Iterable[ZeroOptimizer], link: Link | None = None) -> dict[str, int]:
+    """Bytes this rank sent in the last optimizer step of each optimizer, per collective: in all, or with
+    ``link="intra_node"`` / ``"inter_node"`` only those to ranks on its own node / on other nodes (Note [bytes by
+    link] in ``comm/ledger.py``)."""
+    total: dict[str, int] = {}
+    ledgers = {id(o.ledger): o.ledger for o in optimizers}  # stage 3's optimizers share one
+    for ledger in ledgers.values():
+        for kind, nbytes in ledger.last_step_bytes(link).items():
+            total[kind] = total.get(kind, 0) + nbytes
+    return total
+
+
 __all__ = [
     "ModelStateBytes",
+    "communication_per_step",
     "expected_model_state_bytes",
     "host_tier_bytes",
     "model_state_by_tier",
     "model_state_bytes",
+    "tier_bytes",
 ]

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning_zero.planning.model_state import ModelStateBytes, expected_model_state_bytes
-
-if TYPE_CHECKING:
-    from lightning_zero.lightning.report import FitReport
+from lightning_zero.trainer.fit_report import FitReport
 
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 

@@ -1,45 +1,38 @@
-"""Setting the engine up for a front door: what ``ZeroStrategy`` (the Trainer's) and ``ZeroFabricStrategy``
-(``lightning_zero.fabric``) both do to a model and its optimizers, written once.
+"""A model sharded for stage 3 by a front door: what ``ZeroStrategy`` (the Trainer's) and ``ZeroFabricStrategy``
+(Fabric's) both do to it, written once.
 
-- ``ranks_per_node``: the node size ZeRO++ and the metering by link need.
-- ``shard_for_stage3``: stage 3's sharding of a model (built normally or on meta) unit by unit.
-- ``wrap_optimizers``: the user's optimizers as ``ZeroOptimizer``s, one loss scaler each, with the tiers' space check
-  and the communication ledger's topology.
-- ``broadcast_buffers``: rank 0's buffers to every rank, in one coalesced broadcast as DDP's.
+- ``shard_for_stage3``: stage 3's sharding of a model (built normally or on meta) unit by unit, after the guard
+  against sharding placeholders (``refuse_released_placeholders``); ``adopt_sharded``: the takeover of a model an
+  earlier strategy of this process sharded; ``ranks_per_node``: the node size ZeRO++ and the metering by link need.
 - ``install_module_state``: a stage-3 model's own ``state_dict``/``load_state_dict`` made true (Note [a stage-3
   model's state dict] in ``checkpoint/module_state.py``).
 - ``serving``, ``calling``: the strategy collectives that serve a rank calling a model alone, and the calls that meet
-  the other ranks first (Note [one-rank calls]).
+  the other ranks first (Note [one-rank calls]): ``gathered_parameters()``, ``full_state_dict()``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.module_state import ModuleState
 from lightning_zero.checkpoint.tiered import TierStorage
 from lightning_zero.comm.topology import ranks_per_node_from_environment
-from lightning_zero.compat import broadcast_coalesced, get_default_store
+from lightning_zero.compat import get_default_store
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.grad_norm import refuse_released_placeholders
-from lightning_zero.lightning.offload_setup import check_optimizer_space
-from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.offload.memory_tiers import MemoryTiers
-from lightning_zero.sharding.activation_checkpointing import parameter_names
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
-from lightning_zero.stage3.library_init import ParamInitFn
+from lightning_zero.stage3.library_init import MetaDeviceExceptMetrics, ParamInitFn, pretrained_on_meta_hint
 from lightning_zero.stage3.one_rank_calls import OneRankCalls
 from lightning_zero.stage3.one_rank_calls import serving as serve_calls
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 from lightning_zero.stage3.sharded_init import shard_module
-from lightning_zero.stage3.zeropp import metering_topology
 
 
 def ranks_per_node(config: ZeroConfig, num_processes: int, world_size: int) -> int | None:
@@ -79,6 +72,39 @@ def shard_for_stage3(
         gatherer.attach_calls(calls)
     object.__setattr__(module, _SHARDED_BY, gatherer)
     return gatherer
+
+
+def refuse_released_placeholders(module: nn.Module) -> None:
+    """Refuse to shard a model another ``ZeroStrategy`` sharded for stage 3 (a previous ``Trainer``): its parameters
+    are placeholders (Note [placeholders] in ``sharding/flat_bucket.py``), and sharding them again would train NaN
+    weights."""
+    name = next((n for n, p in module.named_parameters() if p.numel() > 1 and not any(p.stride())), None)
+    if name is not None:
+        raise ValueError(
+            f"Parameter {name!r} is a released stage-3 placeholder: another ZeroStrategy (an earlier Trainer) "
+            "sharded this model, and its shards are not this strategy's. HINT: run fit/validate/test on this model "
+            "with the Trainer that sharded it, or build a fresh model and load the weights (a checkpoint's "
+            "`ckpt_path`, or `lightning_zero.load_full_state_dict`)."
+        )
+
+
+def stage3_init_context(precision: AbstractContextManager[Any], empty_init: bool | None, where: str) -> ExitStack:
+    """A stage-3 model built inside: with ``empty_init`` on the meta device, materialized unit by unit when it is
+    sharded (``stage3/sharded_init.py``), so no rank ever holds the whole model; without, wherever the precision
+    plugin's ``precision`` context puts it (the CPU, as under FSDP), and moved to the device unit by unit as it is
+    sharded (Note [partly meta models]). ``where``: the call, as a pretrained load inside it names it."""
+    stack = ExitStack()
+    if empty_init:
+        stack.enter_context(MetaDeviceExceptMetrics())  # Note [metrics stay off meta]
+    stack.enter_context(precision)
+    if empty_init:
+        stack.enter_context(pretrained_on_meta_hint(where))
+    return stack
+
+
+def on_meta(module: nn.Module) -> bool:
+    """Whether ``module`` has parameters or buffers on the meta device (built there for stage 3 to materialize)."""
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
 _SHARDED_BY = "_lightning_zero_gatherer"
@@ -188,80 +214,29 @@ def calling(gatherers: Iterable[ParameterGatherer | None], what: str) -> Iterato
             calls.end()
 
 
-def wrap_optimizers(
-    module: nn.Module,
-    optimizers: Sequence[Optimizer],
-    group: dist.ProcessGroup,
-    config: ZeroConfig,
-    precision: ZeroPrecision,
-    gatherer: ParameterGatherer | None,
-    tiers: MemoryTiers | None,
-    num_processes: int,
-) -> list[ZeroOptimizer]:
-    """Wrap each of the model's ``optimizers`` (all of them, every time: one loss scaler per optimizer, Note [one
-    loss scale per optimizer] in ``sharding/loss_scaler.py``). An optimizer that is a ``ZeroOptimizer`` already is
-    kept, with its scaler replaced by the one of its place."""
-    if gatherer is None:
-        refuse_parameters_in_two_optimizers(module, optimizers)
-    scalers = precision.loss_scalers_for(len(optimizers))
-    wrapped: list[ZeroOptimizer] = []
-    fresh: list[ZeroOptimizer] = []
-    for optimizer, scaler in zip(optimizers, scalers, strict=True):
-        if isinstance(optimizer, ZeroOptimizer):
-            optimizer.loss_scaler = scaler
-            wrapped.append(optimizer)
-            continue
-        zero = ZeroOptimizer(
-            module,
-            optimizer,
-            group,
-            config,
-            gatherer,
-            fp32_masters=precision.fp32_masters,
-            loss_scaler=scaler,
-            tiers=tiers.for_optimizer() if tiers is not None else None,
-        )
-        wrapped.append(zero)
-        fresh.append(zero)
-    if tiers is not None:
-        check_optimizer_space(tiers, wrapped, num_processes)
-    if gatherer is None:  # stage 3's ledger has its topology from shard_module
-        per_node = ranks_per_node(config, num_processes, group.size())
-        topology = metering_topology(dataclasses.replace(config, ranks_per_node=per_node), group)
-        for zero in fresh:
-            zero.ledger.topology = topology
-    return wrapped
-
-
-def refuse_parameters_in_two_optimizers(module: nn.Module, optimizers: Sequence[Optimizer]) -> None:
-    """Stages 1 and 2: refuse a trainable parameter that two optimizers step, before either is sharded.
-
-    Each ``ZeroOptimizer`` there lays its parameters out in flat buckets of its own (``FlatBucket``), and a parameter
-    is a view into one bucket only: the second optimizer would take it from the first, whose step would then update
-    a copy nobody reads (stage 1 trained silently wrong weights; stage 2 failed in backward). Stage 3's buckets belong
-    to the sharded model, which every optimizer shares, so there it trains as DDP does."""
-    owner: dict[int, int] = {}
-    for i, optimizer in enumerate(optimizers):
-        if isinstance(optimizer, ZeroOptimizer):
-            params = [p for bucket in optimizer.buckets for p in bucket.params]
-        else:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-        for p in params:
-            if not p.requires_grad or owner.setdefault(id(p), i) == i:
+@contextmanager
+def gathered_parameters(
+    models: Iterable[tuple[nn.Module, ParameterGatherer | None]], module: nn.Module | None, writeback: bool
+) -> Iterator[None]:
+    """Full parameters of ``module`` (default: every model) on every rank inside the context: each of the
+    ``(model, stage-3 gatherer)`` holding some of them meets the other ranks first (Note [one-rank calls]) and gathers
+    them; ``writeback=True`` keeps changes. Stages 1 and 2 (no gatherer) hold full parameters already."""
+    wanted = None if module is None else {id(p) for p in module.parameters()}
+    with ExitStack() as stack:
+        for model, gatherer in models:
+            if gatherer is None or (wanted is not None and wanted.isdisjoint(id(p) for p in model.parameters())):
                 continue
-            first = owner[id(p)]
-            name = parameter_names(module).get(id(p), f"of shape {tuple(p.shape)}")
-            raise ValueError(
-                f"Parameter {name!r} is stepped by two optimizers, #{first} ({type(optimizers[first]).__name__}) and "
-                f"#{i} ({type(optimizer).__name__}). At ZeRO stages 1 and 2 each optimizer shards its parameters "
-                "into flat buckets of its own, and a parameter lives in one bucket only. HINT: give each parameter "
-                "to one optimizer, or use ZeroStrategy(stage=3), whose sharded parameters every optimizer shares."
-            )
+            stack.enter_context(calling([gatherer], "gathered_parameters()"))
+            stack.enter_context(gatherer.gathered(module, writeback=writeback))
+        yield
 
 
-def broadcast_buffers(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Every rank takes rank 0's buffers (Note [buffers follow rank 0] in ``lightning/strategy.py``)."""
-    buffers = list(module.buffers())
-    if buffers and group.size() > 1:
-        # DDP's own coalesced broadcast, with its default bucket size (250 MiB).
-        broadcast_coalesced(group, buffers, 250 * 1024 * 1024, 0)
+@contextmanager
+def full_state_dicts(states: Iterable[ModuleState | None], offload_to_cpu: bool, rank0_only: bool) -> Iterator[None]:
+    """Inside the context the stage-3 models of ``states`` give full tensors from ``state_dict()`` (on the CPU with
+    ``offload_to_cpu``, only on rank 0 with ``rank0_only``): Note [a stage-3 model's state dict]. Collective."""
+    with ExitStack() as stack:
+        for state in states:
+            if state is not None:
+                stack.enter_context(state.full_state_dict(offload_to_cpu, rank0_only))
+        yield

@@ -17,7 +17,6 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_zero.compat import training_dataloader
 from lightning_zero.config import ZeroConfig
-from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.planning.auto_config import (
     Decision,
     agreed_budget,
@@ -31,6 +30,7 @@ from lightning_zero.planning.auto_config import (
 from lightning_zero.planning.fake_step import meta_copy, release_fake_tensors
 from lightning_zero.planning.module_step import predict_lightning_module
 from lightning_zero.planning.peak import PeakPrediction
+from lightning_zero.trainer.precision import ZeroPrecision
 
 AUTO_KEY = "zero_auto"
 """Where a checkpoint keeps the decision (``Decision.record``), and the loggers' prefix for it."""

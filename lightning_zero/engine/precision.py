@@ -1,4 +1,6 @@
-"""``ZeroPrecision``: the precision plugin ``ZeroStrategy`` installs in place of Lightning's.
+"""``ParameterPrecision``: ZeRO's precision, what the precision plugins of both front doors install in place of
+Lightning's (the Trainer's ``ZeroPrecision``, Fabric's ``ZeroFabricPrecision``), and the mapping of Lightning's
+plugins onto them (``to_zero_precision``).
 
 ZeRO's mixed precision is not autocast over fp32 weights: the *parameters* (and so gradients and their communication)
 are bf16 or fp16, and the sharded optimizer keeps fp32 master weights and fp32 optimizer state for its shard. That
@@ -28,19 +30,6 @@ matmuls; here the parameters themselves are low precision, which must not change
   the cast. Limits: an fp32 tensor reaching a norm in a region recomputed under activation checkpointing (the
   recomputation runs outside the forward context), and norms written as raw ops (``x * rsqrt(var) * weight``,
   which promote and need nothing).
-
-Note [reduced gradients live in the optimizer]
-After backward, a parameter's ``.grad`` does not hold the averaged gradient: stage 1 has already reduce-scattered its
-flat gradient buffers into the sharded optimizer (and sets ``.grad`` to None: Note [no partial gradients] in
-``grad_norm.py``), stages 2 and 3 keep only this rank's shard and leave ``.grad`` empty. The reduced gradients are the
-``ZeroOptimizer``'s master gradients; ``on_before_optimizer_step`` hooks read them through ``.grad`` (Note [gradients
-visible to hooks] in ``grad_norm.py``), and nothing else does. So clipping must go through Lightning
-(``Trainer(gradient_clip_val=...)``, or ``self.clip_gradients(...)`` inside ``configure_gradient_clipping`` or a manual
-``training_step``), which lands in ``ZeroOptimizer.clip_grad_*`` and clips by the global norm across shards;
-``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` in ``configure_gradient_clipping`` finds no gradients and
-clips nothing (in ``on_before_optimizer_step`` it is refused: a write to a gradient the step never reads). We cannot see
-such a call, so a ``configure_gradient_clipping`` that never clipped through Lightning during a fit is named in a
-warning when the fit ends.
 """
 
 from __future__ import annotations
@@ -48,16 +37,13 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
 from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -66,9 +52,7 @@ from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
 from lightning_zero.compat import DtypeContextManager, convert_fp_tensor
-from lightning_zero.lightning.grad_norm import VisibleGradients
 from lightning_zero.sharding.loss_scaler import DynamicLossScaler, scale_for_backward
-from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
 ZeroPrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 SUPPORTED: tuple[ZeroPrecisionName, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
@@ -81,11 +65,14 @@ _PARAM_DTYPE: dict[str, torch.dtype] = {
 }
 
 
-class ZeroPrecision(Precision):
-    """Parameters in ``param_dtype``; fp32 masters unless ``-true``; dynamic loss scaling for ``16-mixed``."""
+class ParameterPrecision(Precision):
+    """Parameters in ``param_dtype``; fp32 masters unless ``-true``; dynamic loss scaling for ``16-mixed``. What
+    both front doors' plugins share: the Trainer's ``ZeroPrecision`` adds its clipping hooks, Fabric's
+    ``ZeroFabricPrecision`` its backward and step protocol."""
 
     _strategy_name = "ZeroStrategy"
-    """The strategy this plugin serves, as errors name it."""
+    _front_door = "Trainer"
+    """The strategy and front door this plugin serves, as errors name them (Fabric's plugin names its own)."""
 
     def __init__(self, precision: ZeroPrecisionName = "32-true", loss_scaler: DynamicLossScaler | None = None) -> None:
         if precision not in SUPPORTED:
@@ -97,7 +84,8 @@ class ZeroPrecision(Precision):
         if loss_scaler is not None and precision != "16-mixed":
             raise ValueError(
                 f"A loss scaler is only used with precision='16-mixed', not {precision!r}. HINT: drop `loss_scaler` "
-                "(bf16 and fp32 gradients do not underflow), or use ZeroPrecision('16-mixed', loss_scaler=...)."
+                "(bf16 and fp32 gradients do not underflow), or use "
+                f"{type(self).__name__}('16-mixed', loss_scaler=...)."
             )
         self.precision = precision
         self.param_dtype = _PARAM_DTYPE[precision]
@@ -107,14 +95,9 @@ class ZeroPrecision(Precision):
         scale per optimizer] in ``sharding/loss_scaler.py``)."""
         self.loss_scalers: list[DynamicLossScaler] = [self.loss_scaler] if self.loss_scaler is not None else []
         self._configured_scaler = copy.copy(self.loss_scaler)
-        # A user's `configure_gradient_clipping` during this fit: its class, calls, and calls that clipped through
-        # Lightning. See Note [reduced gradients live in the optimizer].
-        self._clipping_hook: tuple[str, int, int] | None = None
-        self._clipped = False
         self.after_backward: Callable[[], None] | None = None
-        """Set by ``ZeroStrategy``: runs after each backward, before ``on_after_backward`` (Note [no partial
-        gradients] in ``grad_norm.py``)."""
-        self._visible_gradients = VisibleGradients()  # Note [gradients visible to hooks] in grad_norm.py
+        """Set by the strategy: runs after each backward, before the Trainer's ``on_after_backward`` (Note [no
+        partial gradients] in ``grad_norm.py``)."""
 
     # -- model: Note [mixed precision runs any model] ---------------------------------------------------------------
     @property
@@ -181,75 +164,6 @@ class ZeroPrecision(Precision):
         if self.after_backward is not None:
             self.after_backward()  # before `on_after_backward`, which super() calls
         return super().post_backward(tensor, module)
-
-    @override
-    def clip_gradients(
-        self,
-        optimizer: Any,
-        clip_val: int | float = 0.0,
-        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-    ) -> None:
-        # Lightning reads 0 as "no clipping" (it was the Trainer's default) but also ignores a negative or NaN value
-        # without a word; such a value is a mistake, and training unclipped would hide it.
-        if not clip_val >= 0:
-            algorithm = GradClipAlgorithmType(gradient_clip_algorithm).value
-            raise ValueError(
-                f"Invalid gradient clip value {clip_val!r} for clipping by {algorithm}. Expected a positive number "
-                "(or 0, which disables clipping). HINT: fix `Trainer(gradient_clip_val=...)` or the value passed to "
-                "`self.clip_gradients(...)`; None disables clipping too."
-            )
-        self._clipped = True
-        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
-
-    @override
-    def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
-        # `.grad` shows the reduced gradients to the on_before_optimizer_step hooks: Note [gradients visible to hooks]
-        zero = (getattr(o, "_optimizer", o) for o in model.trainer.optimizers)
-        self._visible_gradients.show(model, [o for o in zero if isinstance(o, ZeroOptimizer)])
-        try:
-            super()._after_closure(model, optimizer)  # the hooks, then _clip_gradients
-        finally:
-            self._visible_gradients.hide()
-
-    @override
-    def _clip_gradients(
-        self,
-        model: pl.LightningModule | nn.Module,
-        optimizer: Any,
-        clip_val: int | float | None = None,
-        gradient_clip_algorithm: GradClipAlgorithmType | None = None,
-    ) -> None:
-        self._visible_gradients.hide()  # clipping hooks keep Note [no partial gradients]'s None
-        self._clipped = False
-        super()._clip_gradients(model, optimizer, clip_val, gradient_clip_algorithm)  # calls the user's hook
-        # Lightning calls the hook in automatic optimization only.
-        hooked = isinstance(model, pl.LightningModule) and model.automatic_optimization
-        if hooked and is_overridden("configure_gradient_clipping", model):
-            _, calls, clipped = self._clipping_hook or ("", 0, 0)
-            self._clipping_hook = (type(model).__name__, calls + 1, clipped + self._clipped)
-
-    @override
-    def teardown(self) -> None:
-        # Only after the fit: a hook that clips conditionally (say, after warm-up) skips some steps on purpose.
-        if self._clipping_hook is not None and self._clipping_hook[2] == 0:
-            name, calls, _ = self._clipping_hook
-            rank_zero_warn(
-                f"`{name}.configure_gradient_clipping` ran {calls} times and never clipped through Lightning. Under "
-                "ZeroStrategy the parameters' `.grad` do not hold the reduced gradients (Note [reduced gradients "
-                "live in the optimizer] in lightning_zero/lightning/precision.py), so clipping them directly, e.g. "
-                "`torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`, clipped nothing. HINT: call "
-                "`self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm=...)` in the hook."
-            )
-        self._clipping_hook = None
-        super().teardown()
-
-    @override
-    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
-        _zero_optimizer(optimizer).clip_grad_norm_(clip_val)
-
-    @override
-    def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
-        _zero_optimizer(optimizer).clip_grad_value_(clip_val)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -343,12 +257,7 @@ def _low_precision_parameters(dtype: torch.dtype) -> Iterator[None]:
         handle.remove()
 
 
-def _zero_optimizer(optimizer: Any) -> ZeroOptimizer:
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer in manual optimization
-    if not isinstance(optimizer, ZeroOptimizer):
-        raise TypeError(f"ZeroPrecision clips gradients of a ZeroOptimizer, got {type(optimizer).__name__}.")
-    return optimizer
-
+P = TypeVar("P", bound=ParameterPrecision)
 
 _PLAIN: tuple[type[FabricPrecision], ...] = (Precision, FabricPrecision)
 _TRANSLATED: tuple[type[FabricPrecision], ...] = (
@@ -359,18 +268,16 @@ _TRANSLATED: tuple[type[FabricPrecision], ...] = (
 )
 
 
-def to_zero_precision(plugin: FabricPrecision | None, zero_type: type[ZeroPrecision] = ZeroPrecision) -> ZeroPrecision:
-    """Translate the plugin Lightning built from ``Trainer(precision=...)`` (or Fabric from ``Fabric(precision=...)``:
-    ``zero_type`` is then Fabric's ``ZeroPrecision``) into ZeRO's own."""
+def to_zero_precision(plugin: FabricPrecision | None, zero_type: type[P]) -> P:
+    """Translate the plugin Lightning built from ``Trainer(precision=...)`` (``zero_type``: the Trainer's
+    ``ZeroPrecision``) or Fabric from ``Fabric(precision=...)`` (``ZeroFabricPrecision``) into ZeRO's own."""
     if plugin is None or isinstance(plugin, zero_type):
         return plugin or zero_type()
-    front = "Trainer" if zero_type is ZeroPrecision else "Fabric"
-    strategy = zero_type._strategy_name
-    if isinstance(plugin, ZeroPrecision):
+    front, strategy = zero_type._front_door, zero_type._strategy_name
+    if isinstance(plugin, ParameterPrecision):
         raise ValueError(
-            f"{type(plugin).__name__} is the Trainer's ZeRO precision plugin; this strategy needs a "
-            f"{zero_type.__name__}. "
-            f"HINT: pass `precision=...` or `{zero_type.__name__}({plugin.precision!r})`."
+            f"{type(plugin).__name__} is {plugin._strategy_name}'s ZeRO precision plugin; {strategy} needs a "
+            f"{zero_type.__name__}. HINT: pass `precision=...` or `{zero_type.__name__}({plugin.precision!r})`."
         )
     if type(plugin) in _PLAIN:
         return zero_type("32-true")

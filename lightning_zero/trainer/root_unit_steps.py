@@ -13,23 +13,19 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
-import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_zero.lightning.engine_setup import broadcast_buffers
-from lightning_zero.lightning.strategy_checkpoint import ShardedCheckpointing
+from lightning_zero.engine.buffers import BufferBroadcast, broadcast_buffers
+from lightning_zero.trainer.strategy_checkpoint import ShardedCheckpointing
 
 
 class RootUnitSteps(ShardedCheckpointing):
     """Lightning's step hooks with stage 3's root unit gathered, and rank 0's buffers broadcast (Note [buffers follow
     rank 0])."""
 
-    _broadcast_next_forward: bool
+    _buffer_broadcast: BufferBroadcast
     """Whether the next forward of ``fit`` starts with rank 0's buffers, as DDP's next forward would."""
-    _accumulating: bool
-    """Inside ``block_backward_sync`` (accumulating): the forward after this one does not broadcast, as DDP's after a
-    ``no_sync`` forward does not."""
 
     def _with_root_gathered(self, step: Callable[[], Any]) -> Any:
         if self._gatherer is None:
@@ -59,9 +55,7 @@ class RootUnitSteps(ShardedCheckpointing):
         assert self.lightning_module is not None
         if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             return
-        if self._broadcast_next_forward and self.config.broadcast_buffers:
-            self._broadcast_buffers()
-        self._broadcast_next_forward = torch.is_grad_enabled() and not self._accumulating
+        self._buffer_broadcast.before_forward(self.lightning_module, self.process_group, self.config.broadcast_buffers)
 
     def _broadcast_buffers(self) -> None:
         assert self.lightning_module is not None

@@ -1,12 +1,17 @@
-"""The names ``ZeroStrategy`` registers with Lightning (``"zero1"`` ... ``"zero3"``, their ``_spawn`` variants and the
-memory-tier presets), and FSDP's ``cpu_offload`` expressed as memory tiers."""
+"""The names both front doors register (``"zero1"`` ... ``"zero3"``, their ``_spawn`` variants and the memory-tier
+presets: ``Trainer(strategy="zero3")``, ``Fabric(strategy="zero3")``), how either starts its processes
+(``StartMethod``), and FSDP's ``cpu_offload`` expressed as memory tiers."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 from lightning_zero.config import ZeroConfig
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+"""``"popen"`` re-runs the script per rank (like ``torchrun``, ``fabric run``); the others start ranks with
+``multiprocessing`` (notebooks, tests, ``fabric.launch(function)``)."""
 
 
 def register_presets(cls: type[Any], strategy_registry: Any) -> list[str]:
