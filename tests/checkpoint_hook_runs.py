@@ -37,12 +37,14 @@ class LoggedGPT(TinyGPT):
 
 class RenamedGPT(LoggedGPT):
     """The same model after a refactor renamed its ``model`` child to ``net``; ``on_load_checkpoint`` maps the keys of
-    checkpoints saved before it, as a user's migration does."""
+    checkpoints saved before it, as a user's migration does; with ``replace`` it also puts its own values in place of
+    one entry, on every rank (``"every"``) or on rank 0 alone (``"rank0"``, a hook under ``rank_zero_only``)."""
 
-    def __init__(self, lr: float = 3e-3, remap: bool = True) -> None:
+    def __init__(self, lr: float = 3e-3, remap: bool = True, replace: str | None = None) -> None:
         super().__init__(lr)
         self.net = self._modules.pop("model")
         self.remap = remap
+        self.replace = replace
 
     @property  # type: ignore[override]
     def model(self) -> nn.Module:
@@ -53,6 +55,8 @@ class RenamedGPT(LoggedGPT):
             state = checkpoint["state_dict"]
             for key in [k for k in state if k.startswith("model.")]:
                 state["net." + key.removeprefix("model.")] = state.pop(key)
+        if self.replace == "every" or (self.replace == "rank0" and self.global_rank == 0):
+            state["net.ln_f.weight"] = torch.full(state["net.ln_f.weight"].shape, 0.25)
 
 
 def _trainable(module: nn.Module) -> list[str]:
@@ -267,6 +271,14 @@ def resume_renamed(name: str, options: dict[str, Any], root: str) -> dict[str, A
         _trainer(strategy_of(name, options), 3, "32-true", []).fit(RenamedGPT(remap=False), ckpt_path=ckpt)
     except Exception as failure:
         refused = f"{type(failure).__name__}: {failure}"
+    replaced = RenamedGPT(replace="every")  # loaded only: the fit ends at the checkpoint's step
+    _trainer(strategy_of(name, options), 2, "32-true", []).fit(replaced, ckpt_path=ckpt)
+    rank_zero = None  # DDP would load different weights on each rank; ZeRO refuses
+    if name == "zero":
+        try:
+            _trainer(strategy_of(name, options), 3, "32-true", []).fit(RenamedGPT(replace="rank0"), ckpt_path=ckpt)
+        except Exception as failure:
+            rank_zero = f"{type(failure).__name__}: {failure}"
     loaded = None  # a one-file checkpoint: Lightning's load_from_checkpoint runs the hook itself (rank 0)
     if os.path.isfile(ckpt) and dist.get_rank() == 0:
         loaded = {k: v.clone() for k, v in RenamedGPT.load_from_checkpoint(ckpt).state_dict().items()}
@@ -278,6 +290,8 @@ def resume_renamed(name: str, options: dict[str, Any], root: str) -> dict[str, A
         "final_resumed": weights(resumed),
         "norms": norms.norms,
         "refused": refused,
+        "replaced": weights(replaced),
+        "rank_zero_refused": rank_zero,
     }
 
 

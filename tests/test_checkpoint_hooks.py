@@ -2,9 +2,10 @@
 ``on_save_checkpoint`` reading every entry (a norm), putting an EMA's weights in, renaming an entry, dropping the
 frozen base, adding and casting entries, and the file holds what they left; a write into an entry in place is refused
 before anything is written; ``on_load_checkpoint`` mapping the keys of a model whose child was renamed resumes as
-DDP's and as the uninterrupted run, and without the mapping strict loading refuses; a Fabric loop's stateful object
-holding DTensors is saved and loaded whole (Note [checkpoint hooks see the model's values], Note
-[on_load_checkpoint edits what loads])."""
+DDP's and as the uninterrupted run, a tensor it puts in loads as under DDP, without the mapping strict loading refuses,
+and an edit under ``rank_zero_only`` (which DDP would load as different weights on each rank) is refused on every
+rank; a Fabric loop's stateful object holding DTensors is saved and loaded whole (Note [checkpoint hooks see the
+model's values], Note [on_load_checkpoint edits what loads])."""
 
 from __future__ import annotations
 
@@ -197,6 +198,12 @@ def test_on_load_checkpoint_maps_a_renamed_modules_keys_and_resumes_as_ddp_and_u
         assert zero["refused"] is not None
         assert "16 key(s) missing" in zero["refused"], zero["refused"]
         assert "strict_loading = False" in zero["refused"]
+        for key, value in ddp["replaced"].items():  # a tensor the hook put there loads as it is, as under DDP
+            torch.testing.assert_close(zero["replaced"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+        assert torch.equal(zero["replaced"]["net.ln_f.weight"], torch.full((32,), 0.25))
+        assert ddp["rank_zero_refused"] is None
+        assert "CheckpointError" in zero["rank_zero_refused"], zero["rank_zero_refused"]
+        assert "different checkpoint['state_dict'] on rank(s) [1]" in zero["rank_zero_refused"]
         if zero["loaded"] is not None:  # state_dict_type="full": LightningModule.load_from_checkpoint, rank 0
             for key, value in ddp["loaded"].items():
                 torch.testing.assert_close(zero["loaded"][key], value, rtol=1e-5, atol=1e-6, msg=key)

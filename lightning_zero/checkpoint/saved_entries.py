@@ -17,8 +17,9 @@ tiers); a tensor the hook put there or wrote into is loaded from memory (a DTens
 ``strict_loading`` the keys must be the model's, and a missing or unexpected key is refused before anything loads.
 Optimizer state is keyed by parameter name, so an entry the hook renamed takes its parameter's optimizer state (and
 master) along, as DDP's positional optimizer state does. The ranks compare a digest of what they load (one small
-collective) and refuse dictionaries that differ between ranks (a hook under ``rank_zero_only``), which would load a
-model half edited. A checkpoint holding a ``WeightAveraging`` average, and pretrained weights, load inside
+collective: each key with the saved entry it loads as read, or the shape and dtype of a tensor the hook left, not its
+values) and refuse dictionaries that differ between ranks (a hook under ``rank_zero_only``), which would load a model
+half edited. A checkpoint holding a ``WeightAveraging`` average, and pretrained weights, load inside
 ``load_checkpoint`` as before (Note [Lightning's WeightAveraging]).
 """
 
@@ -124,6 +125,9 @@ class PendingLoad(NamedTuple):
     """None: a one-file checkpoint."""
     data: Location | None
     metadata: Metadata | None
+    file_entries: dict[int, tuple[str, Tensor, int]] | None = None
+    """A one-file checkpoint's: by ``id`` of each memory-mapped entry, its key, itself (kept, so the ``id`` is not
+    reused) and its version then; what the ranks compare of an entry the hook left as it was read."""
 
 
 def read_for_hooks(
@@ -157,7 +161,12 @@ def read_for_hooks(
     )
     if origin.isfile():  # a full checkpoint: its entries are memory-mapped tensors already
         state = load_lightning_state(origin, mmap=True)
-        return (state, pending) if not isinstance(state.get(_WEIGHT_AVERAGING_LIVE), Mapping) else now()
+        if isinstance(state.get(_WEIGHT_AVERAGING_LIVE), Mapping):
+            return now()
+        saved = state.get("state_dict")
+        saved = saved if isinstance(saved, Mapping) else {}
+        files = {id(v): (k, v, v._version) for k, v in saved.items() if isinstance(v, Tensor)}
+        return state, pending._replace(file_entries=files)
     state, toc, data, metadata = open_committed(origin)
     if toc.get("averaged"):
         return now()
@@ -188,7 +197,12 @@ def load_edited(pending: PendingLoad, checkpoint: dict[str, Any], strict: bool) 
     module_state = pending.module.state_dict(keep_vars=True)
     kinds: list[tuple[str, str, Any]] = []
     used: dict[str, str] = {}  # storage -> the first key loading it
+    files = pending.file_entries or {}
     for key, value in state_dict.items():
+        in_file = files.get(id(value))
+        if in_file is not None and in_file[1] is value and value._version == in_file[2]:  # as read from the file
+            kinds.append((key, "saved", in_file[0]))
+            continue
         if isinstance(value, SavedTensor) and not value.written:
             first = used.setdefault(value.storage_key, key)
             if first == key or module_state.get(first) is module_state.get(key):  # tied in the model too
