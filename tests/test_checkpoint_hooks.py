@@ -209,10 +209,14 @@ def test_on_load_checkpoint_maps_a_renamed_modules_keys_and_resumes_as_ddp_and_u
                 torch.testing.assert_close(zero["loaded"][key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
+def _fabric_both(root: str) -> dict[str, Any]:
+    return {name: runs.fabric_stateful(name, root) for name in ("ddp", "zero")}
+
+
 @pytest.mark.timeout(120)
 def test_a_fabric_stateful_object_holding_dtensors_is_saved_and_loaded_whole_as_under_ddp(tmp_path):
-    ddp = run_distributed(runs.fabric_stateful, 2, "ddp", str(tmp_path), init_process_group=False, timeout=100)[0]
-    zero = run_distributed(runs.fabric_stateful, 2, "zero", str(tmp_path), init_process_group=False, timeout=100)[0]
+    results = run_distributed(_fabric_both, 2, str(tmp_path), init_process_group=False, timeout=100)[0]
+    ddp, zero = results["ddp"], results["zero"]
     assert ddp["types"] == zero["types"] == ["Tensor"]  # the full average, not rank 0's rows
     assert zero["ema"].keys() == ddp["ema"].keys()
     for key, value in ddp["ema"].items():
