@@ -48,6 +48,7 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from torch import Tensor
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -69,6 +70,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils._pytree import tree_map as _tree_map
+from torch.utils.flop_counter import flop_registry
 
 __all__ = [
     "CHECKPOINT_WRAPPER_PREFIX",
@@ -83,6 +85,7 @@ __all__ = [
     "FakeTensorMode",
     "FsspecReader",
     "FsspecWriter",
+    "HigherOrderOperator",
     "MockOptimizer",
     "ModTracker",
     "MultiProcessingLauncher",
@@ -106,6 +109,7 @@ __all__ = [
     "distributed_is_initialized",
     "dtensor_over",
     "fabric_run_command",
+    "flop_registry",
     "fused_adam_kernel",
     "get_default_store",
     "init_dist_connection",
@@ -339,6 +343,10 @@ def batches_that_stepped(trainer: Any) -> int:
 # FakeTensorMode: tensors with shapes, dtypes and devices and no memory; TorchDispatchMode: sees every op and the
 # tensors it returns; ModTracker: module forward and backward boundaries (multi-grad hooks), as torch's MemTracker
 # uses them; tree_flatten / tree_map_only: torch's pytree over a batch's nested structure.
+# flop_registry: the FLOP formula of each op, by op packet, as ``FlopCounterMode`` counts them (not in its module's
+# ``__all__``); ``engine/throughput.py`` counts a real step with it (Note [counting without touching the step]);
+# HigherOrderOperator: an operator that runs other ops (``torch.cond``, ``flex_attention``), which such a count cannot
+# see into.
 
 
 def training_dataloader(trainer: Any) -> Any:
