@@ -15,6 +15,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroStrategy, consolidate_checkpoint
 from tests.test_checkpoint_trainer import TinyGPT, weights
@@ -38,7 +39,9 @@ class LoggedGPT(TinyGPT):
 class RenamedGPT(LoggedGPT):
     """The same model after a refactor renamed its ``model`` child to ``net``; ``on_load_checkpoint`` maps the keys of
     checkpoints saved before it, as a user's migration does; with ``replace`` it also puts its own values in place of
-    one entry, on every rank (``"every"``) or on rank 0 alone (``"rank0"``, a hook under ``rank_zero_only``)."""
+    one entry: written into it in place on every rank (``"every"``), a new tensor put there on every rank
+    (``"new"``) or on rank 0 alone (``"rank0"``, a hook under ``rank_zero_only``), or half the saved values, read in
+    the hook (``"half"``)."""
 
     def __init__(self, lr: float = 3e-3, remap: bool = True, replace: str | None = None) -> None:
         super().__init__(lr)
@@ -55,8 +58,12 @@ class RenamedGPT(LoggedGPT):
             state = checkpoint["state_dict"]
             for key in [k for k in state if k.startswith("model.")]:
                 state["net." + key.removeprefix("model.")] = state.pop(key)
-        if self.replace == "every" or (self.replace == "rank0" and self.global_rank == 0):
+        if self.replace == "every":
+            state["net.ln_f.weight"].copy_(torch.full(state["net.ln_f.weight"].shape, 0.25))
+        elif self.replace == "new" or (self.replace == "rank0" and self.global_rank == 0):
             state["net.ln_f.weight"] = torch.full(state["net.ln_f.weight"].shape, 0.25)
+        elif self.replace == "half":
+            state["net.ln_f.weight"] = state["net.ln_f.weight"] * 0.5
 
 
 def _trainable(module: nn.Module) -> list[str]:
@@ -271,8 +278,20 @@ def resume_renamed(name: str, options: dict[str, Any], root: str) -> dict[str, A
         _trainer(strategy_of(name, options), 3, "32-true", []).fit(RenamedGPT(remap=False), ckpt_path=ckpt)
     except Exception as failure:
         refused = f"{type(failure).__name__}: {failure}"
-    replaced = RenamedGPT(replace="every")  # loaded only: the fit ends at the checkpoint's step
-    _trainer(strategy_of(name, options), 2, "32-true", []).fit(replaced, ckpt_path=ckpt)
+    replaced = RenamedGPT(replace="every")  # one step on: the entry written into keeps its optimizer state
+    _trainer(strategy_of(name, options), 3, "32-true", []).fit(replaced, ckpt_path=ckpt)
+    new: dict[str, Tensor] | str  # a new tensor in place of the moved entry: DDP's state follows by position
+    try:
+        _trainer(strategy_of(name, options), 3, "32-true", []).fit(
+            renamed_new := RenamedGPT(replace="new"), ckpt_path=ckpt
+        )
+        new = weights(renamed_new)
+    except Exception as failure:
+        new = f"{type(failure).__name__}: {failure}"
+    halved = RenamedGPT(replace="half")  # validate restores under inference mode; the hook reads the saved values
+    tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(5))
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
+    _trainer(strategy_of(name, options), 2, "32-true", []).validate(halved, data, ckpt_path=ckpt)
     rank_zero = None  # DDP would load different weights on each rank; ZeRO refuses
     if name == "zero":
         try:
@@ -291,6 +310,8 @@ def resume_renamed(name: str, options: dict[str, Any], root: str) -> dict[str, A
         "norms": norms.norms,
         "refused": refused,
         "replaced": weights(replaced),
+        "validated": halved.validated,
+        "new": new,
         "rank_zero_refused": rank_zero,
     }
 

@@ -15,12 +15,13 @@ the hook left it (``load_edited``): an entry as it was read, under its key or an
 as a load without hooks does (its owned ranges only, the exact fp32 master where the save kept one, through the memory
 tiers); a tensor the hook put there or wrote into is loaded from memory (a DTensor made whole first); with
 ``strict_loading`` the keys must be the model's, and a missing or unexpected key is refused before anything loads.
-Optimizer state is keyed by parameter name, so an entry the hook renamed takes its parameter's optimizer state (and
-master) along, as DDP's positional optimizer state does. The ranks compare a digest of what they load (one small
-collective: each key with the saved entry it loads as read, or the shape and dtype of a tensor the hook left, not its
-values) and refuse dictionaries that differ between ranks (a hook under ``rank_zero_only``), which would load a model
-half edited. A checkpoint holding a ``WeightAveraging`` average, and pretrained weights, load inside
-``load_checkpoint`` as before (Note [Lightning's WeightAveraging]).
+Optimizer state is keyed by parameter name, so an entry the hook renamed (and maybe wrote into) takes its parameter's
+optimizer state along, as DDP's positional optimizer state does; an entry moved and then replaced by a new tensor
+says nothing of where it came from, so resuming a fit from it is refused, naming the fix. The ranks compare a digest
+of what they load (one small collective: each key with the saved entry it loads as read, or the shape and dtype of a
+tensor the hook left, not its values) and refuse dictionaries that differ between ranks (a hook under
+``rank_zero_only``), which would load a model half edited. A checkpoint holding a ``WeightAveraging`` average, and
+pretrained weights, load inside ``load_checkpoint`` as before (Note [Lightning's WeightAveraging]).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class SavedTensor(Tensor):
 
     _read: Callable[[], Tensor]
     _whole: Tensor | None
-    _whole_version: int
+    _whole_version: int | None
     storage_key: str
     """Its storage key in the checkpoint."""
     saved_key: str
@@ -98,13 +99,19 @@ class SavedTensor(Tensor):
         """The saved tensor, read by this rank alone the first time."""
         if self._whole is None:
             self._whole = self._read()
-            self._whole_version = self._whole._version
+            self._whole_version = _version(self._whole)
         return self._whole
 
     @property
     def written(self) -> bool:
-        """Whether the hook wrote into it (in place, or through a view): then it loads from memory."""
-        return self._whole is not None and self._whole._version != self._whole_version
+        """Whether the hook wrote into it (in place, or through a view of the values read): then it loads from
+        memory. A write into this tensor moves its own version, not its values' (``__torch_dispatch__`` runs below
+        the version counting); an inference tensor (``trainer.test``/``predict`` restore under inference mode) counts
+        none, so there a read counts as a write."""
+        if self._whole is None:
+            return False
+        versions = (_version(self), self._whole_version, _version(self._whole))
+        return None in versions or versions[0] != 0 or versions[1] != versions[2]
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         return self.whole().__reduce_ex__(protocol)
@@ -125,9 +132,10 @@ class PendingLoad(NamedTuple):
     """None: a one-file checkpoint."""
     data: Location | None
     metadata: Metadata | None
-    file_entries: dict[int, tuple[str, Tensor, int]] | None = None
+    file_entries: dict[int, tuple[str, Tensor, int | None]] | None = None
     """A one-file checkpoint's: by ``id`` of each memory-mapped entry, its key, itself (kept, so the ``id`` is not
-    reused) and its version then; what the ranks compare of an entry the hook left as it was read."""
+    reused) and its version then (None for an inference tensor, which tracks none: a write in place under
+    ``trainer.test``/``predict`` is then not told apart); what the ranks compare of an entry left as it was read."""
 
 
 def read_for_hooks(
@@ -165,7 +173,7 @@ def read_for_hooks(
             return now()
         saved = state.get("state_dict")
         saved = saved if isinstance(saved, Mapping) else {}
-        files = {id(v): (k, v, v._version) for k, v in saved.items() if isinstance(v, Tensor)}
+        files = {id(v): (k, v, _version(v)) for k, v in saved.items() if isinstance(v, Tensor)}
         return state, pending._replace(file_entries=files)
     state, toc, data, metadata = open_committed(origin)
     if toc.get("averaged"):
@@ -200,7 +208,7 @@ def load_edited(pending: PendingLoad, checkpoint: dict[str, Any], strict: bool) 
     files = pending.file_entries or {}
     for key, value in state_dict.items():
         in_file = files.get(id(value))
-        if in_file is not None and in_file[1] is value and value._version == in_file[2]:  # as read from the file
+        if in_file is not None and in_file[1] is value and _version(value) == in_file[2]:  # as read from the file
             kinds.append((key, "saved", in_file[0]))
             continue
         if isinstance(value, SavedTensor) and not value.written:
@@ -230,10 +238,12 @@ def load_edited(pending: PendingLoad, checkpoint: dict[str, Any], strict: bool) 
     renamed: dict[str, str] = {}
     for key, kind, detail in kinds:
         value = state_dict[key]
+        if isinstance(value, SavedTensor) and (
+            value.saved_key not in state_dict or state_dict[value.saved_key] is not value  # moved, not tied
+        ):
+            renamed.setdefault(value.saved_key, key)  # also when written into: it keeps its optimizer state
         if kind == "saved":
             mapping[key] = detail
-            if value.saved_key not in state_dict or state_dict[value.saved_key] is not value:  # moved, not tied
-                renamed.setdefault(value.saved_key, key)
             continue
         if kind == "dtensor":
             value = value.full_tensor()  # collective, in the order every rank agreed on
@@ -244,6 +254,8 @@ def load_edited(pending: PendingLoad, checkpoint: dict[str, Any], strict: bool) 
         tensors[storage] = tensor_info(value.shape, value.dtype, flat=True)
         mapping[key] = storage
     optimizers = [{renamed.get(fqn, fqn): names for fqn, names in o.items()} for o in toc["optimizers"]]
+    if pending.load_optimizer:
+        _refuse_lost_optimizer_state(pending, module_state, mapping, optimizers)
     edited = {**toc, "state_dict": mapping, "tensors": tensors, "optimizers": optimizers}
     module, zero_optimizers = pending.module, pending.zero_optimizers
     excluded = restore_frozen(
@@ -274,6 +286,31 @@ def _load_one_file(
         checkpoint["state_dict"] = state_dict  # what the hook left, for the callbacks' hooks after it
 
 
+def _refuse_lost_optimizer_state(
+    pending: PendingLoad, module_state: Mapping[str, Any], mapping: Mapping[str, str], optimizers: list[Any]
+) -> None:
+    """Refuse, before anything loads, a trainable parameter the hook gave a new tensor under a key with no optimizer
+    state while state saved under another key fits no parameter: the hook moved the entry and then replaced it, so
+    nothing says whose state it is (DDP's, positional, follows the parameter). Same on every rank (the agreed
+    dictionary, the model's keys and the table of contents)."""
+    with_state = {fqn for names in optimizers for fqn in names}
+    orphans = sorted(with_state - set(module_state))
+    lost = [
+        key
+        for key, storage in mapping.items()
+        if storage.startswith("memory/") and key not in with_state
+        and isinstance(module_state.get(key), nn.Parameter) and module_state[key].requires_grad
+    ]  # fmt: skip
+    if orphans and lost:
+        raise CheckpointError(
+            f"`on_load_checkpoint` put a new tensor under checkpoint['state_dict'][{lost[0]!r}], which has no "
+            f"optimizer state in {pending.origin}, while the state saved for {orphans[0]!r} fits no parameter: the "
+            "optimizer state follows an entry by the key it was saved under, and a replaced entry no longer says "
+            "where it came from. HINT: write the new values into the moved entry in place "
+            "(`state[new_key].copy_(values)`), which keeps its optimizer state, or resume weights only."
+        )
+
+
 def _agree(kinds: list[tuple[str, str, Any]], group: dist.ProcessGroup | None) -> None:
     """Refuse on every rank when the ranks would load different dictionaries."""
     if group is None or group.size() == 1:
@@ -289,3 +326,8 @@ def _agree(kinds: list[tuple[str, str, Any]], group: dist.ProcessGroup | None) -
             "would be loaded half edited. HINT: run the hook on every rank (not under `rank_zero_only`), "
             "deterministically."
         )
+
+
+def _version(tensor: Tensor) -> int | None:
+    """``tensor._version``, or None for an inference tensor (which has no version counter)."""
+    return None if tensor.is_inference() else tensor._version
