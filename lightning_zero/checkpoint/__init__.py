@@ -15,7 +15,8 @@
 - ``module_state``: a stage-3 model's own ``state_dict()`` and ``load_state_dict()``, true for code we did not write.
 - ``model_entries``: what ``on_save_checkpoint`` hooks see of the model, and what a save writes of what they left.
 - ``saved_entries``: what ``on_load_checkpoint`` sees of a checkpoint, and the model's load from what it left.
-- ``async_save``: ``async_save``: a save snapshot into host memory and written by a background thread.
+- ``async_save``: ``async_save``: a save snapshot into host memory, written by a writer process, committed by a thread.
+- ``write_worker``: the writer process of ``async_save`` (a script that imports torch only).
 - ``tiered``: checkpoint IO through the memory tiers (``TierStorage``): slices moved one at a time.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3

@@ -82,7 +82,7 @@ class ShardedCheckpointing(ProcessPerDevice):
     built_on_meta: bool = False
     """Whether stage 3 built the model on the meta device and initialized it (no weights of its own)."""
     async_saver: AsyncSaver | None = None
-    """``ZeroConfig.async_save``: the background writer, created at the first save (Note [asynchronous save])."""
+    """``ZeroConfig.async_save``: the background writer, created at setup (Note [asynchronous save])."""
     _module_state: ModuleState | None = None
     """Stage 3's ``state_dict()``/``load_state_dict()`` of the model; None for stages 1 and 2."""
     _pending_load: PendingLoad | None = None
@@ -91,6 +91,12 @@ class ShardedCheckpointing(ProcessPerDevice):
     _hook_entries: HookEntries | None = None
     """The model's entries handed to the checkpoint hooks of the save in progress (Note [checkpoint hooks see the
     model's values])."""
+
+    def start_saves(self) -> None:
+        """``ZeroConfig.async_save``: create the background writer and its process group, unless there is one.
+        Collective: at setup, and at a save after the end of training."""
+        if self.config.async_save and self.async_saver is None:
+            self.async_saver = AsyncSaver(timedelta(seconds=self.config.collective_timeout_s), self.process_group)
 
     def finish_saves(self) -> None:
         """Wait for the asynchronous save in flight, if any, and raise its error (the end of training)."""
@@ -224,8 +230,8 @@ class ShardedCheckpointing(ProcessPerDevice):
             return
         path = self.broadcast(filepath)
         if self.config.async_save:  # Note [asynchronous save]
-            if self.async_saver is None:
-                self.async_saver = AsyncSaver(timedelta(seconds=self.config.collective_timeout_s))
+            self.start_saves()
+            assert self.async_saver is not None
             self.async_saver.save(checkpoint, path, self.process_group, saved_with, averaged, written.masters)
             return
         save_sharded_checkpoint(checkpoint, path, self.process_group, saved_with, averaged, written.masters)
