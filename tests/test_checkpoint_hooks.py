@@ -47,6 +47,7 @@ def _gpt_cases() -> list[Any]:
         pytest.param({"stage": 3}, "bf16-true", id="stage3-bf16-masters", marks=slow),
         pytest.param({"stage": 1}, "bf16-true", id="stage1-bf16-masters", marks=slow),
         pytest.param({"stage": 3, "state_dict_type": "full"}, "32-true", id="stage3-full", marks=slow),
+        pytest.param({"stage": 3, "async_save": True}, "bf16-mixed", id="stage3-async-bf16", marks=slow),
         pytest.param({"stage": 2, "state_dict_type": "full"}, "bf16-mixed", id="stage2-full-bf16", marks=slow),
         pytest.param(
             {"stage": 3, "offload_params": "disk", "offload_optimizer": "disk"},
