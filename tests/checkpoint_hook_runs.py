@@ -154,7 +154,7 @@ class NormHook(pl.Callback):
 
 
 class Probe(pl.Callback):
-    """Counts the elements of the model's values the save's hooks read so far (stage 3: ``_Values``), against the
+    """Counts the elements of the model's values the save's hooks read so far (stage 3: ``LazyValues``), against the
     model's, the rows of it a rank holds and its largest bucket."""
 
     def __init__(self) -> None:

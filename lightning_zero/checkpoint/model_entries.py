@@ -13,9 +13,9 @@ replicated tensor (a buffer, a parameter no bucket holds) and, at stages 1 and 2
 tensors detached, as DDP's. At stage 3 a sharded parameter is, as ``lightning_module_state_dict()`` gives it, a
 DTensor of its ``Shard(0)`` rows (``state_dict()``'s, Note [a stage-3 model's state dict] in ``module_state.py``), or
 with ``state_dict_type="full"`` a full tensor as DDP's (FSDP's full state dict); either holds no memory
-(``LazyEntry``, the DTensor's local tensor or the entry itself) until an operation reads it: then its bucket is
-gathered, collectively (``_Values``), and the rows of the bucket's parameters are kept until the save ends, the full
-values one bucket at a time. A hook that reads every weight (a norm) holds about 1/N of the model plus a bucket (one
+(``LazyEntry`` in ``lazy_entry.py``, the DTensor's local tensor or the entry itself) until an operation reads it:
+then its bucket is gathered, collectively (``LazyValues``), and the rows of the bucket's parameters are kept until
+the save ends, the full values one bucket at a time. A hook that reads every weight (a norm) holds about 1/N of the model plus a bucket (one
 bucket, full); a hook that reads none costs nothing. Every rank reads them in the same order, as with FSDP2's DTensors
 (a DTensor's norm is a collective; its ``float()`` is this rank's part, FSDP2's ``full_tensor()`` the whole); a rank
 reading alone fails within seconds, naming the fix (Note [one-rank calls]).
@@ -48,8 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -60,119 +59,17 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from lightning_zero.checkpoint.files import CheckpointError
 from lightning_zero.checkpoint.format import FlatChunk
 from lightning_zero.checkpoint.frozen import frozen_keys
+from lightning_zero.checkpoint.lazy_entry import HINT_REPLACE, LazyEntry, LazyValues
 from lightning_zero.checkpoint.module_state import ModuleState, shard0_rows
 from lightning_zero.checkpoint.slices import OwnedSlice, owned_parameter_slices
 from lightning_zero.checkpoint.tiered import TierStorage, chunk_of
 from lightning_zero.compat import (
-    disabled_torch_function_impl,
     dtensor_over,
     local_tensor_of,
-    make_wrapper_subclass,
-    tree_map,
 )
 from lightning_zero.sharding.sharded_optimizer import ShardedParameters, ZeroOptimizer
 
-__all__ = ["HookEntries", "LazyEntry", "Written", "written_state"]
-
-_HINT_REPLACE = (
-    "HINT: replace the entry instead of writing into it, e.g. "
-    "`checkpoint['state_dict'][key] = checkpoint['state_dict'][key] * 0.5`."
-)
-
-
-class LazyEntry(Tensor):
-    """A stage-3 parameter's values as a save's hooks see them (Note [checkpoint hooks see the model's values]): its
-    full shape (``state_dict_type="full"``) or this rank's ``Shard(0)`` rows (a DTensor's local tensor), with the
-    values' dtype and no memory; an operation reads them (``_Values``) and runs on them."""
-
-    _lazy_values: _Values
-    _lazy_param: Tensor
-    _lazy_key: str
-
-    @staticmethod
-    def __new__(
-        cls: type[LazyEntry],
-        like: Tensor,
-        shape: torch.Size,
-        dtype: torch.dtype,
-        values: _Values,
-        param: Tensor,
-        key: str,
-    ) -> LazyEntry:
-        made = make_wrapper_subclass(cls, like, shape, dtype)
-        assert isinstance(made, LazyEntry)
-        made._lazy_values, made._lazy_param, made._lazy_key = values, param, key
-        return made
-
-    def __repr__(self) -> str:  # type: ignore[override]
-        # No read: a repr on one rank (a debugger, a log line) must not start a collective.
-        return f"LazyEntry({self._lazy_key!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
-
-    __torch_function__ = disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]
-        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):  # `.detach()`, `.data`: not read
-            return args[0]
-        for i, argument in enumerate(func._schema.arguments):
-            target = args[i] if i < len(args) else kwargs.get(argument.name)
-            targets = target if isinstance(target, list | tuple) else [target]
-            written = [t._lazy_key for t in targets if isinstance(t, LazyEntry)]
-            if written and argument.alias_info is not None and argument.alias_info.is_write:
-                raise RuntimeError(
-                    f"{func} writes into checkpoint['state_dict'][{written[0]!r}] in place: at stage 3 the entry shows "
-                    "the model's values read from the shards, and the save writes the shards of an entry left as it "
-                    f"was handed out (Note [checkpoint hooks see the model's values]). {_HINT_REPLACE}"
-                )
-        read: Callable[[Any], Any] = lambda x: x.read() if isinstance(x, LazyEntry) else x  # noqa: E731
-        return func(*tree_map(read, args), **tree_map(read, kwargs))
-
-    def read(self) -> Tensor:
-        """The values (collective when its bucket is not read yet, or no longer kept)."""
-        return self._lazy_values.read(self._lazy_param)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return self.read().__reduce_ex__(protocol)
-
-
-class _Values:
-    """The values the lazy entries of one save read, gathered a bucket at a time (``ModuleState.read_bucket``):
-    every ``Shard(0)`` rows read are kept (about 1/N of the model at most), full values one bucket at a time; and
-    whether the hooks wrote into any of them (through a view, which the entry's own operations cannot see)."""
-
-    def __init__(self, module_state: ModuleState, rows: bool) -> None:
-        self.module_state = module_state
-        self.rows = rows
-        self.keys: dict[int, str] = {}
-        """By ``id`` of a parameter: its first key."""
-        self._kept: dict[int, Tensor] = {}
-        self._read: list[tuple[weakref.ref[Tensor], int, int]] = []  # (tensor read, its version then, a parameter)
-
-    def read(self, param: Tensor) -> Tensor:
-        if id(param) not in self._kept:
-            if not self.rows:
-                self._kept.clear()  # one bucket's full values at a time
-            flat, values = self.module_state.read_bucket(param, self.rows)
-            self._kept.update(values)
-            # A view keeps its base alive: while anything read can still be written into, its base is tracked.
-            read = list(values.items()) if self.rows else [(id(param), flat)]
-            self._read += [(weakref.ref(t), t._version, p) for p, t in read]
-        return self._kept[id(param)]
-
-    def written(self) -> str | None:
-        """The key of an entry whose values were written into since read, if any."""
-        for ref, version, param in self._read:
-            tensor = ref()
-            if tensor is not None and tensor._version != version:
-                return self.keys.get(param, "?")
-        return None
-
-    def release(self) -> None:
-        self._kept.clear()
-        self._read.clear()
+__all__ = ["HookEntries", "Written", "written_state"]
 
 
 class _Handed(NamedTuple):
@@ -226,7 +123,7 @@ class HookEntries:
         self.state: dict[str, Tensor] = {}
         """What the hooks get as ``checkpoint["state_dict"]``."""
         self._index: dict[int, int] = {}  # id of an entry, or of its lazy values -> its position in ``handed``
-        self._values = _Values(module_state, rows=not full) if module_state is not None else None
+        self._values = LazyValues(module_state, rows=not full) if module_state is not None else None
         self._dtypes = module_state.values_dtypes() if module_state is not None else {}
         by_param = {id(s.param): s for s in owned_parameter_slices(zero_optimizers, gatherer)}
         first: dict[int, int] = {}
@@ -320,7 +217,7 @@ class HookEntries:
                     f"A checkpoint hook wrote into checkpoint['state_dict'][{handed.key!r}] in place{live}; the save "
                     "writes an entry left as handed out from the shards, so "
                     f"the file would not hold what the hook left (Note [checkpoint hooks see the model's values]). "
-                    f"{_HINT_REPLACE}"
+                    f"{HINT_REPLACE}"
                 )
         return None
 
