@@ -15,10 +15,10 @@ DTensor of its ``Shard(0)`` rows (``state_dict()``'s, Note [a stage-3 model's st
 with ``state_dict_type="full"`` a full tensor as DDP's (FSDP's full state dict); either holds no memory
 (``LazyEntry`` in ``lazy_entry.py``, the DTensor's local tensor or the entry itself) until an operation reads it:
 then its bucket is gathered, collectively (``LazyValues``), and the rows of the bucket's parameters are kept until
-the save ends, the full values one bucket at a time. A hook that reads every weight (a norm) holds about 1/N of the model plus a bucket (one
-bucket, full); a hook that reads none costs nothing. Every rank reads them in the same order, as with FSDP2's DTensors
-(a DTensor's norm is a collective; its ``float()`` is this rank's part, FSDP2's ``full_tensor()`` the whole); a rank
-reading alone fails within seconds, naming the fix (Note [one-rank calls]).
+the save ends, the full values one bucket at a time. A hook that reads every weight (a norm) holds about 1/N of the
+model plus a bucket (one bucket, full); a hook that reads none costs nothing. Every rank reads them in the same order,
+as with FSDP2's DTensors (a DTensor's norm is a collective; its ``float()`` is this rank's part, FSDP2's
+``full_tensor()`` the whole); a rank reading alone fails within seconds, naming the fix (Note [one-rank calls]).
 
 The save writes what the hooks left (``written_state``), deciding for each key:
 
