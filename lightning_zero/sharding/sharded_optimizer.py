@@ -71,7 +71,6 @@ from lightning_zero.sharding.param_edits import ParamEdits
 from lightning_zero.sharding.param_groups import (
     MasterRun,
     ParamGroupView,
-    adopt_edits,
     copy_masters_to_shards,
     masters_for,
     segments_of,
@@ -294,7 +293,7 @@ class ZeroOptimizer(Optimizer):
         self._check_requires_grad()
         self.edits.check()
         if self.tiers is None:  # with tiers: each bucket's while the tiers hold it (Note [tiered step])
-            adopt_edits([run for run in self._runs if self.edits.edited(run.bucket)])
+            self.edits.adopt_all()  # a masked copy on the device, no host read (Note [edits reach the masters])
         skip = self._found_inf or not self.presence.any
         if not skip:
             with inner_step_hooks(self.optimizer):  # Note [step hooks]
