@@ -187,7 +187,7 @@ DeviceContext = _DeviceContext
 device_constructors: Callable[[], set[Callable[..., Any]]] = _device_constructors
 
 # A tensor subclass without storage of its own, whose ops run in its ``__torch_dispatch__`` (DTensor's mechanism;
-# Note [gradients visible to hooks] in ``trainer/visible_gradients.py``), and the pytree map over an op's arguments.
+# Note [gradients visible to hooks] in ``engine/sharded_gradient.py``), and the pytree map over an op's arguments.
 tree_map: Callable[..., Any] = _tree_map
 
 

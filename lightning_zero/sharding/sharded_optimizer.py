@@ -117,7 +117,7 @@ class ZeroOptimizer(Optimizer):
         self.loss_scaler = loss_scaler
         self.rank = process_group.rank()
         self.world_size = process_group.size()
-        self._grads_ready = False
+        self._readiness = [False]  # behind `_grads_ready`
         self._found_inf = False
         self._views = [ParamGroupView(g, list(g["params"])) for g in optimizer.param_groups]
         # Which parameters are reduced, sharded and stepped is decided here, once: see _check_requires_grad().
@@ -176,6 +176,17 @@ class ZeroOptimizer(Optimizer):
             self.edits.watch(bucket, runs=[run for run in self._runs if run.bucket is bucket])
         if tiers is not None:
             tiers.attach(self)  # watches its own buckets
+
+    @property
+    def _grads_ready(self) -> bool:
+        """Whether this step's gradients are reduced into the masters' ``.grad``. Kept in a list: Fabric's optimizer
+        wrapper derives its class from this one, so ``zero_grad()`` called on the wrapper runs with the wrapper as
+        ``self``, and a plain attribute written there would never reach this object."""
+        return self._readiness[0]
+
+    @_grads_ready.setter
+    def _grads_ready(self, ready: bool) -> None:
+        self._readiness[0] = ready
 
     @property
     def _device(self) -> torch.device:
