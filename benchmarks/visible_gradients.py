@@ -1,13 +1,17 @@
-"""What showing the reduced gradients as ``.grad`` around ``on_before_optimizer_step`` costs a step (Note [gradients
-visible to hooks] in ``lightning_zero/trainer/visible_gradients.py``): the time of ``VisibleGradients.show`` and
-``hide`` for models of 200 and 2,000 parameter tensors, one process, stage 2, when the module overrides the hook
-(without an override nothing runs). Paid only by runs whose module or callbacks override the hook.
+"""What showing the reduced gradients as ``.grad`` costs a step (Note [gradients visible to hooks] in
+``lightning_zero/engine/sharded_gradient.py``), for models of 200 and 2,000 parameter tensors, one process, stage 2:
+the Trainer's ``VisibleGradients.show`` and ``hide`` around ``on_before_optimizer_step`` (paid only when the module or
+a callback overrides the hook), and what Fabric's ``LoopGradients`` adds to every step (``show`` after a synchronizing
+``fabric.backward``, the zeroing check, ``kept`` and ``hide`` around the step: Note [gradients between backward and
+step]), beside torch's own ``module.zero_grad()`` over the same gradients, which every loop pays, in interleaved
+rounds.
 
     .venv/bin/python benchmarks/visible_gradients.py
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 
@@ -17,9 +21,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroOptimizer
+from lightning_zero.fabric.models import SetUpModel, SetUpModels
+from lightning_zero.fabric.module import ZeroForwardModule
+from lightning_zero.fabric.visible_gradients import LoopGradients
 from lightning_zero.trainer.visible_gradients import VisibleGradients
 
-ROUNDS = 50
+ROUNDS = 200
 
 
 class Layers(pl.LightningModule):
@@ -41,16 +48,39 @@ def main() -> None:
         module.net(torch.randn(2, 8)).sum().backward()
         optimizer.reduce_gradients()
         visible = VisibleGradients()
-        for _ in range(3):  # the first builds the ShardedGradients, once per fit
+        models = SetUpModels()
+        models.models.append(SetUpModel(module, ZeroForwardModule(module), None, False, optimizers=[optimizer]))
+        loop = LoopGradients(models)
+        grads = [torch.zeros_like(p) for p in module.parameters()]
+        times: dict[str, list[float]] = {"Trainer hooks": [], "Fabric loop": [], "module.zero_grad()": []}
+        for round_ in range(ROUNDS + 3):  # the first three build the ShardedGradients (once per fit) and warm up
+            start = time.perf_counter()
             visible.show(module, [optimizer])
             visible.hide()
-        start = time.perf_counter()
-        for _ in range(ROUNDS):
-            visible.show(module, [optimizer])
-            visible.hide()
-        seconds = (time.perf_counter() - start) / ROUNDS
+            middle = time.perf_counter()
+            loop.show()  # what a Fabric step adds: after the backward, then around the step
+            loop.apply_zeroing(optimizer)
+            with loop.kept():
+                pass
+            loop.hide(optimizer)
+            end = time.perf_counter()
+            for p, g in zip(module.parameters(), grads, strict=True):  # real gradients, set outside the timing
+                p.grad = g
+            begin = time.perf_counter()
+            module.zero_grad()
+            done = time.perf_counter()
+            if round_ >= 3:
+                times["Trainer hooks"].append(middle - start)
+                times["Fabric loop"].append(end - middle)
+                times["module.zero_grad()"].append(done - begin)
         tensors = 2 * layers
-        print(f"{tensors} parameter tensors: {seconds * 1e3:.2f} ms per step, {seconds / tensors * 1e6:.2f} us each")
+        reference = statistics.median(times["module.zero_grad()"])
+        for name, rounds in times.items():  # medians: the machine is shared, a round may be preempted
+            seconds = statistics.median(rounds)
+            print(
+                f"{tensors} parameter tensors, {name}: {seconds * 1e3:.2f} ms per step, "
+                f"{seconds / tensors * 1e6:.2f} us each ({seconds / reference:.2f}x torch's zero_grad)"
+            )
     dist.destroy_process_group()
 
 

@@ -108,7 +108,7 @@ def main() -> None:
 
     fabric.print(f"{args.steps} steps in {time.perf_counter() - started:.1f} s on {fabric.world_size} processes")
     throughput = fabric.strategy.throughput() if isinstance(fabric.strategy, ZeroFabricStrategy) else None
-    if throughput is not None:  # samples, tokens and FLOPs per second (FlopCounterMode on the first step), MFU
+    if throughput is not None:  # samples, tokens and FLOPs per second (torch's formulas on the first step), MFU
         fabric.print(throughput.describe())
         fabric.log_dict(throughput.metrics(), step=state["step"])
     if args.checkpoint is not None:

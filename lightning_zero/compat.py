@@ -48,6 +48,7 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from torch import Tensor
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -67,6 +68,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils._pytree import tree_map as _tree_map
+from torch.utils.flop_counter import flop_registry
 
 __all__ = [
     "CHECKPOINT_WRAPPER_PREFIX",
@@ -81,6 +83,7 @@ __all__ = [
     "FakeTensorMode",
     "FsspecReader",
     "FsspecWriter",
+    "HigherOrderOperator",
     "MockOptimizer",
     "ModTracker",
     "MultiProcessingLauncher",
@@ -103,6 +106,7 @@ __all__ = [
     "disabled_torch_function_impl",
     "distributed_is_initialized",
     "fabric_run_command",
+    "flop_registry",
     "fused_adam_kernel",
     "get_default_store",
     "init_dist_connection",
@@ -183,7 +187,7 @@ DeviceContext = _DeviceContext
 device_constructors: Callable[[], set[Callable[..., Any]]] = _device_constructors
 
 # A tensor subclass without storage of its own, whose ops run in its ``__torch_dispatch__`` (DTensor's mechanism;
-# Note [gradients visible to hooks] in ``trainer/visible_gradients.py``), and the pytree map over an op's arguments.
+# Note [gradients visible to hooks] in ``engine/sharded_gradient.py``), and the pytree map over an op's arguments.
 tree_map: Callable[..., Any] = _tree_map
 
 
@@ -316,6 +320,10 @@ def batches_that_stepped(trainer: Any) -> int:
 # FakeTensorMode: tensors with shapes, dtypes and devices and no memory; TorchDispatchMode: sees every op and the
 # tensors it returns; ModTracker: module forward and backward boundaries (multi-grad hooks), as torch's MemTracker
 # uses them; tree_flatten / tree_map_only: torch's pytree over a batch's nested structure.
+# flop_registry: the FLOP formula of each op, by op packet, as ``FlopCounterMode`` counts them (not in its module's
+# ``__all__``); ``engine/throughput.py`` counts a real step with it (Note [counting without touching the step]);
+# HigherOrderOperator: an operator that runs other ops (``torch.cond``, ``flex_attention``), which such a count cannot
+# see into.
 
 
 def training_dataloader(trainer: Any) -> Any:

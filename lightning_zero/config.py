@@ -260,11 +260,11 @@ class ZeroConfig:
 
     async_save: bool = False
     """Write sharded checkpoints in the background: ``trainer.save_checkpoint`` (and ``ModelCheckpoint``) copies what
-    this rank writes into host memory and returns, and a thread writes and commits it while training goes on, with
-    the same commit protocol and format; at most one save is in flight, and the next save, a load or the end of
-    training waits for it (Note [asynchronous save] in ``checkpoint/async_save.py``). Costs host memory for the copy
-    of the rank's state. Not with ``state_dict_type="full"`` nor the disk tier; the Trainer only (a Fabric loop
-    saves synchronously and refuses it)."""
+    this rank writes into host memory and returns, and a writer process writes it and a thread commits it while
+    training goes on, with the same commit protocol and format; at most one save is in flight, and the next save, a
+    load or the end of training waits for it (Note [asynchronous save] in ``checkpoint/async_save.py``). Costs host
+    memory for the copy of the rank's state, kept between saves. Not with ``state_dict_type="full"`` nor the disk
+    tier; the Trainer only (a Fabric loop saves synchronously and refuses it)."""
 
     exclude_frozen_parameters: bool = False
     """Leave parameters with ``requires_grad=False`` out of checkpoints (DeepSpeed's option of that name): a LoRA

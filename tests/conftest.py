@@ -47,3 +47,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if needs is not None and gpus and gpus < needs.args[0]:
             reason = f"needs {needs.args[0]} GPUs (NCCL refuses two ranks on one GPU); this machine has {gpus}"
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_rendezvous_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's multiprocessing launcher writes the port it picked into this process's ``MASTER_PORT`` and the
+    next launch reuses it, while the last group's store may still hold it (EADDRINUSE); every test starts without
+    one, and restores what was there."""
+    monkeypatch.delenv("MASTER_PORT", raising=False)

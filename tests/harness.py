@@ -261,3 +261,10 @@ def _collect(
             # Others may be stuck in a collective with the failed rank: give them a moment to fail on their own.
             deadline = min(deadline, time.monotonic() + _GRACE_PERIOD)
     return results, failures, sorted(pending)
+
+
+def fresh_rendezvous_port() -> None:
+    """Forget the port an earlier launch of Lightning's multiprocessing launcher left in this process's
+    ``MASTER_PORT`` (it writes the port it picked there, and the next launch would reuse it while the last group's
+    store may still hold it: EADDRINUSE); the next launch picks a free one."""
+    os.environ.pop("MASTER_PORT", None)

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroStrategy
+from tests.harness import fresh_rendezvous_port
 
 STRATEGIES = ("ddp", "zero2", "zero3")
 """The control first: every ZeRO result is compared with Lightning's DDP."""
@@ -331,6 +332,7 @@ class BuiltInInit(PortModule):
 def spawn_fit(strategy: str, root: str) -> Result:
     """``fit`` under Lightning's own multiprocessing launcher, called in the main process: the weights, metrics and
     best checkpoint path the main process gets back (Lightning's ``test_ddp_spawn`` checks)."""
+    fresh_rendezvous_port()
     module = BuiltInInit()
     checkpoint = ModelCheckpoint(dirpath=f"{root}/{strategy}", monitor="train_loss", save_top_k=1)
     trainer = pl.Trainer(

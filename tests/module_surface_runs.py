@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_zero import ZeroFabricStrategy, ZeroStrategy
 from lightning_zero.models.gpt import GPT, GPTConfig
 from tests import parity
+from tests.harness import fresh_rendezvous_port
 
 
 class Renamed(nn.Module):
@@ -292,6 +293,7 @@ def fit_validate_fit(strategy: str) -> dict[str, Any]:
 
 def spawn_fit(strategy: str) -> dict[str, Tensor]:
     """``fit`` under Lightning's own multiprocessing launcher; the weights the main process gets back."""
+    fresh_rendezvous_port()
     module = _Sampling()
     trainer = _trainer(strategy)
     trainer.fit(module, _loader(), _loader())

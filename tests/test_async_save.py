@@ -3,18 +3,22 @@ save's commit protocol, exact resume and fault guarantees (Note [asynchronous sa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import tempfile
 import threading
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint import FileSystemWriter
 
 from lightning_zero import ZeroConfig, ZeroStrategy
+from lightning_zero.checkpoint.files import read_metadata
+from lightning_zero.checkpoint.storage import locate
 from tests.harness import DistributedTestError, run_distributed
 from tests.test_checkpoint_trainer import BATCH, SAMPLES, Snapshot, assert_same, fit, weights
 
@@ -88,3 +92,94 @@ def test_async_save_is_refused_where_it_cannot_snapshot():
 
     with pytest.raises(NotImplementedError, match="ZeroFabricStrategy does not take async_save=True"):
         ZeroFabricStrategy(async_save=True)
+
+
+def _writer_processes() -> list[str]:
+    """This process's children running the checkpoint writer."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as stat, open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+                command = cmdline.read().decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        if parent == os.getpid() and "write_worker.py" in command:
+            found.append(pid)
+    return found
+
+
+class _SaveBothWays(pl.Callback):
+    """At step 2: an asynchronous save, then a synchronous one of the same state."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.writers: list[str] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step != 2:
+            return
+        strategy = trainer.strategy
+        assert isinstance(strategy, ZeroStrategy)
+        trainer.save_checkpoint(f"{self.root}/async.ckpt")
+        assert strategy.async_saver is not None
+        strategy.async_saver.wait()
+        self.writers = _writer_processes()
+        config, strategy.config = strategy.config, dataclasses.replace(strategy.config, async_save=False)
+        trainer.save_checkpoint(f"{self.root}/sync.ckpt")
+        strategy.config = config
+
+
+def _save_both_ways(root: str) -> list[str]:
+    saves = _SaveBothWays(root)
+    fit(_async(3), 2, 3, root, callbacks=[saves])
+    return saves.writers
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd_create (Linux)")
+@pytest.mark.timeout(120)
+def test_the_writer_process_writes_the_files_a_synchronous_save_writes():
+    with tempfile.TemporaryDirectory() as root:
+        writers = run_distributed(_save_both_ways, 2, root, init_process_group=False)
+        assert all(len(w) == 1 for w in writers), writers  # one writer process per rank wrote the async save
+        names = sorted(os.listdir(f"{root}/sync.ckpt"))
+        assert sorted(os.listdir(f"{root}/async.ckpt")) == names
+        assert sum(name.endswith(".distcp") for name in names) == 2, names
+        # DCP's metadata differs in its save's id and path: compare where each record lies and what it holds.
+        async_metadata, sync_metadata = (read_metadata(locate(f"{root}/{kind}.ckpt")) for kind in ("async", "sync"))
+        assert async_metadata.storage_data == sync_metadata.storage_data
+        assert async_metadata.state_dict_metadata == sync_metadata.state_dict_metadata
+        for name in set(names) - {".metadata"}:  # the shard files, the table of contents with their checksums
+            with open(f"{root}/async.ckpt/{name}", "rb") as a, open(f"{root}/sync.ckpt/{name}", "rb") as s:
+                assert a.read() == s.read(), name
+
+
+class _KillWriter(pl.Callback):
+    """Kills rank 0's writer process after step 3, once the save of step 2 is committed."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == 3:
+            strategy = trainer.strategy
+            assert isinstance(strategy, ZeroStrategy)
+            assert strategy.async_saver is not None
+            strategy.async_saver.wait()  # step 2's save is committed
+            if trainer.global_rank == 0:
+                (pid,) = _writer_processes()
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def _lose_the_writer(root: str) -> None:
+    saves = ModelCheckpoint(dirpath=f"{root}/ck", every_n_train_steps=2, save_top_k=-1)
+    fit(_async(2), 2, 6, root, callbacks=[saves, _KillWriter()])
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd_create (Linux)")
+@pytest.mark.timeout(120)
+def test_a_lost_writer_process_fails_the_save_on_every_rank_and_commits_nothing():
+    with tempfile.TemporaryDirectory() as root:
+        with pytest.raises(DistributedTestError) as failed:
+            run_distributed(_lose_the_writer, 2, root, init_process_group=False, timeout=90)
+        assert sorted(failed.value.failures) == [0, 1]
+        assert all("Saving checkpoint" in failure for failure in failed.value.failures.values())
+        assert "writer process exited" in failed.value.failures[0]
+        assert sorted(os.listdir(f"{root}/ck")) == ["epoch=0-step=2.ckpt"]

@@ -67,6 +67,8 @@ PRIVATE = {
     "torch.utils._python_dispatch.TorchDispatchMode": "TorchDispatchMode",
     "torch.utils._pytree.tree_flatten": "tree_flatten",
     "torch.utils._pytree.tree_map_only": "tree_map_only",
+    "torch.utils.flop_counter.flop_registry (not in the module's __all__)": "flop_registry",
+    "torch._ops.HigherOrderOperator": "HigherOrderOperator",
     "lightning.pytorch.loops.FitLoop._data_source": "training_dataloader",
     "lightning.pytorch.trainer.connectors._CheckpointConnector._get_lightning_module_state_dict": (
         "route_checkpoint_model_state"

@@ -1,10 +1,13 @@
 """Host-device synchronizations in the steady-state step (counted with ``tests/host_syncs.py``): none at any stage in
-fp32 (stage 3 with the divergence check off, its default on GPUs). Which parameters got a gradient on some rank is
-decided without reading the exchanged flags when every parameter got one on this rank (Note [unused parameters]);
-a rank that saw a parameter without one reads them once per step, and so does fp16's overflow check. Separate fp32
-masters add the edit check's read (Note [edits reach the masters])."""
+fp32 and bf16-mixed (stage 3 with the divergence check off, its default on GPUs). Which parameters got a gradient on
+some rank is decided without reading the exchanged flags when every parameter got one on this rank (Note [unused
+parameters]); a rank that saw a parameter without one reads them once per step, and so does fp16's overflow check.
+Separate fp32 masters on the device adopt edits by a masked copy, without a read (Note [edits reach the masters])."""
 
 from __future__ import annotations
+
+import inspect
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -71,6 +74,58 @@ def _only_the_used_flags(where: list[str], steps: int) -> None:
 def test_stages_1_and_2_step_without_host_syncs(stage, accumulate):
     for where in run_distributed(_steady_state_syncs, 2, stage, accumulate):
         assert where == []
+
+
+def _mixed_precision_syncs(cases: list[tuple[int, str]]) -> dict[str, dict[str, object]]:
+    return {f"stage{stage} {precision}": _mixed_precision_case(stage, precision) for stage, precision in cases}
+
+
+def _mixed_precision_case(stage: int, precision: str) -> dict[str, object]:
+    """The host reads of two steady steps, then of a step after an edit through ``p.data`` (what no version counter
+    sees), and whether the edit was found (read after counting)."""
+    rank = dist.get_rank()
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+    model = build_model("gpt").to(dtype)
+    config = ZeroConfig(stage=stage, check_rank_divergence=False)  # as on a GPU
+    gatherer = shard_module(model, config, dist.group.WORLD, torch.device("cpu")) if stage == 3 else None
+    scaler = DynamicLossScaler(scale=2.0**4) if dtype == torch.float16 else None
+    inner = build_optimizer("adamw", model)
+    optimizer = ZeroOptimizer(model, inner, dist.group.WORLD, config, gatherer, loss_scaler=scaler)
+
+    def step(index: int) -> None:
+        loss = loss_fn("gpt", model, batch("gpt", rank, index, 0)).float()
+        (loss * (scaler.scale if scaler is not None else 1.0)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step(0)  # warm-up: lazily created optimizer state, first-step checks
+    with count_host_syncs() as steady:
+        for index in range(1, 3):
+            step(index)
+    with gatherer.gathered(writeback=True) if gatherer is not None else nullcontext(), torch.no_grad():
+        for param in model.parameters():
+            param.data.mul_(0.5)  # through .data: no version counter moves
+    with count_host_syncs() as after_edit:
+        step(3)
+    return {"steady": steady.where, "after_edit": after_edit.where, "flagged": optimizer.edits.flagged}
+
+
+@pytest.mark.timeout(150)
+def test_mixed_precision_steps_read_only_the_fp16_overflow_flag():
+    """bf16-mixed: no host read in a steady step, nor in one whose parameters were edited (the masters adopt edits
+    by a masked copy on the device); 16-mixed: one, the overflow flag (torch's optimizers skip a step on the host).
+    Stages 1-3, the edit found every time."""
+    lines, first = inspect.getsourcelines(ZeroOptimizer.step)
+    reduce_line = first + next(i for i, line in enumerate(lines) if "self.reduce_gradients()" in line)
+    overflow_read = f"Tensor.tolist at {inspect.getsourcefile(ZeroOptimizer)}:{reduce_line} step "
+    cases = [(s, p) for s in (1, 2, 3) for p in ("bf16-mixed", "16-mixed")]
+    for runs in run_distributed(_mixed_precision_syncs, 2, cases, timeout=130):
+        for name, run in runs.items():
+            reads = 0 if "bf16" in name else 1
+            assert len(run["steady"]) == 2 * reads, (name, run["steady"])
+            assert len(run["after_edit"]) == reads, (name, run["after_edit"])
+            assert all(w.startswith(overflow_read) for w in run["steady"] + run["after_edit"]), (name, run)
+            assert run["flagged"] > 0, name  # the edit was adopted by the masked copy
 
 
 def _stage3_steady_state_syncs(check: bool | None) -> list[str]:
@@ -156,18 +211,16 @@ def _syncs_per_rank(stage: int, precision: str) -> dict[str, object]:
 def test_only_a_rank_missing_a_gradient_reads_the_flags(stage, precision):
     # Rank 0 had every gradient: each parameter was used on some rank, nothing to read. Rank 1 lacks the branch it
     # skipped: it reads the summed flags (once per step) to learn that rank 0 used it, and steps it as DDP would.
-    # In bf16-mixed the edit check of the separate masters reads its flags once per step on both (Note [edits reach
-    # the masters]).
+    # bf16-mixed adds nothing: its masters adopt edits without a read (Note [edits reach the masters]).
     rank0, rank1 = run_distributed(_syncs_per_rank, 2, stage, precision)
-    edit_checks = 2 if precision == "bf16-mixed" else 0
-    assert len(rank0["where"]) == edit_checks, rank0["where"]
-    assert len(rank1["where"]) == 2 + edit_checks, rank1["where"]
+    assert len(rank0["where"]) == 0, rank0["where"]
+    assert len(rank1["where"]) == 2, rank1["where"]
     for run in (rank0, rank1):
         assert run["moved"], "this rank steps no shard"
         assert all(run["moved"]), run["moved"]  # every parameter stepped, as under DDP
 
 
 @pytest.mark.timeout(120)
-def test_fp16_reads_the_overflow_check_and_the_edit_check_once_per_step():
+def test_fp16_reads_the_overflow_check_with_the_used_flags_once_per_step():
     for run in run_distributed(_syncs_per_rank, 2, 2, "16-mixed"):
-        assert len(run["where"]) == 2 * 2, run["where"]  # the overflow flag (with the used flags), the edit flags
+        assert len(run["where"]) == 2, run["where"]  # the overflow flag, one read with the used flags

@@ -175,11 +175,8 @@ def test_clipping_by_value_and_by_norm_changes_the_weights_as_fabric_ddp(results
     """Lightning's ``test_clip_gradients``, read through the weights: every gradient entry is 0.1, clipped to 0.05 by
     value or scaled to a norm of 0.08 (a tenth), and SGD with learning rate 1 subtracts the clipped gradient.
 
-    Lightning's test reads ``.grad`` between ``fabric.backward`` and the step. Under ZeRO the reduced gradient lives
-    in the shards (Note [no partial gradients]: a rank's slice read as the whole gradient would be a different wrong
-    number on each rank): ``.grad`` is None, or for the two parameters per optimizer that carry the ``zero_grad()``
-    markers (Note [model.zero_grad() reaches the shards]) a marker that refuses to be read. It used to read as
-    zeros, a silent wrong gradient; a read is now a ``RuntimeError`` naming the fix."""
+    Lightning's test reads ``.grad`` between ``fabric.backward`` and the step: under ZeRO it shows the averaged
+    gradient read from the shards, DDP's value on every rank (Note [gradients between backward and step])."""
     for per_rank in case(results, "clipping"):
         reference = per_rank["ddp"]
         torch.testing.assert_close(reference["value"]["weights"]["0.weight"], torch.full((2, 32), 0.01 - 0.05))
@@ -188,11 +185,8 @@ def test_clipping_by_value_and_by_norm_changes_the_weights_as_fabric_ddp(results
         for name in ZERO:
             for kind in ("value", "norm"):
                 close(per_rank[name][kind]["weights"], reference[kind]["weights"])
-                refusal = per_rank[name][kind]["grad_after_backward"]  # the one parameter carries a marker
-                assert isinstance(refusal, str), refusal
-                assert "ZeroFabricStrategy" in refusal, refusal
-                assert "HINT" in refusal, refusal
                 close(reference[kind]["grad_after_backward"], torch.full((2, 32), 0.1))
+                close(per_rank[name][kind]["grad_after_backward"], reference[kind]["grad_after_backward"])
             assert per_rank[name]["norm"]["norm"] == pytest.approx(0.8)
 
 

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_zero  # noqa: F401  (registers the presets)
 from lightning_zero import ZeroOptimizer, ZeroStrategy
 from lightning_zero.comm.collectives import Collective
-from tests.harness import run_distributed
+from tests.harness import fresh_rendezvous_port, run_distributed
 from tests.parity import build_model, build_optimizer, loss_fn
 
 STEPS = 10
@@ -158,6 +158,7 @@ def test_stage1_accumulation_communicates_only_on_the_last_micro_batch():
 def test_spawn_launcher_trains_and_returns_weights_to_the_main_process():
     """Lightning's own multiprocessing launcher ("zero2_spawn"): no harness, results come back to this process."""
     reference = fit("ddp_spawn", "mlp", "sgd")
+    fresh_rendezvous_port()
     sharded = fit("zero2_spawn", "mlp", "sgd")
     # The launcher returns rank 0's weights to the main process (losses stay in the children).
     for name, expected in reference["weights"].items():

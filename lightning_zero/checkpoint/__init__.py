@@ -13,7 +13,8 @@
 - ``full_save``: ``state_dict_type="full"``: one ``torch.save`` file as DDP writes it, streamed from the shards.
 - ``pretrained``: pretrained weights as input: safetensors files, Hugging Face directories, keys matched to the model.
 - ``module_state``: a stage-3 model's own ``state_dict()`` and ``load_state_dict()``, true for code we did not write.
-- ``async_save``: ``async_save``: a save snapshot into host memory and written by a background thread.
+- ``async_save``: ``async_save``: a save snapshot into host memory, written by a writer process, committed by a thread.
+- ``write_worker``: the writer process of ``async_save`` (a script that imports torch only).
 - ``tiered``: checkpoint IO through the memory tiers (``TierStorage``): slices moved one at a time.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3

@@ -65,7 +65,7 @@ from lightning_zero.checkpoint.local_commit import recover_interrupted_commit
 from lightning_zero.checkpoint.pretrained import is_pretrained_source, open_pretrained, pretrained_sources
 from lightning_zero.checkpoint.sections import Section, section_state, section_toc
 from lightning_zero.checkpoint.slices import LoadPlan, owned_parameter_slices, read_whole
-from lightning_zero.checkpoint.storage import ChecksummingWriter, Location, locate
+from lightning_zero.checkpoint.storage import ChecksummingWriter, Location, WriteFiles, locate
 from lightning_zero.checkpoint.tiered import Span, TierStorage, chunk_of
 from lightning_zero.sharding.sharded_optimizer import ShardedParameters, ZeroOptimizer
 
@@ -189,9 +189,11 @@ def write_save(
     path: str | PathLike[str],
     process_group: dist.ProcessGroup | None,
     saved_with: Mapping[str, int],
+    write_files: WriteFiles | None = None,
 ) -> None:
     """Write what ``prepare_save`` gave and commit the checkpoint (Note [atomic commit], Note [commit on an object
-    store]). Collective over ``process_group``."""
+    store]). Collective over ``process_group``. ``write_files``: who writes the local files (Note [writer process]
+    in ``async_save.py``); None: this thread."""
     target = locate(path)
     rank = 0 if process_group is None else process_group.rank()
     staged: list[Location | None] = [stage_save(target) if rank == 0 else None]
@@ -200,7 +202,7 @@ def write_save(
     directory = staged[0]
     assert directory is not None, "rank 0 chose the directory"
     try:
-        writer = ChecksummingWriter(directory)
+        writer = ChecksummingWriter(directory, None if target.remote else write_files)
         try:
             dcp_save(tensors, storage_writer=writer, planner=SavePlanner(), process_group=process_group)
         except CheckpointException as error:  # DCP gathers every rank's failure: name the first and the checkpoint

@@ -33,7 +33,7 @@ import os
 import queue
 import uuid
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -42,11 +42,17 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from torch import Tensor
-from torch.distributed.checkpoint.planner import SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from lightning_zero.compat import FsspecWriter, write_dcp_item, writes_torch_save
+
+WriteFiles = Callable[
+    [list[tuple[str, str, list[WriteItem]]], SavePlanner, bool], tuple[list[list[WriteResult]], dict[str, int]]
+]
+"""Writes DCP's files ``(path, storage key, items)`` as ``planner`` resolves the items, fsynced if asked; gives each
+file's ``WriteResult``s and the CRC-32 of each file by name."""
 
 DATA_PREFIX = "data-"
 """Name prefix of a remote checkpoint's data directory (Note [commit on an object store])."""
@@ -172,20 +178,32 @@ class ChecksummingWriter(FsspecWriter):
 
     fs: Any
 
-    def __init__(self, directory: Location) -> None:
+    def __init__(self, directory: Location, write_files: WriteFiles | None = None) -> None:
         # fsync only where there is a local disk to sync; an uploaded object is durable once it exists.
         super().__init__(directory.url, single_file_per_rank=True, sync_files=not directory.remote)
         self.checksums: dict[str, int] = {}
         self.fs = _ChecksummedFiles(self.fs, self.checksums)
+        self.write_files = write_files
+        """Writes the files elsewhere (Note [writer process] in ``async_save.py``); None: here, one at a time."""
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue[Any]) -> Future[list[WriteResult]]:
         """Note [one tensor at a time]; what DCP's ``_write_files_from_queue`` does with one thread, in plan order."""
         assert writes_torch_save(self), "sharded checkpoints use torch.save"
-        results: list[WriteResult] = []
+        files: list[tuple[str, str, list[WriteItem]]] = []
         while not file_queue.empty():
             path, storage_key, items = file_queue.get_nowait()
+            files.append((path, storage_key, sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO)))  # as DCP
+        results: list[WriteResult] = []
+        if self.write_files is not None:
+            written, checksums = self.write_files(files, planner, self.sync_files)
+            self.checksums.update(checksums)
+            results = [r for file in written for r in file]
+            done: Future[list[WriteResult]] = Future()
+            done.set_result(results)
+            return done
+        for path, storage_key, items in files:
             with self.fs.create_stream(path, "wb") as stream:
-                for item in sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO):  # bytes first, as DCP
+                for item in items:
                     data = planner.resolve_data(item)
                     if isinstance(data, Tensor):
                         data = data.detach().cpu()
@@ -198,7 +216,7 @@ class ChecksummingWriter(FsspecWriter):
                         os.fsync(stream.fileno())
                     except (AttributeError, io.UnsupportedOperation):
                         os.sync()
-        done: Future[list[WriteResult]] = Future()
+        done = Future()
         done.set_result(results)
         return done
 

@@ -12,6 +12,8 @@
 - ``precision``: ``ParameterPrecision``, ZeRO's mixed precision (low-precision parameters, fp32 masters) under both
   doors' plugins, and Lightning's precision plugins mapped onto it.
 - ``grad_norm``: ``grad_norm`` from the reduced shards; partial gradients hidden from ``.grad``.
+- ``sharded_gradient``: ``ShardedGradient``, the averaged gradient as ``.grad`` shows it (norms and reads from the
+  shards), which both doors put where code reads gradients.
 - ``memory``: per-rank model-state bytes, counted, by memory tier and as the ZeRO paper's formula; bytes sent.
 - ``throughput``: samples, tokens and FLOPs per second, MFU.
 - ``fault_watch``: ``FaultWatch``, the fault monitor started, told of the run's exception, stopped.

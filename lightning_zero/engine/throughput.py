@@ -5,16 +5,32 @@ Note [throughput from the real step]
 micro-batch it is given (the batch's first tensor gives the samples, its first integer tensor of two or more
 dimensions the tokens), the time from one step to the next (the optimizer's step pre-hook in a Fabric loop;
 ``on_before_optimizer_step`` under the Trainer, which runs forward and backward inside ``optimizer.step(closure)``,
-after the pre-hooks), and the FLOPs of one
-step, counted by ``torch.utils.flop_counter.FlopCounterMode`` around the real forward and backward of the first step
-(no formula: whatever the model computes, as torch counts it; the engine's copies and collectives count nothing).
-Under activation checkpointing the recomputation in backward is counted too, so the utilization is the hardware's
-(HFU) rather than the model's (MFU); the report says which. Throughput is taken over the steps after the first (the
-first pays for the counting and for the optimizer state's creation). The times are the host's: no device
-synchronization is added to a step (the engine already waits once per step, Note [unused parameters]), so over
-many steps they are the device's. MFU divides the FLOPs per second by the device's peak for the precision's dtype
-from Lightning's table (``get_available_flops``: NVIDIA GPUs, TPUs), or by ``peak_flops`` where given; on a CPU
-there is none unless given.
+after the pre-hooks), and the FLOPs of one step, counted by ``FlopCount`` around the real forward and backward of the
+first step (no formula of ours: whatever the model computes, by torch's own FLOP formulas; the engine's copies and
+collectives count nothing; Note [counting without touching the step]). Under activation checkpointing the
+recomputation in backward is counted too, so the utilization is the hardware's (HFU) rather than the model's (MFU);
+the report says which. Throughput is taken over the steps after the first (the first pays for the counting and for
+the optimizer state's creation). The times are the host's: no device synchronization is added to a step (the engine
+already waits once per step, Note [unused parameters]), so over many steps they are the device's. MFU divides the
+FLOPs per second by the device's peak for the precision's dtype from Lightning's table (``get_available_flops``:
+NVIDIA GPUs, TPUs), or by ``peak_flops`` where given; on a CPU there is none unless given.
+
+Note [counting without touching the step]
+The counted step is a training step: counting must not change one bit of it. torch's ``FlopCounterMode`` does: an op
+outside its FLOP table that has a ``CompositeImplicitAutograd`` kernel besides its device kernels is re-run through
+that decomposition (``func.decompose``, so that FLOPs hidden inside it are seen), and the decomposition rounds
+differently from the device kernel. ``silu_backward`` is one (its fused CPU and CUDA kernels against
+``math_silu_backward``'s sigmoid, multiplies and adds; about half the elements of a gradient differ by an ulp): the
+SwiGLU MLP of every Llama got other gradients on the counted step, so a resume that counted another step than the
+run it resumes, or a ZeRO run weighed against a DDP one, no longer matched (``_fused_rms_norm`` on CUDA is another).
+``FlopCount`` therefore runs every op as it runs unobserved, ``func(*args)``, and counts by the same table
+(``flop_registry``, the formulas ``FlopCounterMode`` uses); where ``FlopCounterMode`` would decompose, it counts the
+decomposition on meta copies of the arguments (shapes only: no data, no random numbers drawn, no argument written), so
+its total is ``FlopCounterMode``'s while every number computed is the unobserved step's. It keeps no module tracker:
+the report needs the total, not a per-module table, and the tracker's global module hooks and gradient hooks on every
+module input have no business in the engine's step. A decomposition that cannot run on meta tensors leaves the FLOPs
+unknown (the report says which op), never the step changed or stopped; so does a higher-order operator (``torch.cond``,
+``flex_attention``), which runs as it does unobserved, its ops below the mode where no count sees them.
 """
 
 from __future__ import annotations
@@ -26,9 +42,8 @@ from typing import Any, NamedTuple
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 from torch import Tensor
-from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_zero.compat import tree_flatten
+from lightning_zero.compat import HigherOrderOperator, TorchDispatchMode, flop_registry, tree_flatten, tree_map_only
 
 
 class ThroughputSummary(NamedTuple):
@@ -42,7 +57,8 @@ class ThroughputSummary(NamedTuple):
     tokens_per_sec: float | None
     """All ranks; None when the batches hold no token ids."""
     flops_per_step: int | None
-    """This rank's FLOPs in one optimizer step (forward and backward of every micro-batch), by ``FlopCounterMode``."""
+    """This rank's FLOPs in one optimizer step (forward and backward of every micro-batch), by torch's FLOP formulas
+    (``FlopCount``); None where they could not be counted (``uncounted`` says why)."""
     tflops_per_device: float | None
     peak_tflops: float | None
     """The device's peak for the run's dtype (Lightning's table, or ``peak_flops``); None where unknown."""
@@ -50,6 +66,8 @@ class ThroughputSummary(NamedTuple):
     """FLOPs per second over the peak."""
     recomputation: bool
     """Whether activation checkpointing's recomputation is in the count: the utilization is then HFU, not MFU."""
+    uncounted: str | None = None
+    """Why the FLOPs are unknown (an op whose decomposition could not be counted); None when they were counted."""
 
     @property
     def utilization_name(self) -> str:
@@ -74,11 +92,13 @@ class ThroughputSummary(NamedTuple):
         if self.flops_per_step is not None and self.tflops_per_device is not None:
             text += (
                 f"; {self.tflops_per_device:.4g} TFLOPS per device ({self.flops_per_step / 1e9:,.2f} GFLOP per step "
-                "and rank, counted by torch's FlopCounterMode on the first step"
+                "and rank, counted by torch's FLOP formulas on the first step"
                 + (", recomputation included" if self.recomputation else "")
                 + ")"
             )
-        if self.utilization is not None and self.peak_tflops is not None:
+        if self.uncounted is not None:
+            text += f"; FLOPs not counted ({self.uncounted}), {self.utilization_name} unknown"
+        elif self.utilization is not None and self.peak_tflops is not None:
             text += f"; {self.utilization_name} {100 * self.utilization:.1f}% of {self.peak_tflops:g} TFLOPS"
         else:
             text += f"; {self.utilization_name} unknown: no peak FLOPS for this device (pass peak_flops)"
@@ -109,13 +129,66 @@ def batch_sizes(batch: Any) -> tuple[int, int]:
     return samples, 0 if ids is None else ids.numel()
 
 
+def _meta_like(tensor: Tensor) -> Tensor:
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+
+
+class FlopCount(TorchDispatchMode):
+    """The FLOPs of the ops run while it is entered, as ``FlopCounterMode`` counts them, each op computing exactly what
+    it computes unobserved (Note [counting without touching the step])."""
+
+    supports_higher_order_operators = True
+    """A higher-order operator (``torch.cond``, ``flex_attention``) reaches ``__torch_dispatch__`` to be run as it runs
+    unobserved, rather than stopping the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+        self.uncounted: str | None = None
+        """The op whose FLOPs could not be counted (a decomposition that does not run on meta tensors, a higher-order
+        operator), and why; None while the count is whole."""
+        self._whole: set[Any] = {torch.ops.prim.device.default}
+        """Ops with no decomposition (``FlopCounterMode`` leaves ``prim.device`` whole too): counted by the table."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):  # its ops run below this mode, unseen: the count is not whole
+            self.uncounted = self.uncounted or f"the higher-order operator {func.name()} runs ops no count sees"
+            return func(*args, **kwargs)
+        # FlopCounterMode's order: an op that decomposes is counted by its parts, any other by the table. The parts
+        # are counted before the op runs: an in-place op may resize its arguments.
+        decomposed = func not in self._whole and self._count_decomposition(func, args, kwargs)
+        out = func(*args, **kwargs)
+        formula = None if decomposed else flop_registry.get(func.overloadpacket)
+        if formula is not None:
+            self.flops += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+    def _count_decomposition(self, func: Any, args: Any, kwargs: Any) -> bool:
+        """Count the ops ``func`` decomposes into, on meta copies of its arguments (shapes only); False when it has
+        no decomposition."""
+        if self.uncounted is not None:
+            return True  # the total is unknown already: nothing more to count
+        try:
+            meta_args, meta_kwargs = tree_map_only(Tensor, _meta_like, (args, kwargs))
+            with self:
+                if func.decompose(*meta_args, **meta_kwargs) is NotImplemented:
+                    self._whole.add(func)
+                    return False
+        except (NotImplementedError, RuntimeError, TypeError) as error:  # no meta kernel, a host read, no strides
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            self.uncounted = f"{func}'s decomposition does not run on meta tensors: {reason}"
+        return True
+
+
 class StepThroughput:
     """What one rank processes per optimizer step, and how fast (Note [throughput from the real step])."""
 
     def __init__(self, recomputation: bool = False) -> None:
         self.recomputation = recomputation
         self.flops_per_step: int | None = None
-        self._counter: FlopCounterMode | None = None
+        self.uncounted: str | None = None
+        self._counter: FlopCount | None = None
         self._done_counting = False
         self._step_times: list[float] = []
         self._samples: list[int] = []
@@ -127,14 +200,15 @@ class StepThroughput:
         samples, tokens = batch_sizes(batch)
         self._pending = (self._pending[0] + samples, self._pending[1] + tokens)
         if not self._done_counting and self._counter is None:
-            self._counter = FlopCounterMode(display=False)
+            self._counter = FlopCount()
             self._counter.__enter__()
 
     def on_step(self, *_: Any) -> None:
         """The optimizer is about to step: the step's forward and backward are done."""
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
-            self.flops_per_step = int(self._counter.get_total_flops())
+            self.uncounted = self._counter.uncounted
+            self.flops_per_step = self._counter.flops if self.uncounted is None else None
             self._counter = None
             self._done_counting = True
         self._step_times.append(time.perf_counter())
@@ -178,4 +252,5 @@ class StepThroughput:
             None if not peak else peak / 1e12,
             utilization,
             self.recomputation,
+            self.uncounted,
         )

@@ -4,6 +4,7 @@
   presets in Fabric's registry).
 - ``models``: the set-up models, each with its units and optimizers (several per Fabric).
 - ``zero_grad``: ``model.zero_grad()`` on a set-up model reaches the gradients ZeRO holds for it.
+- ``visible_gradients``: ``.grad`` between ``fabric.backward`` and the step, the averaged gradient read from the shards.
 - ``precision``: ``ZeroFabricPrecision``, ``ZeroPrecision`` under Fabric's backward and step protocol.
 - ``module``: ``ZeroForwardModule``, what ``setup_module`` returns, so that Fabric routes marked methods through the
   model's call; the guard against saving stage-3 placeholders.

@@ -15,7 +15,9 @@ Thin glue, in the order a Fabric loop calls it:
   ``fabric.setup_module`` then ``fabric.setup_optimizers`` both work, at every stage: sharding keeps the parameter
   objects, Note [placeholders] in ``sharding/flat_bucket.py``).
 - ``backward`` (``ZeroFabricPrecision``), ``no_backward_sync``, ``clip_gradients_norm``/``_value``: the
-  ``ZeroOptimizer``'s reduction, accumulation and clipping over shards, as the Trainer's strategy uses them.
+  ``ZeroOptimizer``'s reduction, accumulation and clipping over shards, as the Trainer's strategy uses them; between
+  a backward and the step ``.grad`` shows the averaged gradients (Note [gradients between backward and step] in
+  ``fabric/visible_gradients.py``).
 - ``save_checkpoint``/``load_checkpoint``: the Trainer's sharded directory (``fabric/checkpoint.py``).
 
 Everything both front doors do to the engine is in ``lightning_zero.engine``, below both.
@@ -69,6 +71,7 @@ from lightning_zero.fabric.checkpoint import (
 from lightning_zero.fabric.models import SetUpModel, SetUpModels, set_up_model, set_up_optimizer
 from lightning_zero.fabric.module import full_tensors
 from lightning_zero.fabric.precision import ZeroFabricPrecision
+from lightning_zero.fabric.visible_gradients import LoopGradients
 from lightning_zero.fabric.zero_grad import apply_zero_grad, engine_call, mark, watched
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.gradient_reducer import GradientReducer
@@ -134,6 +137,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         """The models set up, each with its units and optimizers (Note [several models in one Fabric] in
         ``fabric/models.py``)."""
         self._backward_sync_control = ZeroBackwardSyncControl(self.models)
+        self._loop_gradients = LoopGradients(self.models)  # Note [gradients between backward and step]
         self._tiers: MemoryTiers | None = None
         self._fault_watch = FaultWatch(catch_uncaught=True)  # a Fabric loop's exception reaches no strategy hook
         self.pretrained_source: str | None = None
@@ -275,17 +279,31 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         if self.config.exclude_frozen_parameters and not self._frozen_base_checked:
             refuse_unrestorable_frozen_base(self)  # before training, as the Trainer refuses it when fit starts
             self._frozen_base_checked = True
+        # Note [gradients between backward and step] in fabric/visible_gradients.py
+        self._loop_gradients.apply_zeroing()
         apply_zero_grad(self.models)  # Note [model.zero_grad() reaches the shards] in fabric/zero_grad.py
-        super().backward(tensor, module, *args, **kwargs)
+        self._loop_gradients.hide()
+        self._loop_gradients.before_backward()
+        try:
+            super().backward(tensor, module, *args, **kwargs)
+        except BaseException:
+            self._loop_gradients.after_backward(refuse=False)
+            raise
+        self._loop_gradients.after_backward()
+        self._loop_gradients.show()
         mark(self.models)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         zero = self.models.optimizer(optimizer)
         if zero is not None:
+            self._loop_gradients.apply_zeroing(zero)
             apply_zero_grad(self.models, only=zero)
         with engine_call(self.models):
-            return super().optimizer_step(optimizer, **kwargs)
+            with self._loop_gradients.kept():
+                output = super().optimizer_step(optimizer, **kwargs)
+            self._loop_gradients.hide(zero)  # the step consumed them: Note [gradients between backward and step]
+        return output
 
     def reducers(self) -> list[GradientReducer]:
         """The gradient reducers of every set-up model."""
@@ -325,7 +343,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         zero = as_zero_optimizer(optimizer)
-        with engine_call(self.models):  # Note [model.zero_grad() reaches the shards] in fabric/zero_grad.py
+        # Note [model.zero_grad() reaches the shards] in fabric/zero_grad.py
+        with engine_call(self.models), self._loop_gradients.kept():
             norm = zero.clip_grad_norm_(float(max_norm), float(norm_type))
         # A step that overflowed under loss scaling is skipped by every rank: its norm is expected to be infinite.
         if error_if_nonfinite and not zero._found_inf and not bool(torch.isfinite(norm)):
@@ -338,7 +357,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        with engine_call(self.models):
+        with engine_call(self.models), self._loop_gradients.kept():
             as_zero_optimizer(optimizer).clip_grad_value_(float(clip_val))
 
     # -- checkpoints: the Trainer's sharded directory (fabric/checkpoint.py) -----------------------------------------

@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_zero.compat import disabled_torch_function_impl, make_wrapper_subclass
+from lightning_zero.engine.sharded_gradient import ShardedGradient
 from lightning_zero.fabric.models import SetUpModel
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
@@ -106,11 +107,12 @@ class GradientMarker(Tensor):
             args[0].zeroed = True
             return args[0]
         raise RuntimeError(
-            f"{func} on the `.grad` of a parameter set up by ZeroFabricStrategy: after `fabric.backward` ZeRO holds "
-            "the averaged gradient in its shards, not in `.grad`, which only marks that `zero_grad()` has not been "
-            "called since (Note [model.zero_grad() reaches the shards] in lightning_zero/fabric/zero_grad.py). "
-            "HINT: `fabric.clip_gradients(model, optimizer, max_norm=...)` returns the gradients' total norm; read "
-            "parameters, not gradients, elsewhere."
+            f"{func} on the `.grad` of a parameter set up by ZeroFabricStrategy where no gradient is shown: inside "
+            "`fabric.no_backward_sync` (this rank's unreduced gradients, held by ZeRO at stages 2 and 3) or after "
+            "the step consumed them. `.grad` only marks that `zero_grad()` has not been called since (Note "
+            "[model.zero_grad() reaches the shards] in lightning_zero/fabric/zero_grad.py). HINT: read gradients "
+            "after a `fabric.backward` outside `no_backward_sync` and before the step (Note [gradients between "
+            "backward and step]); `fabric.clip_gradients(...)` returns their total norm."
         )
 
 
@@ -119,7 +121,8 @@ def _marked(model: SetUpModel, param: Parameter) -> bool:
 
 
 def _zeroed(param: Parameter) -> bool:
-    return isinstance(param.grad, GradientMarker) and param.grad.zeroed
+    # A ShardedGradient is the marker where it is shown: Note [gradients between backward and step]
+    return isinstance(param.grad, GradientMarker | ShardedGradient) and param.grad.zeroed
 
 
 def _marker(param: Parameter) -> Tensor:

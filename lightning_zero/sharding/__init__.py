@@ -6,8 +6,9 @@
 - ``gradient_arrivals``: when a bucket's gradients are final in a backward (hook calls counted per parameter).
 - ``gradient_owners``: which optimizer steps which elements of a reducer's gradient shards shared by several.
 - ``param_groups``: the user's param groups over this rank's shard (segments, masters, views, the checks).
-- ``param_edits``: ``ParamEdits``, which parameter shards were edited between steps, found by digests on the
-  device (Note [edits reach the masters]).
+- ``param_edits``: ``ParamEdits``, parameter shards edited between steps reaching their masters: by a masked copy
+  where the masters are on the device, found by digests on the device where they are not (Note [edits reach the
+  masters]).
 - ``sharded_optimizer``: ``ZeroOptimizer``, the user's optimizer stepping only this rank's shard; with
   ``gradient_clipping`` (by norm and value, over shards), ``gradient_presence`` (which parameters got a gradient on
   some rank: DDP's unused-parameter semantics), ``optimizer_hooks`` (torch's optimizer hooks on the wrapper) and

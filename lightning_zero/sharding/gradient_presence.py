@@ -88,6 +88,14 @@ class GradientPresence:
         """Whether the parameter in ``slot`` of ``bucket`` got a gradient on any rank (as last decided)."""
         return self._counts is None or self._counts[self._flag_of[(id(bucket), slot)]] > 0
 
+    def swap_local(self, flags: bytes | None = None) -> bytes:
+        """This rank's flags, replaced by ``flags`` (None: cleared); to see what one backward brings (Note [gradients
+        between backward and step] in ``fabric/visible_gradients.py``)."""
+        taken = bytes(self._present[p] for p in self._positions)
+        for k, p in enumerate(self._positions):
+            self._present[p] = 0 if flags is None else flags[k]
+        return taken
+
     def reset(self) -> None:
         """Forget this rank's flags (after a step, or ``zero_grad``)."""
         if self._everything:

@@ -140,13 +140,17 @@ def _continues(previous: Segment, segment: Segment) -> bool:
 
 
 @torch.no_grad()
-def adopt_edits(runs: list[MasterRun]) -> None:
+def adopt_edits(runs: list[MasterRun]) -> Tensor:
     """Give each master the value of its parameter element wherever that was edited since the last step (Note
-    [edits reach the masters])."""
-    if not runs:
-        return
-    for run in runs:  # no host synchronization: unedited elements get their own master value back
-        torch.where(run.shard != run.master.to(run.shard.dtype), run.shard, run.master, out=run.master)
+    [edits reach the masters]): a masked copy, no host synchronization (unedited elements get their own master value
+    back). Returns whether any element was adopted (0-d uint8, 0 or 1, on the masters' device)."""
+    adopted = []
+    for run in runs:
+        edited = run.shard != run.master.to(run.shard.dtype)
+        torch.where(edited, run.shard, run.master, out=run.master)
+        # The largest byte rather than ``any()``: the same answer, ~100x faster on the CPU (torch 2.13, 4M elements).
+        adopted.append(edited.view(torch.uint8).amax())
+    return torch.stack(adopted).amax()
 
 
 @torch.no_grad()

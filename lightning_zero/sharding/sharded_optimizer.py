@@ -71,7 +71,6 @@ from lightning_zero.sharding.param_edits import ParamEdits
 from lightning_zero.sharding.param_groups import (
     MasterRun,
     ParamGroupView,
-    adopt_edits,
     copy_masters_to_shards,
     masters_for,
     segments_of,
@@ -118,7 +117,7 @@ class ZeroOptimizer(Optimizer):
         self.loss_scaler = loss_scaler
         self.rank = process_group.rank()
         self.world_size = process_group.size()
-        self._grads_ready = False
+        self._readiness = [False]  # behind `_grads_ready`
         self._found_inf = False
         self._views = [ParamGroupView(g, list(g["params"])) for g in optimizer.param_groups]
         # Which parameters are reduced, sharded and stepped is decided here, once: see _check_requires_grad().
@@ -177,6 +176,17 @@ class ZeroOptimizer(Optimizer):
             self.edits.watch(bucket, runs=[run for run in self._runs if run.bucket is bucket])
         if tiers is not None:
             tiers.attach(self)  # watches its own buckets
+
+    @property
+    def _grads_ready(self) -> bool:
+        """Whether this step's gradients are reduced into the masters' ``.grad``. Kept in a list: Fabric's optimizer
+        wrapper derives its class from this one, so ``zero_grad()`` called on the wrapper runs with the wrapper as
+        ``self``, and a plain attribute written there would never reach this object."""
+        return self._readiness[0]
+
+    @_grads_ready.setter
+    def _grads_ready(self, ready: bool) -> None:
+        self._readiness[0] = ready
 
     @property
     def _device(self) -> torch.device:
@@ -294,7 +304,7 @@ class ZeroOptimizer(Optimizer):
         self._check_requires_grad()
         self.edits.check()
         if self.tiers is None:  # with tiers: each bucket's while the tiers hold it (Note [tiered step])
-            adopt_edits([run for run in self._runs if self.edits.edited(run.bucket)])
+            self.edits.adopt_all()  # a masked copy on the device, no host read (Note [edits reach the masters])
         skip = self._found_inf or not self.presence.any
         if not skip:
             with inner_step_hooks(self.optimizer):  # Note [step hooks]

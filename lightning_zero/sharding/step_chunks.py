@@ -29,7 +29,7 @@ from lightning_zero.comm.collectives import ProcessGroup, all_gather
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.param_edits import ParamEdits
-from lightning_zero.sharding.param_groups import MasterRun, Segment, adopt_edits, copy_masters_to_shards
+from lightning_zero.sharding.param_groups import MasterRun, Segment, copy_masters_to_shards
 from lightning_zero.sharding.state_tiers import StateTiers, TierStep
 
 StepChunk = tuple[FlatBucket, list[int], list[Tensor], list[MasterRun]]
@@ -71,8 +71,7 @@ def step_in_chunks(
             bucket, group_of, masters, runs = chunk
             if tiers is not None:
                 tiers.load(bucket)
-                if edits.edited(bucket):  # Note [edits reach the masters]
-                    adopt_edits(runs)
+                edits.adopt(bucket, runs)  # Note [edits reach the masters]
                 how = tiers.start_step(bucket)
                 if how is not TierStep.GENERIC:
                     if started is not None:

@@ -1,13 +1,13 @@
 """``ZeroPrecision``: the precision plugin ``ZeroStrategy`` installs in place of Lightning's: ZeRO's precision
 (``ParameterPrecision``, ``engine/precision.py``) with the Trainer's clipping hooks, and ``.grad`` shown to
-``on_before_optimizer_step`` hooks (Note [gradients visible to hooks] in ``visible_gradients.py``).
+``on_before_optimizer_step`` hooks (Note [gradients visible to hooks] in ``engine/sharded_gradient.py``).
 
 Note [reduced gradients live in the optimizer]
 After backward, a parameter's ``.grad`` does not hold the averaged gradient: stage 1 has already reduce-scattered its
 flat gradient buffers into the sharded optimizer (and sets ``.grad`` to None: Note [no partial gradients] in
-``engine/grad_norm.py``), stages 2 and 3 keep only this rank's shard and leave ``.grad`` empty. The reduced
-gradients are the ``ZeroOptimizer``'s master gradients; ``on_before_optimizer_step`` hooks read them through ``.grad``
-(Note [gradients visible to hooks] in ``visible_gradients.py``), and nothing else does. So clipping must go through
+``engine/grad_norm.py``), stages 2 and 3 keep only this rank's shard and leave ``.grad`` empty. The reduced gradients
+are the ``ZeroOptimizer``'s master gradients; ``on_before_optimizer_step`` hooks read them through ``.grad`` (Note
+[gradients visible to hooks] in ``engine/sharded_gradient.py``), and nothing else does. So clipping must go through
 Lightning (``Trainer(gradient_clip_val=...)``, or ``self.clip_gradients(...)`` inside ``configure_gradient_clipping`` or
 a manual ``training_step``), which lands in ``ZeroOptimizer.clip_grad_*`` and clips by the global norm across shards;
 ``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` in ``configure_gradient_clipping`` finds no gradients and

@@ -177,6 +177,7 @@ class ZeroStrategy(RootUnitSteps):
             self.setup_optimizers(trainer)
             self.precision_plugin.after_backward = self._hide_partial_gradients
             self._buffer_broadcast = BufferBroadcast()  # a fresh DDP wrapper's state: Note [buffers follow rank 0]
+            self.start_saves()  # Note [asynchronous save]: its process group, before the first step
         self.setup_precision_plugin()
 
     def _shard_model(self) -> None:

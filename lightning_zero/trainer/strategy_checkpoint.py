@@ -78,7 +78,13 @@ class ShardedCheckpointing(ProcessPerDevice):
     built_on_meta: bool = False
     """Whether stage 3 built the model on the meta device and initialized it (no weights of its own)."""
     async_saver: AsyncSaver | None = None
-    """``ZeroConfig.async_save``: the background writer, created at the first save (Note [asynchronous save])."""
+    """``ZeroConfig.async_save``: the background writer, created at setup (Note [asynchronous save])."""
+
+    def start_saves(self) -> None:
+        """``ZeroConfig.async_save``: create the background writer and its process group, unless there is one.
+        Collective: at setup, and at a save after the end of training."""
+        if self.config.async_save and self.async_saver is None:
+            self.async_saver = AsyncSaver(timedelta(seconds=self.config.collective_timeout_s), self.process_group)
 
     def finish_saves(self) -> None:
         """Wait for the asynchronous save in flight, if any, and raise its error (the end of training)."""
@@ -185,8 +191,8 @@ class ShardedCheckpointing(ProcessPerDevice):
             )
             return
         if self.config.async_save:  # Note [asynchronous save]
-            if self.async_saver is None:
-                self.async_saver = AsyncSaver(timedelta(seconds=self.config.collective_timeout_s))
+            self.start_saves()
+            assert self.async_saver is not None
             self.async_saver.save(checkpoint, self.broadcast(filepath), self.process_group, saved_with, averaged)
             return
         save_sharded_checkpoint(checkpoint, self.broadcast(filepath), self.process_group, saved_with, averaged)
