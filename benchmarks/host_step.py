@@ -136,6 +136,10 @@ def _tier(
         model(batch).square().mean().backward()
 
     def step() -> tuple[float, float]:
+        for host_steps in tiers.host_steps:  # the worker's threads are the caller's at its start: this round's count
+            if host_steps.threads != torch.get_num_threads():
+                host_steps.close()
+                host_steps.threads = torch.get_num_threads()
         host_copies.FORCE_COPIES = copies  # read as the step takes the copy path
         try:
             start, cpu = time.perf_counter(), time.process_time()
