@@ -54,6 +54,9 @@ class ShardedGradReducer(GradientReducer):
         """Whether zero_grad frees the bucket's shard: the ones allocated here, not those a subclass keeps."""
         self._shard_is_zero = [True] * len(self.buckets)
         group = self.group
+        self.advise_shard: Callable[[Tensor], object] | None = None
+        """Called with each gradient shard allocated here, before anything writes it: the host step advises a CPU
+        device's onto huge pages (Note [huge pages] in ``offload/host_arena.py``)."""
         self._pieces_possible = [
             takes_pieces(b.device, group) and self._reduce_dtype(b) == b.dtype != torch.float16 for b in self.buckets
         ]
@@ -159,7 +162,11 @@ class ShardedGradReducer(GradientReducer):
         return None
 
     def _allocate_shard(self, bucket: FlatBucket, factory: Callable[..., Tensor]) -> Tensor:
-        return factory(bucket.shard_numel, dtype=self._reduce_dtype(bucket), device=bucket.device)
+        if self.advise_shard is None:
+            return factory(bucket.shard_numel, dtype=self._reduce_dtype(bucket), device=bucket.device)
+        shard = torch.empty(bucket.shard_numel, dtype=self._reduce_dtype(bucket), device=bucket.device)
+        self.advise_shard(shard)
+        return shard.zero_() if factory is torch.zeros else shard
 
     def grad_shard(self, bucket: FlatBucket) -> Tensor:
         shard = self.shards[bucket.index]
