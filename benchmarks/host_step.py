@@ -101,8 +101,10 @@ class _DeepSpeedWorker:
 
 
 def _layers(params: int, bucket: int) -> nn.Module:
-    """Square linear layers without bias, four to a bucket, ``params`` parameters in all."""
-    width = int((bucket // 4) ** 0.5)
+    """Square linear layers without bias, four to a bucket, ``params`` parameters in all; the width a multiple of 64,
+    as model widths are (a segment of a whole number of 64-byte units joins its neighbours in one kernel call:
+    Note [one kernel call per bucket])."""
+    width = int((bucket // 4) ** 0.5) // 64 * 64
     count = max(1, round(params / (width * width)))
     return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(count)])
 
@@ -134,6 +136,10 @@ def _tier(
         model(batch).square().mean().backward()
 
     def step() -> tuple[float, float]:
+        for host_steps in tiers.host_steps:  # the worker's threads are the caller's at its start: this round's count
+            if host_steps.threads != torch.get_num_threads():
+                host_steps.close()
+                host_steps.threads = torch.get_num_threads()
         host_copies.FORCE_COPIES = copies  # read as the step takes the copy path
         try:
             start, cpu = time.perf_counter(), time.process_time()

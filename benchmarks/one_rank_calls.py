@@ -19,6 +19,7 @@ import math
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import _common as bench
@@ -47,7 +48,8 @@ def rank_main(rank: int, world: int, rounds: int) -> dict[str, Any]:
     model = GPT(config)
     group = dist.group.WORLD
     assert group is not None
-    gatherer = shard_for_stage3(model, ZeroConfig(stage=3), group, torch.device("cpu"), world, None, None)
+    ranks = SimpleNamespace(process_group=group, root_device=torch.device("cpu"), num_processes=world)
+    gatherer = shard_for_stage3(model, ZeroConfig(stage=3), ranks, None, None)
     optimizer = wrap_optimizers(
         model,
         [torch.optim.AdamW(model.parameters(), lr=1e-4)],

@@ -52,8 +52,9 @@ from torch import Tensor  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
 from lightning_zero import ZeroStrategy  # noqa: E402
-from lightning_zero.comm.collectives import PendingCollective, ProcessGroup, all_gather, reduce_scatter  # noqa: E402
+from lightning_zero.comm.collectives import ProcessGroup, all_gather, reduce_scatter  # noqa: E402
 from lightning_zero.comm.hierarchical_reduce import HierarchicalReduceScatter  # noqa: E402
+from lightning_zero.comm.pending_collective import PendingCollective  # noqa: E402
 from lightning_zero.comm.quantized_all_gather import quantized_all_gather  # noqa: E402
 from lightning_zero.comm.streams import CollectiveStream  # noqa: E402
 from lightning_zero.comm.topology import build_node_groups  # noqa: E402

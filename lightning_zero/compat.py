@@ -63,6 +63,8 @@ from torch.distributed.checkpoint.planner import LoadPlanner, WriteItem
 from torch.distributed.checkpoint.state_dict_loader import load, load_state_dict
 from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.distributed.distributed_c10d import _get_default_store
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._device import DeviceContext as _DeviceContext
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -105,12 +107,14 @@ __all__ = [
     "device_constructors",
     "disabled_torch_function_impl",
     "distributed_is_initialized",
+    "dtensor_over",
     "fabric_run_command",
     "flop_registry",
     "fused_adam_kernel",
     "get_default_store",
     "init_dist_connection",
     "layer_sync",
+    "local_tensor_of",
     "make_wrapper_subclass",
     "non_finite_check_and_unscale_",
     "open_torch_save_archive",
@@ -191,9 +195,28 @@ device_constructors: Callable[[], set[Callable[..., Any]]] = _device_constructor
 tree_map: Callable[..., Any] = _tree_map
 
 
-def make_wrapper_subclass(cls: type[Tensor], like: Tensor) -> Tensor:
-    """An instance of ``cls`` with ``like``'s shape, dtype and device and no storage."""
-    return Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+def make_wrapper_subclass(
+    cls: type[Tensor], like: Tensor, shape: torch.Size | None = None, dtype: torch.dtype | None = None
+) -> Tensor:
+    """An instance of ``cls`` with ``like``'s shape, dtype and device (or the ``shape`` and ``dtype`` given) and no
+    storage."""
+    shape = like.shape if shape is None else shape
+    return Tensor._make_wrapper_subclass(cls, shape, dtype=dtype or like.dtype, device=like.device)
+
+
+def dtensor_over(local: Tensor, mesh: Any, placements: Sequence[Any], shape: torch.Size) -> DTensor:
+    """A DTensor of global ``shape`` (contiguous strides) over ``local`` as it is: ``DTensor.from_local`` runs an op on
+    the local tensor (a view), which reads a lazy one (Note [checkpoint hooks see the model's values] in
+    ``checkpoint/model_entries.py``)."""
+    stride = torch.empty(shape, device="meta").stride()
+    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+def local_tensor_of(tensor: DTensor) -> Tensor:
+    """A DTensor's local tensor as it is (``to_local()`` runs an op on it: a view, which reads a lazy one)."""
+    local: Tensor = tensor._local_tensor
+    return local
 
 
 def broadcast_coalesced(group: dist.ProcessGroup, tensors: Sequence[Tensor], bucket_bytes: int, src: int) -> None:

@@ -54,6 +54,8 @@ PRIVATE = {
     "torch.utils._device._device_constructors": "device_constructors",
     "torch.utils._pytree.tree_map": "tree_map",
     "torch.Tensor._make_wrapper_subclass": "make_wrapper_subclass",
+    "torch.distributed.tensor._dtensor_spec.DTensorSpec, TensorMeta": "dtensor_over",
+    "torch.distributed.tensor.DTensor._local_tensor": "local_tensor_of",
     "lightning.fabric.utilities.distributed._distributed_is_initialized": "distributed_is_initialized",
     "lightning.fabric.utilities.distributed._get_default_process_group_backend_for_device": (
         "default_process_group_backend_for_device"

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zero import ZeroConfig, ZeroOptimizer
-from lightning_zero.offload import host_copies
-from lightning_zero.offload.host_arena import HostArena
+from lightning_zero.offload import host_adam, host_copies
+from lightning_zero.offload.host_arena import HostArena, huge_pages, zeros_on_huge_pages
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from tests.harness import run_distributed
 
@@ -24,13 +24,22 @@ class _Net(nn.Module):
         self.a = nn.Linear(16, 32, dtype=dtype)
         self.unused = nn.Linear(4, 4, dtype=dtype)  # no gradient ever: never stepped, as by torch
         self.b = nn.Linear(32, 4, dtype=dtype)
+        self.late = False
+        """Whether ``unused`` takes part (a parameter whose first gradient comes after other parameters' steps)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.b(torch.nn.functional.gelu(self.a(x)))
+        out = self.b(torch.nn.functional.gelu(self.a(x)))
+        return out + self.unused(out) if self.late else out
 
 
 def _train(
-    tier: bool, copies: bool, options: dict[str, Any], cls: type[torch.optim.Optimizer], parallel: str = "intra_op"
+    tier: bool,
+    copies: bool,
+    options: dict[str, Any],
+    cls: type[torch.optim.Optimizer],
+    parallel: str = "intra_op",
+    late_from: int | None = None,
+    one_group: bool = False,
 ) -> dict[str, Any]:
     host_copies.FORCE_COPIES = copies
     try:
@@ -39,6 +48,8 @@ def _train(
         decay = [p for p in model.parameters() if p.ndim == 2]
         other = [p for p in model.parameters() if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0, "lr": 3e-3}]
+        if one_group:  # a bucket's segments back to back in one group: Note [one kernel call per bucket]
+            groups = [{"params": list(model.parameters()), "weight_decay": 0.1}]
         optimizer = cls(groups, lr=1e-2, fused=None if tier else True, **options)  # type: ignore[call-arg]
         config = ZeroConfig(stage=2, offload_optimizer="cpu" if tier else "none", bucket_numel=300)
         tiers = MemoryTiers(config, None, io_entries=2) if tier else None
@@ -47,7 +58,8 @@ def _train(
             host_steps.parallel = parallel  # type: ignore[assignment]
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
         losses = []
-        for _ in range(4):
+        for i in range(4):
+            model.late = late_from is not None and i >= late_from
             loss = model(x).square().mean()
             loss.backward()
             losses.append(loss.item())
@@ -108,6 +120,46 @@ def test_host_adam_steps_bit_for_bit_as_torchs_fused_adamw_and_adam_with_its_sta
                     assert torch.equal(run["state"][i][name], value), (label, i, name)
 
 
+def _late_runs() -> list[tuple[list[dict[str, Any]], list[tuple[int, int]]]]:
+    found = []
+    runs = host_adam._runs
+    for late_from in (0, 2):  # every parameter from the start; one whose first gradient comes at the third step
+        calls: list[tuple[int, int]] = []  # (segments, tensors of the kernel call) per call that joins them
+
+        def spy(lists: list[list[Tensor]], calls: list[tuple[int, int]] = calls) -> list[list[Tensor]]:
+            joined = runs(lists)
+            calls.append((len(lists[0]), len(joined[0])))
+            return joined
+
+        host_adam._runs = spy
+        modes = ((False, False), (True, False), (True, True))  # torch's fused AdamW; the host tier, its copy path
+        trained = [_train(t, c, {}, torch.optim.AdamW, late_from=late_from, one_group=True) for t, c in modes]
+        found.append((trained, calls))
+    host_adam._runs = runs
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_one_kernel_call_per_bucket_and_per_segment_when_step_counts_differ_both_bit_for_bit_as_torch():
+    """Note [one kernel call per bucket]: with every parameter stepped together, segments joined into runs; with a
+    parameter whose first gradient comes at the third step (its step count then behind its neighbours'), one
+    tensor per segment."""
+    (found,) = run_distributed(_late_runs, 1, timeout=50)
+    for (torch_fused, *tiers), _ in found:
+        for run in tiers:
+            assert run["own"] > 0
+            assert run["losses"] == torch_fused["losses"]
+            for mine, theirs in zip(run["weights"], torch_fused["weights"], strict=True):
+                assert torch.equal(mine, theirs)
+            for i, entries in torch_fused["state"].items():
+                for name, value in entries.items():
+                    assert torch.equal(run["state"][i][name], value), (i, name)
+    (_, together), (_, late) = found
+    # Back to back: fewer tensors than segments (the 4-element biases end a run: Note [one kernel call per bucket])
+    assert all(tensors < segments for segments, tensors in together), together
+    assert len(late) < len(together), (late, together)  # the late parameter's count differs: per segment
+
+
 def _host_bytes_per_parameter(dtype: torch.dtype) -> tuple[float, float]:
     host_copies.FORCE_COPIES = True
     try:
@@ -162,3 +214,15 @@ def test_the_arena_hands_out_exact_sizes_from_what_was_reserved():
     for i, t in enumerate(tensors):  # no overlap
         t.fill_(i)
     assert all(bool((t == i).all()) for i, t in enumerate(tensors))
+
+
+def test_host_buffers_are_advised_onto_huge_pages_where_the_kernel_allows_it():
+    """Note [huge pages]: whole 2 MiB pages inside a buffer only; a buffer smaller than one is left alone."""
+    assert not huge_pages(torch.empty(1000))  # no whole 2 MiB page inside
+    big = zeros_on_huge_pages(3 << 20, torch.float32)  # 12 MiB: at least five whole huge pages
+    assert torch.equal(big, torch.zeros_like(big))
+    if not huge_pages(big):
+        pytest.skip("this kernel takes no MADV_HUGEPAGE advice (not Linux, or transparent huge pages off)")
+    written = torch.ones(3 << 20)
+    huge_pages(written, collapse=True)  # a hint: taken or not, the values stay
+    assert bool((written == 1).all())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -105,6 +106,7 @@ def test_too_little_free_space_is_refused_before_anything_is_written():
 
 def test_disk_tier_on_a_gpu_is_refused_naming_the_field(tmp_path):
     config = ZeroConfig(stage=3, offload_params="disk", offload_dir=str(tmp_path))
+    ranks = SimpleNamespace(global_rank=0, root_device=torch.device("cuda", 0), world_size=2, num_processes=2)
     with pytest.raises(NotImplementedError, match=r"ZeroConfig\.offload_params='disk' on a cuda device"):
-        build_memory_tiers(config, torch.nn.Linear(2, 2), str(tmp_path), 0, torch.device("cuda", 0), 2, 2)
+        build_memory_tiers(config, torch.nn.Linear(2, 2), str(tmp_path), ranks)
     assert list(tmp_path.iterdir()) == []  # refused before anything was written

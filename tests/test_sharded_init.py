@@ -5,6 +5,7 @@ on meta] in ``stage3/library_init.py``), and initializers that forget a paramete
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -299,7 +300,8 @@ def _shard_a_model_built_on_the_cpu(layers: int) -> tuple[int, int, int]:
     # "cpu:0" is another device to the sharding code (tensors moved there are copies), and still the host's memory:
     # every byte moved to, or allocated on, the target is a storage created inside the context.
     with NewStorageBytes() as allocated:
-        shard_for_stage3(model, ZeroConfig(stage=3), dist.group.WORLD, torch.device("cpu", 0), 2, None, None)
+        ranks = SimpleNamespace(process_group=dist.group.WORLD, root_device=torch.device("cpu", 0), num_processes=2)
+        shard_for_stage3(model, ZeroConfig(stage=3), ranks, None, None)
     return allocated.peak, full, unit
 
 

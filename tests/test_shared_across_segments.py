@@ -21,7 +21,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from lightning_zero import ZeroConfig
-from lightning_zero.comm.collectives import Collective
+from lightning_zero.comm.pending_collective import Collective
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.gradient_arrivals import GradientArrivals, in_nested_backward
 from tests.harness import DistributedTestError, run_distributed

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_zero import ZeroConfig, ZeroOptimizer, shard_module
-from lightning_zero.comm.collectives import Collective
+from lightning_zero.comm.pending_collective import Collective
 from lightning_zero.stage3.sharded_unit import UnitState
 from tests.boundary_models import BUILDERS
 from tests.harness import run_distributed

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero  # noqa: F401  (registers the presets)
 from lightning_zero import ZeroOptimizer, ZeroStrategy
-from lightning_zero.comm.collectives import Collective
+from lightning_zero.comm.pending_collective import Collective
 from tests.harness import fresh_rendezvous_port, run_distributed
 from tests.parity import build_model, build_optimizer, loss_fn
 

@@ -13,6 +13,9 @@
 - ``full_save``: ``state_dict_type="full"``: one ``torch.save`` file as DDP writes it, streamed from the shards.
 - ``pretrained``: pretrained weights as input: safetensors files, Hugging Face directories, keys matched to the model.
 - ``module_state``: a stage-3 model's own ``state_dict()`` and ``load_state_dict()``, true for code we did not write.
+- ``model_entries``: what ``on_save_checkpoint`` hooks see of the model, and what a save writes of what they left.
+- ``lazy_entry``: ``LazyEntry``, a stage-3 parameter's values in those hooks, read from the shards when used.
+- ``saved_entries``: what ``on_load_checkpoint`` sees of a checkpoint, and the model's load from what it left.
 - ``async_save``: ``async_save``: a save snapshot into host memory, written by a writer process, committed by a thread.
 - ``write_worker``: the writer process of ``async_save`` (a script that imports torch only).
 - ``tiered``: checkpoint IO through the memory tiers (``TierStorage``): slices moved one at a time.

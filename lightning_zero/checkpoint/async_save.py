@@ -238,15 +238,16 @@ class AsyncSaver:
         process_group: dist.ProcessGroup | None,
         saved_with: Mapping[str, int],
         averaged: Mapping[str, Tensor] | None = None,
+        masters_of: Mapping[str, str] | None = None,
     ) -> None:
         """Snapshot this rank's part of ``checkpoint`` and write it in the background. Collective, like
-        ``save_sharded_checkpoint``; it first waits for the save in flight."""
+        ``save_sharded_checkpoint`` (whose ``masters_of`` it takes); it first waits for the save in flight."""
         self.wait()
         refuse_replacing_other_files(locate(path), process_group)  # Note [what a save may replace]
         assert (process_group is None) == (self._group is None), "the saver was made for this process group"
         group = self._group
         rank = 0 if group is None else group.rank()
-        tensors, toc = prepare_save(checkpoint, rank, averaged)
+        tensors, toc = prepare_save(checkpoint, rank, averaged, masters_of)
         snapshot = self._staging.snapshot(tensors)
         if self._staging.shared and self._process is None:  # its imports run while the thread plans the save
             self._process = WriterProcess()

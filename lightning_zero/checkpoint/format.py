@@ -210,10 +210,13 @@ def build_toc(
     model_state: Mapping[str, FlatChunk | Tensor],
     optimizer_states: list[dict[str, Any]],
     averaged: Mapping[str, Tensor] | None = None,
+    masters_of: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, FlatChunk | Tensor], Toc]:
     """What this rank hands DCP (storage key -> chunk or replicated tensor) and its part of the table of contents.
 
-    ``averaged``: the full state dict of a ``WeightAveraging`` callback's averaged model, the same on every rank."""
+    ``averaged``: the full state dict of a ``WeightAveraging`` callback's averaged model, the same on every rank.
+    ``masters_of``: {``model_state`` key: parameter FQN} for the entries whose exact values are that parameter's fp32
+    master (Note [checkpoint hooks see the model's values] in ``model_entries.py``); None: each FQN's own key."""
     tensors: dict[str, FlatChunk | Tensor] = {}
     toc = empty_toc()
 
@@ -233,13 +236,17 @@ def build_toc(
     for i, optimizer_state in enumerate(optimizer_states):
         for fqn, chunk in optimizer_state.get("masters", {}).items():
             add(master_key(fqn), chunk, flat=True)
-            toc["masters"][model_key(fqn)] = master_key(fqn)
+            if masters_of is None:
+                toc["masters"][model_key(fqn)] = master_key(fqn)
         names: dict[str, dict[str, str]] = {}
         for fqn, entries in optimizer_state.get("state", {}).items():
             for name, entry in entries.items():
                 add(optimizer_key(i, fqn, name), entry, flat=isinstance(entry, FlatChunk))
                 names.setdefault(fqn, {})[name] = optimizer_key(i, fqn, name)
         toc["optimizers"].append(names)
+    for key, fqn in (masters_of or {}).items():  # an entry renamed by a hook keeps its master
+        if key in toc["state_dict"] and master_key(fqn) in toc["tensors"]:
+            toc["masters"][toc["state_dict"][key]] = master_key(fqn)
     stored: dict[int, str] = {}
     for key, value in (averaged or {}).items():
         if id(value) not in stored:  # tied weights: stored once

@@ -35,7 +35,7 @@ import collections
 import io
 import os
 import pickle
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from os import PathLike
 from typing import Any, NamedTuple
 
@@ -100,7 +100,10 @@ class _Records:
     """The archive's storage records, keyed as they are met: gathered ones by what they hold, in-memory ones (rank 0's
     tensors) by the tensor."""
 
-    def __init__(self) -> None:
+    def __init__(self, as_left: Collection[int] = ()) -> None:
+        self.as_left = as_left
+        """The ``id`` of tensors written in their own dtype (a checkpoint hook's: Note [checkpoint hooks see the
+        model's values] in ``model_entries.py``)."""
         self.known: dict[Hashable, _Record] = {}
         self.memory: dict[str, Tensor] = {}
         self.written: set[str] = set()
@@ -115,7 +118,7 @@ class _Records:
         what = ("memory", id(tensor))
         if what not in self.known:
             data = tensor.detach().cpu()
-            data = data.to(_out_dtype(data.dtype)).contiguous()
+            data = (data if id(tensor) in self.as_left else data.to(_out_dtype(data.dtype))).contiguous()
             if data.storage_offset() or data.untyped_storage().nbytes() != data.nbytes:
                 data = data.clone()  # a record holds this tensor's bytes alone, as torch.save's would
             self.known[what] = _Record(str(len(self.known)), data.dtype, data.numel())
@@ -149,11 +152,15 @@ def save_full_checkpoint(
     gatherer: ShardedParameters | None = None,
     tiers: TierStorage | None = None,
     arrange: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    param_of: Mapping[int, Tensor] | None = None,
+    as_left: Collection[int] = (),
 ) -> None:
     """Write ``checkpoint`` (Lightning's dictionary, its ``state_dict`` this rank's ``sharded_model_state``) as one
     full ``torch.save`` file at the local ``path``, with the optimizers' full state in DDP's format if it has
     ``optimizer_states``. ``arrange`` lays the full dictionary out as the file holds it (a Fabric checkpoint's: the
-    model and optimizers under their names). Collective; rank 0 writes (Note [full checkpoint streamed])."""
+    model and optimizers under their names). ``param_of``: the parameter each ``FlatChunk`` of the state dict is a
+    range of, by ``id`` (default: the module's tensor of its key); ``as_left``: the ``id`` of the tensors written in
+    their own dtype, not widened. Collective; rank 0 writes (Note [full checkpoint streamed])."""
     target = locate(path)
     if target.remote:
         raise CheckpointError(
@@ -165,15 +172,18 @@ def save_full_checkpoint(
     rank = 0 if process_group is None else process_group.rank()
     slices = owned_parameter_slices(zero_optimizers, gatherer)
     by_param = {id(s.param): s for s in slices}
-    records = _Records()
+    records = _Records(as_left)
     entries = module.state_dict(keep_vars=True)
     for name in ("state_dict", "current_model_state"):  # the latter: Note [Lightning's WeightAveraging]
         state = checkpoint.get(name)
         if isinstance(state, Mapping):
-            checkpoint[name] = {
-                key: _deferred_parameter(records, entries[key], by_param[id(entries[key])])
+            params = {
+                key: entries[key] if param_of is None else param_of[id(value)]
+                for key, value in state.items()
                 if isinstance(value, FlatChunk)
-                else value
+            }
+            checkpoint[name] = {
+                key: _deferred_parameter(records, params[key], by_param[id(params[key])]) if key in params else value
                 for key, value in state.items()
             }
     flat: dict[tuple[int, str], torch.dtype] = {}

@@ -67,7 +67,20 @@ from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.one_rank_calls import OneRankCalls
 from lightning_zero.stage3.parameter_gatherer import ParameterGatherer
 
-__all__ = ["ModuleState"]
+__all__ = ["ModuleState", "shard0_rows"]
+
+
+def shard0_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of a tensor of ``rows`` rows that ``rank`` of ``world`` holds under ``Shard(0)``:
+    ``torch.chunk``'s split, as DTensor makes it (the last ranks may hold none)."""
+    size = -(-rows // world)
+    start = min(rank * size, rows)
+    return start, min(start + size, rows)
+
+
+def _values_dtype(bucket: FlatBucket, mine: list[OwnedSlice]) -> torch.dtype:
+    """What a bucket's values are gathered in: the fp32 masters' dtype where this rank's optimizers keep them."""
+    return next((s.master_span.tensor.dtype for s in mine if s.own_master and s.master_span), bucket.dtype)
 
 
 class _FullState(NamedTuple):
@@ -214,7 +227,7 @@ class ModuleState:
         slices = self._owned()
         tiers = self._tiers()
         mine = [slices[id(p)] for p in bucket.params if slices[id(p)].stop > slices[id(p)].start]
-        dtype = next((s.master_span.tensor.dtype for s in mine if s.own_master and s.master_span), bucket.dtype)
+        dtype = _values_dtype(bucket, mine)
         shard = torch.zeros(bucket.shard_numel, dtype=dtype, device=bucket.device)
         for s in mine:
             span = s.master_span if s.own_master and s.master_span is not None else s.values_span
@@ -222,6 +235,26 @@ class ModuleState:
         flat = torch.empty(bucket.padded_numel, dtype=dtype, device=bucket.device)
         all_gather(flat, shard, self.gatherer.group).wait()
         return flat
+
+    @property
+    def sharded(self) -> set[int]:
+        """The ``id`` of every sharded parameter of the model."""
+        return set(self._bucket_of)
+
+    def bucket_of(self, param: nn.Parameter | Tensor) -> FlatBucket:
+        return self._bucket_of[id(param)]
+
+    def values_dtypes(self) -> dict[int, torch.dtype]:
+        """By ``id`` of each sharded parameter: the dtype of its values in ``state_dict()`` (its fp32 master's where
+        this rank's optimizers keep one)."""
+        slices = owned_parameter_slices(self._optimizers(), self.gatherer)
+        by_param = {id(s.param): s for s in slices}
+        dtypes: dict[int, torch.dtype] = {}
+        for bucket in self.buckets:
+            mine = [by_param[id(p)] for p in bucket.params if by_param[id(p)].stop > by_param[id(p)].start]
+            dtype = _values_dtype(bucket, mine)
+            dtypes.update((id(p), dtype) for p in bucket.params)
+        return dtypes
 
     def _serve_values(self, index: int) -> None:
         """A waiting rank's part in a lone caller's ``state_dict()`` (Note [one-rank calls])."""
@@ -236,16 +269,46 @@ class ModuleState:
             if self._full.rank0_only and group.rank() != 0:
                 return None
             return full.to("cpu", copy=True) if self._full.offload_to_cpu else full.clone()
-        if self._mesh is None:
-            self._mesh = DeviceMesh.from_group(group, full.device.type)
+        mesh = self.mesh(full.device)
         if full.dim() == 0:
-            return DTensor.from_local(full.clone(), self._mesh, [Replicate()], run_check=False)
-        rows = full.chunk(group.size(), dim=0)  # Shard(0)'s split, as DTensor makes it
-        local = rows[group.rank()] if group.rank() < len(rows) else full[full.shape[0] :]
+            return DTensor.from_local(full.clone(), mesh, [Replicate()], run_check=False)
         stride = torch.empty(full.shape, device="meta").stride()
         return DTensor.from_local(
-            local.clone(), self._mesh, [Shard(0)], run_check=False, shape=full.shape, stride=stride
+            self._rows(full).clone(), mesh, [Shard(0)], run_check=False, shape=full.shape, stride=stride
         )
+
+    def _rows(self, full: Tensor) -> Tensor:
+        """This rank's ``Shard(0)`` rows of ``full`` (a view; all of a 0-d tensor)."""
+        if full.dim() == 0:
+            return full
+        start, stop = shard0_rows(full.shape[0], self.gatherer.group.rank(), self.gatherer.group.size())
+        return full[start:stop]
+
+    def mesh(self, device: torch.device) -> DeviceMesh:
+        """The ``DeviceMesh`` of the model's process group that this model's DTensors live on."""
+        if self._mesh is None:
+            self._mesh = DeviceMesh.from_group(self.gatherer.group, device.type)
+        return self._mesh
+
+    def read_bucket(self, param: Tensor, rows: bool) -> tuple[Tensor, dict[int, Tensor]]:
+        """The exact values of ``param``'s bucket (what ``state_dict()`` gives), gathered collectively: the flat
+        bucket, and by ``id`` of each of its parameters its full values (views of it) or, with ``rows``, copies of
+        this rank's ``Shard(0)`` rows (a DTensor's local tensor). A rank reading alone fails within seconds, naming
+        the fix (Note [one-rank calls])."""
+        bucket = self._bucket_of[id(param)]
+        if self.calls is not None:
+            self.calls.begin("a checkpoint hook reading a weight")
+        try:
+            flat = self._gather_values(bucket)
+        finally:
+            self._slices = None
+            if self.calls is not None:
+                self.calls.end()
+        values = {}
+        for slot, p in bucket.slots_and_params():
+            full = FlatBucket.param_view(flat, slot)
+            values[id(p)] = self._rows(full).clone() if rows else full
+        return flat, values
 
     def _owned(self) -> dict[int, OwnedSlice]:
         """This rank's ranges of every parameter, computed once per ``state_dict``/``load_state_dict`` call."""

@@ -152,10 +152,13 @@ def save_sharded_checkpoint(
     process_group: dist.ProcessGroup | None,
     saved_with: Mapping[str, int],
     averaged: Mapping[str, Tensor] | None = None,
+    masters_of: Mapping[str, str] | None = None,
 ) -> None:
     """Write ``checkpoint`` (with sharded ``state_dict`` / ``optimizer_states``) as the directory ``path``, a local
     path or an fsspec URL. ``averaged``: a full averaged copy of the model's state dict, the same on every rank (a
     ``WeightAveraging`` callback's), stored whole once and given back by ``load_checkpoint`` as ``state_dict``.
+    ``masters_of``: which ``state_dict`` keys take their exact values from which parameter's fp32 master (Note
+    [checkpoint hooks see the model's values] in ``model_entries.py``); None: each parameter's own key.
 
     Collective: every rank of ``process_group`` calls it with the same path. See Note [atomic commit] (local) and
     Note [commit on an object store] (remote URLs).
@@ -163,17 +166,20 @@ def save_sharded_checkpoint(
     target = locate(path)
     refuse_replacing_other_files(target, process_group)  # Note [what a save may replace]
     rank = 0 if process_group is None else process_group.rank()
-    tensors, toc = prepare_save(checkpoint, rank, averaged)
+    tensors, toc = prepare_save(checkpoint, rank, averaged, masters_of)
     write_save(checkpoint, tensors, toc, path, process_group, saved_with)
 
 
 def prepare_save(
-    checkpoint: dict[str, Any], rank: int, averaged: Mapping[str, Tensor] | None = None
+    checkpoint: dict[str, Any],
+    rank: int,
+    averaged: Mapping[str, Tensor] | None = None,
+    masters_of: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, FlatChunk | Tensor], Toc]:
     """What this rank writes of ``checkpoint`` (the chunks and tensors DCP saves, views of the live state) and its part
     of the table of contents; the sharded entries leave ``checkpoint``, which keeps Lightning's other state."""
     optimizer_states = checkpoint.pop("optimizer_states", None)
-    tensors, toc = build_toc(checkpoint.pop("state_dict", {}), optimizer_states or [], averaged)
+    tensors, toc = build_toc(checkpoint.pop("state_dict", {}), optimizer_states or [], averaged, masters_of)
     if rank != 0:  # Note [replicated entries are rank 0's]
         every_rank = (model_key(""), averaged_key(""))
         tensors = {k: v for k, v in tensors.items() if isinstance(v, FlatChunk) or not k.startswith(every_rank)}
@@ -257,12 +263,7 @@ def load_checkpoint(
     ``section``: what ``module`` and each of ``zero_optimizers`` load of a checkpoint holding several models (Note
     [several models in one checkpoint] in ``sections.py``); it replaces ``load_optimizer``.
     """
-    checkpoint = locate(path)
-    if not checkpoint.remote and (process_group is None or process_group.rank() == 0):
-        recover_interrupted_commit(checkpoint.local)  # Note [atomic commit]
-    if process_group is not None:
-        dist.barrier(group=process_group)
-    checkpoint.forget_listings()
+    checkpoint = ready_to_read(path, process_group)
     if is_pretrained_source(checkpoint):  # weights only, e.g. `fit(ckpt_path=hf_dir)`: Lightning restores nothing else
         load_pretrained(module, path, zero_optimizers, gatherer, prefix=None, strict=strict, tiers=tiers)
         return {}
@@ -290,16 +291,27 @@ def load_checkpoint(
     if section is not None:
         section_state(state, section)
         toc = section_toc(toc, section)
-    excluded = _restore_frozen(state, module, checkpoint, zero_optimizers, gatherer, tiers, built_on_meta)
+    excluded = restore_frozen(state, module, checkpoint, zero_optimizers, gatherer, tiers, built_on_meta)
     plan = LoadPlan(module, slices, toc, strict=strict, origin=checkpoint, tiers=tiers, excluded=excluded)
     if load_optimizer and toc["optimizers"]:
         plan.add_optimizers(zero_optimizers, state.get("optimizer_states"))
     plan.read_dcp(data, metadata, process_group)
     plan.finish(zero_optimizers)
-    _refresh(gatherer)
+    refresh_gathered(gatherer)
     if toc.get("averaged"):
         state["state_dict"] = read_whole(data, metadata, toc, toc["averaged"], process_group)
     return state
+
+
+def ready_to_read(path: str | PathLike[str], process_group: dist.ProcessGroup | None) -> Location:
+    """``path`` located, a commit a crash interrupted finished first (Note [atomic commit]); collective."""
+    checkpoint = locate(path)
+    if not checkpoint.remote and (process_group is None or process_group.rank() == 0):
+        recover_interrupted_commit(checkpoint.local)  # Note [atomic commit]
+    if process_group is not None:
+        dist.barrier(group=process_group)
+    checkpoint.forget_listings()
+    return checkpoint
 
 
 def load_full_checkpoint(
@@ -317,7 +329,7 @@ def load_full_checkpoint(
     """Load a full Lightning checkpoint read from ``origin`` (``state_dict``, ``optimizer_states`` in torch's format:
     a DDP run's, or a one-file Fabric checkpoint arranged so) into this rank's shards; collective. ``state`` keeps
     the rest, as ``load_checkpoint`` returns it."""
-    excluded = _restore_frozen(state, module, origin, zero_optimizers, gatherer, tiers, built_on_meta)
+    excluded = restore_frozen(state, module, origin, zero_optimizers, gatherer, tiers, built_on_meta)
     sources, toc = full_checkpoint_sources(state, module, zero_optimizers if load_optimizer else (), origin)
     slices = owned_parameter_slices(zero_optimizers, gatherer)
     plan = LoadPlan(module, slices, toc, strict=strict, origin=origin, tiers=tiers, excluded=excluded)
@@ -325,10 +337,10 @@ def load_full_checkpoint(
         plan.add_optimizers(zero_optimizers, state.get("optimizer_states"))
     plan.read_from(sources)
     plan.finish(zero_optimizers)
-    _refresh(gatherer)
+    refresh_gathered(gatherer)
 
 
-def _restore_frozen(
+def restore_frozen(
     state: Mapping[str, Any],
     module: nn.Module,
     origin: Location,
@@ -346,7 +358,7 @@ def _restore_frozen(
     return excluded
 
 
-def _refresh(gatherer: ShardedParameters | None) -> None:
+def refresh_gathered(gatherer: ShardedParameters | None) -> None:
     if gatherer is not None:
         gatherer.refresh_gathered()  # a stage-3 unit gathered right now must not keep the weights from before
 
@@ -413,4 +425,4 @@ def load_pretrained(
         plan = LoadPlan(module, slices, toc, strict=False, origin=origin, tiers=tiers)  # checked by name above
         plan.read_from(sources)
     plan.finish(optimizers)
-    _refresh(gatherer)
+    refresh_gathered(gatherer)

@@ -10,6 +10,7 @@ the tiers] in ``tiered.py``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -252,14 +253,26 @@ class LoadPlan:
         tiered = zero.tiers.new_state(master, name) if zero.tiers is not None else None
         return tiered if tiered is not None else torch.zeros_like(master)
 
-    def read_dcp(self, directory: Location, metadata: Metadata, process_group: dist.ProcessGroup | None) -> None:
-        _dcp_read(dict(self.reads), directory, metadata, self.toc, process_group)
+    def read_dcp(
+        self,
+        directory: Location,
+        metadata: Metadata,
+        process_group: dist.ProcessGroup | None,
+        memory: Mapping[str, Tensor] | None = None,
+    ) -> None:
+        """Fill every destination from the DCP files, or from ``memory`` (flattened) where its storage key is there."""
+        memory = memory or {}
+        files = {k: v for k, v in self.reads.items() if k not in memory}
+        _dcp_read(files, directory, metadata, self.toc, process_group)
+        self.read_from(memory, only=memory.keys())
 
-    def read_from(self, sources: Mapping[str, Tensor | FlatSource]) -> None:
-        """Fill every destination from full in-memory, memory-mapped or lazily read ``sources`` (flattened), one
-        parameter at a time."""
+    def read_from(self, sources: Mapping[str, Tensor | FlatSource], only: Collection[str] | None = None) -> None:
+        """Fill every destination (``only`` those of these storage keys) from full in-memory, memory-mapped or lazily
+        read ``sources`` (flattened), one parameter at a time."""
         with torch.no_grad():
             for key, destination in self.reads.items():
+                if only is not None and key not in only:
+                    continue
                 source = sources[key]
                 if isinstance(destination, FlatChunk):
                     piece = destination.destination(0, destination.numel)
@@ -280,13 +293,15 @@ class LoadPlan:
 def read_whole(
     directory: Location, metadata: Metadata, toc: Toc, keys: Mapping[str, str], process_group: dist.ProcessGroup | None
 ) -> dict[str, Tensor]:
-    """{name: storage key} -> {name: the whole stored tensor}, read on every rank (tied names share one tensor)."""
-    request = {
-        storage: torch.empty(toc["tensors"][storage]["shape"], dtype=info_dtype(toc["tensors"][storage]))
-        for storage in set(keys.values())
-    }
+    """{name: storage key} -> {name: the whole stored tensor}, read on every rank of ``process_group`` (None: by this
+    rank alone), tied names sharing one tensor."""
+    request = {}
+    for storage in set(keys.values()):
+        info = toc["tensors"][storage]
+        stored = [math.prod(info["shape"])] if info["flat"] else info["shape"]  # flat: 1-D in the files
+        request[storage] = torch.empty(stored, dtype=info_dtype(info))
     _dcp_read(dict(request), directory, metadata, toc, process_group)
-    return {name: request[storage] for name, storage in keys.items()}
+    return {name: request[storage].view(toc["tensors"][storage]["shape"]) for name, storage in keys.items()}
 
 
 def _dcp_read(

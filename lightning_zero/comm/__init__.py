@@ -1,7 +1,9 @@
 """The communication layer: how ranks exchange tensors, and what that costs.
 
 - ``collectives``: stateless reduce-scatter / all-gather / all-reduce over flat buffers, each taking an explicit
-  process group and returning a ``PendingCollective`` (work handles, held buffers, bytes sent).
+  process group and returning a ``PendingCollective``.
+- ``pending_collective``: ``PendingCollective``, an issued collective (work handles, held buffers, local finish)
+  and a ``Send`` per call into ``torch.distributed`` (bytes sent).
 - ``ledger``: ``CommLedger``, the per-step record of bytes and calls per collective.
 - ``buffer_pool``: ``BufferPool``, receive and staging buffers reused across buckets and steps.
 - ``streams``: ``CollectiveStream``, the side stream a kind of collective runs on (CUDA), ordered by events.

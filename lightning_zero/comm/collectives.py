@@ -1,10 +1,10 @@
 """Stateless collectives over flat buffers.
 
-Every function takes the process group explicitly, launches asynchronously and returns a ``PendingCollective``:
-the work handles, the buffers that must stay alive until it completes, any local post-processing, and a ``Send``
-per call into ``torch.distributed`` (what was handed to it, measured at the call). Callers record them in a
-``CommLedger`` (``ledger.py``). An optional ``CollectiveStream`` runs the collective on a side stream of its device
-(Note [collective streams] in ``streams.py``).
+Every function takes the process group explicitly, launches asynchronously and returns a ``PendingCollective``
+(``pending_collective.py``): the work handles, the buffers that must stay alive until it completes, any local
+post-processing, and a ``Send`` per call into ``torch.distributed`` (what was handed to it, measured at the call).
+Callers record them in a ``CommLedger`` (``ledger.py``). An optional ``CollectiveStream`` runs the collective on a
+side stream of its device (Note [collective streams] in ``streams.py``).
 
 Note [native collectives]
 On NCCL (and any backend but gloo) a reduce-scatter is ``reduce_scatter_single`` and an all-gather
@@ -62,14 +62,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zero.comm.pending_collective import Collective, PendingCollective, Send, make_send, nbytes
 from lightning_zero.comm.streams import CollectiveStream
 
 ProcessGroup = dist.ProcessGroup
@@ -82,67 +81,12 @@ ALL_GATHER_TAG = 0x4147
 """Tag of gloo's pairwise all-gather messages (Note [pairwise tags])."""
 
 
-class Collective(str, Enum):
-    """The collectives ZeRO issues, as recorded in the ledger."""
+class ReduceScatterOptions(TypedDict, total=False):
+    """``reduce_scatter``'s keyword arguments, which a drop-in for it takes too (ZeRO++'s
+    ``HierarchicalReduceScatter``, ``hierarchical_reduce.py``)."""
 
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_GATHER = "all_gather"
-    ALL_REDUCE = "all_reduce"
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    """One call into ``torch.distributed``, measured at the call: the tensor this rank handed it to send."""
-
-    op: str
-    """The ``torch.distributed`` function called (``reduce_scatter_single``, ``broadcast``, ...)."""
-    numel: int
-    dtype: torch.dtype
-    wire_bytes: int
-    """Bytes of that tensor that leave this rank with the op's bandwidth-optimal algorithm: a reduce-scatter or an
-    all-to-all sends the (N-1)/N of its input that other ranks own, an all-gather its input to N-1 ranks, the root
-    of a broadcast its tensor to N-1 ranks (the others none), an all-reduce twice the (N-1)/N of its tensor."""
-    group: ProcessGroup | None = field(default=None, compare=False, repr=False)
-    """A collective's: ``wire_bytes`` go to every other rank of this group, in equal parts (Note [bytes by link] in
-    ``ledger.py``, which splits them once per group, not per call). Not pickled: a group lives in its process."""
-    peer: int | None = None
-    """A point-to-point send's: the global rank ``wire_bytes`` go to."""
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return Send, (self.op, self.numel, self.dtype, self.wire_bytes, None, self.peer)
-
-
-@dataclass
-class PendingCollective:
-    """An issued collective. ``wait()`` makes its result usable by the code (and stream) that calls it."""
-
-    kind: Collective
-    works: tuple[dist.Work, ...]
-    """The asynchronous operations it was issued as (none for a world of one, several for a broadcast gather)."""
-    buffers: tuple[Tensor, ...]
-    """Tensors the collective reads or writes; held so they outlive the asynchronous work."""
-    sends: tuple[Send, ...] = ()
-    """Every call into ``torch.distributed`` it made, with what was handed to it."""
-    finish: Callable[[], None] | None = None
-    """Local work to run once the data has arrived (the sum of the all-to-all reduce-scatter, the average)."""
-    stream: CollectiveStream | None = field(default=None, repr=False)
-    """The side stream it was issued on and completes on (Note [collective streams]); None: the current stream."""
-
-    @property
-    def bytes_sent(self) -> int:
-        """Bytes this rank puts on the wire, from what each call was handed (see ``Send.wire_bytes``)."""
-        return sum(send.wire_bytes for send in self.sends)
-
-    def wait(self) -> None:
-        with self.stream.complete() if self.stream is not None else nullcontext():
-            for work in self.works:
-                work.wait()
-            self.works = ()
-            if self.finish is not None:
-                self.finish()
-                self.finish = None
-        # Only now may the buffers be reused or freed: the caller's stream is ordered after the collective.
-        self.buffers = ()
+    scratch: Tensor | None
+    stream: CollectiveStream | None
 
 
 def native_collectives() -> bool:
@@ -214,16 +158,6 @@ def _native(new: str, old: str) -> Callable[..., Any]:
     return function if function is not None else getattr(dist, old)  # Note [native collectives]
 
 
-def _nbytes(tensor: Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def make_send(function: Callable[..., Any], tensor: Tensor, wire_bytes: int, group: ProcessGroup) -> Send:
-    """The ``Send`` of one call of ``function`` handed ``tensor``, sending ``wire_bytes`` to the rest of ``group``.
-    O(1) in the group's size: where the bytes go is resolved by the ledger, once per group."""
-    return Send(function.__name__, tensor.numel(), tensor.dtype, wire_bytes, group if wire_bytes else None)
-
-
 def reduce_scatter(
     output: Tensor,
     input: Tensor,
@@ -248,7 +182,7 @@ def reduce_scatter(
     divide_first = input.dtype == torch.float16  # Note [when to average]
     if divide_first:
         input.div_(world)
-    wire_bytes = _nbytes(input) * (world - 1) // world
+    wire_bytes = nbytes(input) * (world - 1) // world
     if _gloo_form(input, group):
         chunks = [[chunk] for chunk in input.view(world, -1)]
         return _pairwise_reduce_scatter(output, chunks, group, scratch, stream, divide_first, (input,))
@@ -295,7 +229,7 @@ def all_gather(
     function = _native("all_gather_single", "all_gather_into_tensor")
     with stream.launch() if stream is not None else nullcontext():
         work = function(output, input, group=group, async_op=True)
-    send = make_send(function, input, _nbytes(input) * (world - 1), group)
+    send = make_send(function, input, nbytes(input) * (world - 1), group)
     return PendingCollective(Collective.ALL_GATHER, (work,), (output, input), (send,), None, stream)
 
 
@@ -392,7 +326,7 @@ def _exchange(
             for work in posted:
                 assert work is not None, "this rank is a member of the group"
                 works.append(work)
-            records += [Send("isend", t.numel(), t.dtype, _nbytes(t), peer=other) for t in sends]
+            records += [Send("isend", t.numel(), t.dtype, nbytes(t), peer=other) for t in sends]
     held = buffers + (() if scratch is None else (scratch,))
     return PendingCollective(kind, tuple(works), held, tuple(records), finish, stream)
 
@@ -403,5 +337,5 @@ def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> PendingCollective:
     if world == 1:
         return PendingCollective(Collective.ALL_REDUCE, (), ())
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    send = make_send(dist.all_reduce, tensor, 2 * _nbytes(tensor) * (world - 1) // world, group)
+    send = make_send(dist.all_reduce, tensor, 2 * nbytes(tensor) * (world - 1) // world, group)
     return PendingCollective(Collective.ALL_REDUCE, (work,), (tensor,), (send,))

@@ -41,8 +41,10 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypedDict
 
 import torch.distributed as dist
+from typing_extensions import Unpack
 
 from lightning_zero.compat import PrefixStore, Store, TCPStore, get_default_store
 
@@ -73,6 +75,17 @@ _COLLECTIVE_ERROR_MARKERS = (
 )
 _NAMESPACE = "lightning_zero/faults"
 _starts = itertools.count()  # per process: the n-th monitor of every rank shares one key namespace
+_CONNECT_TIMEOUT_S = 60.0
+"""How long a monitor's store clients may take to connect, by default."""
+
+
+class MonitorTimings(TypedDict, total=False):
+    """``FaultMonitor``'s keywords after ``store``, ``rank`` and ``world_size``, as ``FaultMonitor.connect`` passes
+    them on (seconds; see its ``Args``)."""
+
+    interval_s: float
+    store_timeout_s: float
+    connect_timeout_s: float
 
 
 def is_collective_failure(exception: BaseException) -> bool:
@@ -104,6 +117,8 @@ class FaultMonitor:
         interval_s: seconds between heartbeats; a rank whose heartbeat does not advance for
             ``_STALE_BEATS * interval_s`` is reported as not answering.
         store_timeout_s: how long any single store call of the monitor may block.
+        connect_timeout_s: how long its two store clients may take to connect (``connect`` warns and gives None
+            when they cannot).
     """
 
     _STALE_BEATS = 2
@@ -118,7 +133,7 @@ class FaultMonitor:
         world_size: int,
         interval_s: float = 2.0,
         store_timeout_s: float = 5.0,
-        connect_timeout_s: float = 60.0,
+        connect_timeout_s: float = _CONNECT_TIMEOUT_S,
     ) -> None:
         if not interval_s > 0 or not store_timeout_s > 0 or not connect_timeout_s > 0:
             raise ValueError(
@@ -148,23 +163,18 @@ class FaultMonitor:
             store = get_default_store()
         except (RuntimeError, ValueError):
             return None
-        return cls.connect(store, dist.get_rank(), dist.get_world_size(), interval_s, store_timeout_s)
+        timings = MonitorTimings(interval_s=interval_s, store_timeout_s=store_timeout_s)
+        return cls.connect(store, dist.get_rank(), dist.get_world_size(), **timings)
 
     @classmethod
     def connect(
-        cls,
-        store: Store,
-        rank: int,
-        world_size: int,
-        interval_s: float = 2.0,
-        store_timeout_s: float = 5.0,
-        connect_timeout_s: float = 60.0,
+        cls, store: Store, rank: int, world_size: int, **timings: Unpack[MonitorTimings]
     ) -> FaultMonitor | None:
         """``FaultMonitor(...)``, or None with a warning if its store clients cannot connect within
         ``connect_timeout_s``: the rank trains on without naming failed peers (Note [monitor must not hang
         shutdown])."""
         try:
-            return cls(store, rank, world_size, interval_s, store_timeout_s, connect_timeout_s)
+            return cls(store, rank, world_size, **timings)
         except dist.DistError as error:
             log.warning(
                 "Rank %d runs without a fault monitor: its store clients could not connect to %s within %g s. "
@@ -172,7 +182,7 @@ class FaultMonitor:
                 "Cause: %s",
                 rank,
                 _address(store),
-                connect_timeout_s,
+                timings.get("connect_timeout_s", _CONNECT_TIMEOUT_S),
                 str(error).splitlines()[0] if str(error) else type(error).__name__,
             )
             return None

@@ -28,10 +28,11 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from typing_extensions import Unpack
 
-from lightning_zero.comm.collectives import Collective, PendingCollective, ProcessGroup, make_send, reduce_scatter
+from lightning_zero.comm.collectives import ProcessGroup, ReduceScatterOptions, reduce_scatter
+from lightning_zero.comm.pending_collective import Collective, PendingCollective, make_send
 from lightning_zero.comm.quantization import Bits, PackedLayout, dequantize_rows, quantize_rows
-from lightning_zero.comm.streams import CollectiveStream
 
 
 class HierarchicalReduceScatter:
@@ -51,21 +52,16 @@ class HierarchicalReduceScatter:
         return first + PackedLayout(shard, self.block, self.bits).row_bytes * (n - 1)
 
     def __call__(
-        self,
-        output: Tensor,
-        input: Tensor,
-        group: ProcessGroup,
-        *,
-        scratch: Tensor | None = None,
-        stream: CollectiveStream | None = None,
+        self, output: Tensor, input: Tensor, group: ProcessGroup, **options: Unpack[ReduceScatterOptions]
     ) -> PendingCollective:
+        stream = options.get("stream")
         k, n = self.intra.size(), self.inter.size()
         world = group.size()
         assert world == k * n, (world, k, n)
         shard = output.numel()
         exact_bytes = input.numel() * input.element_size() * (world - 1) // world
         if world == 1 or self.quantized_bytes(shard) >= exact_bytes:
-            return reduce_scatter(output, input, group, scratch=scratch, stream=stream)
+            return reduce_scatter(output, input, group, **options)
         first = PackedLayout(n * shard, self.block, self.bits)
         second = PackedLayout(shard, self.block, self.bits)
         by_position = input.view(n, k, shard).transpose(0, 1).reshape(k, n * shard)  # (k, n * S)

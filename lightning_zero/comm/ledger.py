@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from lightning_zero.comm.collectives import Collective, PendingCollective, Send
+from lightning_zero.comm.pending_collective import Collective, PendingCollective, Send
 from lightning_zero.comm.topology import LINKS, Link, NodeTopology
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_zero.comm.collectives import Collective, PendingCollective, ProcessGroup, all_gather
+from lightning_zero.comm.collectives import ProcessGroup, all_gather
+from lightning_zero.comm.pending_collective import Collective, PendingCollective
 from lightning_zero.comm.quantization import PackedLayout, dequantize_rows, quantize_rows
 from lightning_zero.comm.streams import CollectiveStream
 

@@ -16,6 +16,8 @@
   shards), which both doors put where code reads gradients.
 - ``memory``: per-rank model-state bytes, counted, by memory tier and as the ZeRO paper's formula; bytes sent.
 - ``throughput``: samples, tokens and FLOPs per second, MFU.
+- ``rank_layout``: ``RankLayout``, what the engine reads of either door's strategy about this rank (group, device,
+  ranks), so that a door hands itself over; ``world_group()``.
 - ``fault_watch``: ``FaultWatch``, the fault monitor started, told of the run's exception, stopped.
 - ``presets``: the strategy names both front doors register (``"zero1"`` ... and the memory-tier presets), and how
   their processes start.

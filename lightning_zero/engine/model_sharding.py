@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -26,6 +25,7 @@ from lightning_zero.checkpoint.tiered import TierStorage
 from lightning_zero.comm.topology import ranks_per_node_from_environment
 from lightning_zero.compat import get_default_store
 from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.rank_layout import RankLayout
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from lightning_zero.stage3.library_init import MetaDeviceExceptMetrics, ParamInitFn, pretrained_on_meta_hint
@@ -45,18 +45,17 @@ def ranks_per_node(config: ZeroConfig, num_processes: int, world_size: int) -> i
 def shard_for_stage3(
     module: nn.Module,
     config: ZeroConfig,
-    group: dist.ProcessGroup,
-    device: torch.device,
-    num_processes: int,
+    ranks: RankLayout,
     param_init_fn: ParamInitFn | None,
     tiers: MemoryTiers | None,
 ) -> ParameterGatherer:
     """Shard ``module`` for stage 3 unit by unit (``stage3/sharded_init.py``): one built on meta is materialized
-    there, one built normally is moved to ``device`` a unit at a time (Note [partly meta models]), never whole.
-    A model another strategy of this process sharded with the same config (an earlier ``Trainer``) keeps its shards:
-    Note [a model sharded by an earlier Trainer]."""
+    there, one built normally is moved to this rank's device a unit at a time (Note [partly meta models]), never
+    whole. A model another strategy of this process sharded with the same config (an earlier ``Trainer``) keeps its
+    shards: Note [a model sharded by an earlier Trainer]."""
     # ZeRO++ and the metering by link need the ranks per node; Lightning knows them when the environment does not.
-    config = dataclasses.replace(config, ranks_per_node=ranks_per_node(config, num_processes, group.size()))
+    group = ranks.process_group
+    config = dataclasses.replace(config, ranks_per_node=ranks_per_node(config, ranks.num_processes, group.size()))
     earlier = getattr(module, _SHARDED_BY, None)
     if isinstance(earlier, ParameterGatherer):
         return adopt_sharded(earlier, module, config, group, tiers)
@@ -67,7 +66,7 @@ def shard_for_stage3(
     trainable = any(p.requires_grad for p in module.parameters())
     several = group.size() > 1 and trainable
     calls = OneRankCalls(get_default_store(), group, config.collective_timeout_s) if several else None
-    gatherer = shard_module(module, config, group, device, param_init_fn, tiers)
+    gatherer = shard_module(module, config, group, ranks.root_device, param_init_fn, tiers)
     if calls is not None:
         gatherer.attach_calls(calls)
     object.__setattr__(module, _SHARDED_BY, gatherer)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.rank_layout import RankLayout
 from lightning_zero.offload.directory import OffloadDirectory, check_free_space, resolve_offload_dir
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.offload.optimizer_tiers import OptimizerTiers
@@ -28,13 +29,11 @@ def build_memory_tiers(
     config: ZeroConfig,
     module: nn.Module,
     root_dir: str,
-    global_rank: int,
-    device: torch.device,
-    world_size: int,
-    local_ranks: int,
+    ranks: RankLayout,
 ) -> MemoryTiers | None:
     """This rank's tiers, or None without offloading; a relative ``offload_dir`` is under ``root_dir`` (the Trainer's
     ``default_root_dir``). Refuses a bad directory or too little space first."""
+    device, world_size, local_ranks = ranks.root_device, ranks.world_size, ranks.num_processes
     if config.offload_optimizer == "none" and config.offload_params == "none":
         return None
     if device.type != "cpu" and "disk" in (config.offload_optimizer, config.offload_params):
@@ -57,7 +56,7 @@ def build_memory_tiers(
             check_free_space(
                 base, -(-moments // world_size), local_ranks, "the moments (offload_optimizer_state='disk')"
             )
-        directory = OffloadDirectory(base, global_rank)
+        directory = OffloadDirectory(base, ranks.global_rank)
     return MemoryTiers(config, directory, _IO_ENTRIES, device)
 
 

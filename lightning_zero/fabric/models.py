@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module, Parameter
@@ -35,6 +34,7 @@ from lightning_zero.engine.buffers import BufferBroadcast, broadcast_buffers
 from lightning_zero.engine.model_sharding import on_meta, shard_for_stage3
 from lightning_zero.engine.optimizer_wrapping import wrap_optimizers
 from lightning_zero.engine.precision import ParameterPrecision
+from lightning_zero.engine.rank_layout import RankLayout
 from lightning_zero.fabric.module import ZeroForwardModule
 from lightning_zero.offload.memory_tiers import MemoryTiers
 from lightning_zero.sharding.activation_checkpointing import apply_activation_checkpointing_policy
@@ -123,13 +123,7 @@ class SetUpModels:
 
 
 def set_up_model(
-    module: Module,
-    config: ZeroConfig,
-    group: dist.ProcessGroup,
-    device: torch.device,
-    num_processes: int,
-    param_init_fn: ParamInitFn | None,
-    tiers: MemoryTiers | None,
+    module: Module, config: ZeroConfig, ranks: RankLayout, param_init_fn: ParamInitFn | None, tiers: MemoryTiers | None
 ) -> SetUpModel:
     """Shard ``module`` (stage 3) or synchronize it from rank 0 (stages 1 and 2): one more set-up model."""
     if config.stage != 3 and on_meta(module):
@@ -144,10 +138,10 @@ def set_up_model(
     built_on_meta = False
     if config.stage == 3:
         built_on_meta = on_meta(module)
-        gatherer = shard_for_stage3(module, config, group, device, num_processes, param_init_fn, tiers)
-        broadcast_buffers(module, group)
+        gatherer = shard_for_stage3(module, config, ranks, param_init_fn, tiers)
+        broadcast_buffers(module, ranks.process_group)
     else:
-        module.to(device)
+        module.to(ranks.root_device)
         # Parameters are broadcast again bucket by bucket when an optimizer shards them; buffers only here.
         sync_module_states(module)
     return SetUpModel(module, ZeroForwardModule(module), gatherer, built_on_meta)

@@ -25,6 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_zero.compat import FabricStateful
+
 
 class ZeroForwardModule(Module):
     """The forward module of a model set up by ``ZeroFabricStrategy``: calls the model (Note [marked forward
@@ -41,12 +43,14 @@ class ZeroForwardModule(Module):
 def full_tensors(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` with every DTensor in its plain entries made whole (collective: every rank calls ``fabric.save``):
     a stage-3 ``model.state_dict()`` saved as an entry (lit-llama's ``fabric.save(path, {"model":
-    model.state_dict()})``) writes the full weights, as under Fabric's DDP (Note [a stage-3 model's state dict] in
-    ``checkpoint/module_state.py``)."""
+    model.state_dict()})``), or returned by a stateful object's ``state_dict()`` (an EMA of the weights), writes the
+    full weights, as under Fabric's DDP (Note [a stage-3 model's state dict] in ``checkpoint/module_state.py``)."""
     return {
         name: value
         if isinstance(value, Module | Optimizer)
-        else apply_to_collection(value, DTensor, lambda t: t.full_tensor())
+        else apply_to_collection(
+            value.state_dict() if isinstance(value, FabricStateful) else value, DTensor, lambda t: t.full_tensor()
+        )
         for name, value in state.items()
     }
 

@@ -58,6 +58,7 @@ from lightning_zero.engine.model_sharding import (
 from lightning_zero.engine.optimizer_wrapping import as_zero_optimizer
 from lightning_zero.engine.precision import to_zero_precision
 from lightning_zero.engine.presets import StartMethod, register_presets
+from lightning_zero.engine.rank_layout import world_group
 from lightning_zero.engine.throughput import StepThroughput, ThroughputSummary, compute_dtype
 from lightning_zero.engine.tier_setup import build_memory_tiers, close_memory_tiers
 from lightning_zero.fabric.backward_sync import ZeroBackwardSyncControl
@@ -181,9 +182,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
     # -- processes ---------------------------------------------------------------------------------------------------
     @property
     def process_group(self) -> dist.ProcessGroup:
-        group = dist.group.WORLD
-        assert group is not None, "the process group is created in setup_environment()"
-        return group
+        return world_group()
 
     @override
     def setup_environment(self) -> None:
@@ -218,24 +217,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
                 "teacher need not be set up), or set exclude_frozen_parameters=False."
             )
         if self._tiers is None:  # a relative offload_dir is under the working directory
-            self._tiers = build_memory_tiers(
-                self.config,
-                module,
-                os.getcwd(),
-                self.global_rank,
-                self.root_device,
-                self.world_size,
-                self.num_processes,
-            )
-        model = set_up_model(
-            module,
-            self.config,
-            self.process_group,
-            self.root_device,
-            self.num_processes,
-            self._param_init_fn,
-            self._tiers,
-        )
+            self._tiers = build_memory_tiers(self.config, module, os.getcwd(), self)
+        model = set_up_model(module, self.config, self, self._param_init_fn, self._tiers)
         self.models.models.append(model)
         if model.gatherer is not None:  # Note [a stage-3 model's state dict] in checkpoint/module_state.py
             install_module_state(module, model.gatherer, lambda: model.optimizers, lambda: self._tiers)

@@ -19,8 +19,25 @@ same arithmetic with none of that:
   and may run on a worker thread (Note [host step threads]);
 - the update is one call of torch's own fused kernel (``torch._fused_adamw_``, or ``_fused_adam_`` without
   decoupled weight decay) per bucket and param group, over views of the bucket's flat masters, gradients and
-  moments, with the per-parameter step counts incremented first as torch does: element for element the same
-  arithmetic as ``AdamW(fused=True)``, so a run through ``HostAdam`` and one through torch's step agree bit for bit.
+  moments (joined into runs: Note [one kernel call per bucket]), with the per-parameter step counts incremented
+  first as torch does: element for element the same arithmetic as ``AdamW(fused=True)``, so a run through
+  ``HostAdam`` and one through torch's step agree bit for bit.
+
+Note [one kernel call per bucket]
+A param group's stepped segments of a bucket mostly lie back to back in one storage, for the masters, the
+gradients and each moment alike (the host tier's buffers, a CPU device's parameter and gradient shards, the flat
+moments). Where their step counts agree, the kernel is called over flat views of those runs instead of one tensor
+per segment, with one of the counts per run (all of them incremented first). A run ends after a segment that is
+not a whole number of 64-byte units (``_TASK_BYTES``): torch's kernel rounds the last ``n % vector width``
+elements of a tensor in a scalar loop, and ``exp_avg_sq`` comes out of it a bit differently, so an element must
+take the same loop joined as alone. Then every element gets the same arithmetic with the same bias corrections:
+bit for bit the same result (``tests/test_host_adam.py``). What it saves is the kernel's per-tensor work, most of
+all its OpenMP fork and barrier per tensor: with two intra-op threads on two loaded cores torch's kernel over 24
+tensors of 4M elements took 2x the time of the same elements in 6 tensors of 16M (a throwaway script, load average
+10, 2026-11-28), and 0.94x at one thread. The counts are compared (one ``torch.equal`` each, host tensors) only when
+the list of step tensors is not the one of the group's last call, which incremented all of them at once: the first
+step, a checkpoint load, a step of only some segments (a parameter without a gradient, Note [unused parameters] in
+``sharding/gradient_presence.py``). Counts that differ take one tensor per segment, as before.
 
 It covers the groups for which the tiers chose (or the user set) torch's fused kernels on an unmodified
 ``torch.optim.Adam`` or ``AdamW`` (Note [tier step kernels]); any other optimizer or group keeps the generic path,
@@ -59,6 +76,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.compat import fused_adam_kernel
+from lightning_zero.offload.host_arena import huge_pages, zeros_on_huge_pages
 from lightning_zero.sharding.optimizer_hooks import without_step_hooks
 
 _FUSED_ON_CPU = (torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad)  # AdamW is an Adam
@@ -110,6 +128,41 @@ def covers_group(group: dict[str, Any]) -> bool:
     return bool(group.get("fused")) and not group.get("differentiable") and not group.get("capturable")
 
 
+_TASK_BYTES = 64
+"""torch's fused CPU kernels split a tensor into tasks of whole 64-byte units and run each task's elements through
+their vector loop, all but its last ``n % width`` (a scalar loop that rounds ``exp_avg_sq`` differently); with
+vectors of at most 64 bytes, an element 64-byte units into a tensor takes the vector loop wherever the tensor ends."""
+
+
+def _follows(before: Tensor, after: Tensor) -> bool:
+    """Whether ``after`` starts where ``before`` ends, in the same storage, both contiguous of one dtype."""
+    return (
+        after.data_ptr() == before.data_ptr() + before.numel() * before.element_size()
+        and after.dtype == before.dtype
+        and after.is_contiguous()
+        and before.is_contiguous()
+        and after.untyped_storage().data_ptr() == before.untyped_storage().data_ptr()
+    )
+
+
+def _runs(lists: list[list[Tensor]]) -> list[list[Tensor]]:
+    """Each list of tensors joined into flat views of its runs: the longest stretches that lie back to back in every
+    list, each tensor but a run's last a whole number of 64-byte units (Note [one kernel call per bucket])."""
+    first = lists[0]
+    unit = _TASK_BYTES // first[0].element_size()
+    breaks = [0]
+    for k in range(1, len(first)):
+        if first[k - 1].numel() % unit or not all(_follows(lst[k - 1], lst[k]) for lst in lists):
+            breaks.append(k)
+    bounds = list(zip(breaks, [*breaks[1:], len(first)], strict=True))
+    return [[_join(lst[a:b]) for a, b in bounds] for lst in lists]
+
+
+def _join(tensors: list[Tensor]) -> Tensor:
+    start = tensors[0].detach()  # a master is a leaf that requires grad; the kernel writes through the view
+    return start.as_strided((sum(t.numel() for t in tensors),), (1,))
+
+
 @dataclass(eq=False)
 class _Bucket:
     key: int
@@ -121,6 +174,11 @@ class _Bucket:
     flats: dict[str, Tensor] = field(default_factory=dict)
     """Per moment name: (numel,) flat tensor whose views are the segments' state entries."""
     views: dict[str, list[Tensor]] = field(default_factory=dict)
+    collapsed: set[int] = field(default_factory=set)
+    """Addresses of the masters' spans collapsed into huge pages (Note [huge pages])."""
+    even: dict[int, list[Tensor]] = field(default_factory=dict)
+    """Per param group: the step counts of its last call, known to hold one value (Note [one kernel call per
+    bucket])."""
 
 
 class HostAdam:
@@ -129,8 +187,8 @@ class HostAdam:
     def __init__(self, optimizer: Optimizer) -> None:
         self.optimizer = optimizer
         self._buckets: dict[int, _Bucket] = {}
-        self.allocate: Callable[[int, str, int, torch.dtype], Tensor] = lambda _, __, n, dtype: torch.zeros(
-            n, dtype=dtype
+        self.allocate: Callable[[int, str, int, torch.dtype], Tensor] = lambda _, __, n, dtype: zeros_on_huge_pages(
+            n, dtype
         )
         """Where a bucket's flat moments come from, given the bucket's key, the moment's name, its size and dtype
         (zeros); the tiers may place them elsewhere (Note [moments on disk] in ``host_moments.py``)."""
@@ -172,13 +230,14 @@ class HostAdam:
         if not by_group:
             return None
         calls: list[tuple[Any, ...]] = []
+        collapse: list[Tensor] = []
         for g, positions in by_group.items():
             group = self.optimizer.param_groups[g]
             amsgrad = bool(group["amsgrad"])
             self._ensure_state(bucket, masters, amsgrad, positions)
             params = [masters[bucket.segments[k]] for k in positions]
             entries = [state[p] for p in params]
-            grads = [p.grad for p in params]
+            grads: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]  # (set: stepped segments only)
             moments = [[e[name] for e in entries] for name in (*_MOMENTS, *((_AMSGRAD,) if amsgrad else ()))]
             beta1, beta2 = (float(b) if isinstance(b, Tensor) else b for b in group["betas"])
             decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
@@ -193,14 +252,38 @@ class HostAdam:
                 "maximize": group["maximize"],
             }
             steps = [e["step"] for e in entries]
-            calls.append((kernel, params, grads, moments, steps, hyper))
+            if self._together(bucket, g, steps):  # Note [one kernel call per bucket]
+                params, grads, *moments = _runs([params, grads, *moments])
+                read = [steps[0]] * len(params)
+            else:
+                read = steps
+            for master in params:
+                if master.data_ptr() not in bucket.collapsed:  # written before the first step: Note [huge pages]
+                    bucket.collapsed.add(master.data_ptr())
+                    collapse.append(master)
+            calls.append((kernel, params, grads, moments, steps, read, hyper))
 
         def run() -> None:
-            for kernel, params, grads, moments, steps, hyper in calls:
+            for span in collapse:  # once per bucket, on the worker: a copy of the masters
+                huge_pages(span, collapse=True)
+            for kernel, params, grads, moments, steps, read, hyper in calls:
                 torch._foreach_add_(steps, 1)
-                kernel(params, grads, moments[0], moments[1], moments[2] if len(moments) > 2 else [], steps, **hyper)
+                kernel(params, grads, moments[0], moments[1], moments[2] if len(moments) > 2 else [], read, **hyper)
 
         return run
+
+    def _together(self, bucket: _Bucket, group: int, steps: list[Tensor]) -> bool:
+        """Whether the step counts agree (Note [one kernel call per bucket]): compared only when the list of step
+        tensors is not the one of the group's last call, which incremented all of them at once."""
+        known = bucket.even.get(group)
+        if known is not None and len(known) == len(steps) and all(a is b for a, b in zip(known, steps, strict=True)):
+            return True
+        first = steps[0]  # the counts changed hands (the first step, a load, a step of only some segments)
+        if all(torch.equal(s, first) for s in steps[1:]):
+            bucket.even[group] = list(steps)
+            return True
+        bucket.even.pop(group, None)
+        return False
 
     def _ensure_state(self, bucket: _Bucket, masters: Sequence[Tensor], amsgrad: bool, positions: list[int]) -> None:
         """torch's state entries for these segments, their moments views of the flat tensors (created at the first

@@ -51,7 +51,9 @@ class HostSteps:
         """How the host's threads share the updates (Note [host step threads]): ``"intra_op"``, one worker whose
         kernel splits each tensor across torch's intra-op threads; ``"buckets"``, one worker per thread, each
         stepping whole buckets on one intra-op thread. Read when the first update starts."""
-        self._threads = torch.get_num_threads()
+        self.threads = torch.get_num_threads()
+        """The host's threads for the updates (Note [host step threads]); read when the worker starts (``close()``
+        stops it: the next update starts it again)."""
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._started: dict[int, Future[None]] = {}
@@ -61,7 +63,7 @@ class HostSteps:
 
     def _worker(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            workers, threads = (self._threads, 1) if self.parallel == "buckets" else (1, self._threads)
+            workers, threads = (self.threads, 1) if self.parallel == "buckets" else (1, self.threads)
             self._pool = ThreadPoolExecutor(workers, "host-step", initializer=lambda: torch.set_num_threads(threads))
         return self._pool
 

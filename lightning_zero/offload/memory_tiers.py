@@ -9,15 +9,13 @@ gradient reducer with shards on disk, and one ``OptimizerTiers`` per optimizer. 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from lightning_zero.comm.collectives import ProcessGroup
-from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig
 from lightning_zero.offload.directory import OffloadDirectory
 from lightning_zero.offload.host_copies import HostStore, uses_copies
@@ -129,22 +127,18 @@ class MemoryTiers:
         self.swapper.release(param_key(bucket))
 
     def reducer_factory(
-        self,
-        buckets: Sequence[FlatBucket],
-        group: ProcessGroup,
-        config: ZeroConfig,
-        ledger: CommLedger,
-        on_complete: Callable[[FlatBucket], None] | None = None,
+        self, buckets: Sequence[FlatBucket], *reducer_args: Any, **reducer_kwargs: Any
     ) -> ShardedGradReducer:
-        """Stage 3's gradient reducer: with the optimizer on disk, the shards of the placed buckets go there too."""
+        """Stage 3's gradient reducer over ``buckets`` (the rest: ``GradientReducer``'s arguments): with the optimizer
+        on disk, the shards of the placed buckets go there too."""
         # Each stage-3 model placed by the ratio among its own buckets (a Fabric strategy sets up several models).
-        placed = place_by_ratio(buckets, config.offload_ratio)
+        placed = place_by_ratio(buckets, self.config.offload_ratio)
         self._placed = placed | (self._placed or set())
         if not self.optimizer_on_disk:
-            return ShardedGradReducer(buckets, group, config, ledger, on_complete)
+            return ShardedGradReducer(buckets, *reducer_args, **reducer_kwargs)
         assert self.swapper is not None
         return TieredGradReducer(
-            buckets, group, config, ledger, on_complete, swapper=self.swapper, on_disk=lambda b: id(b) in placed
+            buckets, *reducer_args, swapper=self.swapper, on_disk=lambda b: id(b) in placed, **reducer_kwargs
         )
 
     # -- optimizers ----------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.autograd.graph import increment_version
 
 from lightning_zero.offload.host_adam import MOMENT_NAMES, HostAdam, choose_step_kernels
+from lightning_zero.offload.host_arena import huge_pages
 from lightning_zero.offload.host_moments import DiskMoments
 from lightning_zero.offload.host_steps import HostSteps
 from lightning_zero.offload.host_tier import HostTier
@@ -35,6 +36,7 @@ from lightning_zero.offload.tensor_swapper import TensorSwapper
 from lightning_zero.offload.tiered_gradients import TieredGradients
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.param_groups import MasterRun, Segment, masters_for
+from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
 from lightning_zero.sharding.state_tiers import TierStep
 
 if TYPE_CHECKING:
@@ -173,6 +175,8 @@ class OptimizerTiers:
             adam.add_bucket(id(bucket), indices, [s.start for s in segments], [s.stop for s in segments])
             self._own.add(id(bucket))
         self._adam = adam if self._own else None
+        if self._own and isinstance(optimizer.reducer, ShardedGradReducer):
+            optimizer.reducer.advise_shard = huge_pages  # a CPU device's gradient shards: Note [huge pages]
         if self.moments is None:
             return
         adam.allocate = self.moments.allocate

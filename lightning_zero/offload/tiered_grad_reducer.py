@@ -26,13 +26,12 @@ tiers applies them (unscale, then clip), so the numbers are the same.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_zero.comm.collectives import PendingCollective, ProcessGroup
-from lightning_zero.comm.ledger import CommLedger
-from lightning_zero.config import ZeroConfig
+from lightning_zero.comm.pending_collective import PendingCollective
 from lightning_zero.offload.tensor_swapper import TensorSwapper
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
@@ -47,19 +46,13 @@ class TieredGradReducer(ShardedGradReducer):
     disk]); other buckets keep theirs in memory."""
 
     def __init__(
-        self,
-        buckets: Sequence[FlatBucket],
-        group: ProcessGroup,
-        config: ZeroConfig,
-        ledger: CommLedger,
-        on_complete: Callable[[FlatBucket], None] | None = None,
-        *,
-        swapper: TensorSwapper,
-        on_disk: Callable[[FlatBucket], bool],
+        self, *reducer_args: Any, swapper: TensorSwapper, on_disk: Callable[[FlatBucket], bool], **reducer_kwargs: Any
     ) -> None:
+        """``reducer_args``/``reducer_kwargs``: ``GradientReducer``'s; ``on_disk``: whether a bucket's shard goes to
+        ``swapper``'s tier file."""
         self.swapper = swapper
-        self._on_disk = on_disk
-        super().__init__(buckets, group, config, ledger, on_complete)
+        self._on_disk = on_disk  # read by _init_storage, which the reducer's __init__ calls
+        super().__init__(*reducer_args, **reducer_kwargs)
         self._tiered = [on_disk(b) for b in self.buckets]
         self.check_finite = False
         """Loss scaling: each tiered shard is checked for inf/NaN as its reduction completes (Note [gradients on

@@ -114,13 +114,20 @@ class TieredGradients:
         """The tiered gradient ``shard`` (from shard element ``first``), unscaled and clipped, as the ``.grad`` of
         the used masters of ``segments``."""
         opt = self._opt
+        used = [i for i in segments if opt.segment_used[i]]
+        dtypes = {opt.masters[i].dtype for i in used}
+        if len(dtypes) == 1 and shard.dtype not in dtypes:
+            # One conversion of the bucket's span rather than one tensor per segment: the masters' gradients stay
+            # back to back, for one kernel call (Note [one kernel call per bucket] in ``host_adam.py``).
+            lo = min(opt.segments[i].start for i in used) - first
+            hi = max(opt.segments[i].stop for i in used) - first
+            shard, first = shard[lo:hi].to(dtypes.pop()), first + lo
         grads: list[Tensor] = []
-        for i in segments:
+        for i in used:
             seg, master = opt.segments[i], opt.masters[i]
-            if opt.segment_used[i]:
-                grad = shard[seg.start - first : seg.stop - first]
-                master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
-                grads.append(master.grad)
+            grad = shard[seg.start - first : seg.stop - first]
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+            grads.append(master.grad)
         # In the masters' dtype, as the step without tiers unscales and clips them (ZeroOptimizer.reduce_gradients,
         # clip_grad_*), in that order.
         if grads and self._unscale is not None:

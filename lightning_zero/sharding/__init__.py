@@ -4,6 +4,7 @@
 - ``gradient_reducer``: the reduction protocol (hooks, ordered launch, end-of-backward flush); the stage-1
   (``full_grad_reducer``) and stage-2 (``sharded_grad_reducer``) storages plug into it.
 - ``gradient_arrivals``: when a bucket's gradients are final in a backward (hook calls counted per parameter).
+- ``launch_order``: ``LaunchOrder``, the order a reducer launches its buckets in (Note [bucket order]).
 - ``gradient_owners``: which optimizer steps which elements of a reducer's gradient shards shared by several.
 - ``param_groups``: the user's param groups over this rank's shard (segments, masters, views, the checks).
 - ``param_edits``: ``ParamEdits``, parameter shards edited between steps reaching their masters: by a masked copy

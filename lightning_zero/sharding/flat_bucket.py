@@ -16,7 +16,7 @@ bucket on another and hang or corrupt both), so this numbering is also what make
 whose backward runs in another order (an encoder-decoder, a module called in a different order than registered)
 would hold every bucket until an early-numbered one completes; as DDP rebuilds its buckets, the reducer therefore
 records the order in which buckets complete in the first backward that reduces, and from then on launches them in
-rank 0's recorded order (``GradientReducer.launch_order``).
+rank 0's recorded order (``LaunchOrder`` in ``launch_order.py``).
 """
 
 from __future__ import annotations

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 
 import torch
 from torch import Tensor, nn
 
-from lightning_zero.comm.collectives import PendingCollective, ProcessGroup
-from lightning_zero.comm.ledger import CommLedger
-from lightning_zero.config import ZeroConfig
+from lightning_zero.comm.pending_collective import PendingCollective
 from lightning_zero.sharding.flat_bucket import FlatBucket, ParamSlot
 from lightning_zero.sharding.gradient_reducer import BucketState, GradientReducer, accumulate_into
 
@@ -41,24 +39,16 @@ class FullGradReducer(GradientReducer):
     several such backward passes add up, exactly like DDP's in-place all-reduce.
     """
 
-    def __init__(
-        self,
-        buckets: Sequence[FlatBucket],
-        group: ProcessGroup,
-        config: ZeroConfig,
-        ledger: CommLedger,
-        on_complete: Callable[[FlatBucket], None] | None = None,
-    ) -> None:
-        self.grads: list[Tensor | None] = [None] * len(buckets)
+    def _init_storage(self) -> None:
+        self.grads: list[Tensor | None] = [None] * len(self.buckets)
         """(padded_numel,) per bucket, parameters' ``.grad`` are views into it; None between ``zero_grad()`` and the
         bucket's first gradient (Note [full gradients between steps])."""
-        self._stale: list[set[int]] = [set() for _ in buckets]
+        self._stale: list[set[int]] = [set() for _ in self.buckets]
         """Offsets of the slots of each buffer no gradient has written since it was allocated."""
-        self._reduced: list[Tensor | None] = [None] * len(buckets)
+        self._reduced: list[Tensor | None] = [None] * len(self.buckets)
         """(shard_numel,) per bucket once reduced in this step: the averaged gradient shard."""
-        self._in_place = [False] * len(buckets)
+        self._in_place = [False] * len(self.buckets)
         """Whether ``_reduced`` is this rank's slice of the gradient buffer: Note [reduced shard in place]."""
-        super().__init__(buckets, group, config, ledger, on_complete)
         self._attach_grad_views()
         for bucket in self.buckets:
             for param in bucket.params:

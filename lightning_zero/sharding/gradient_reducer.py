@@ -48,20 +48,16 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.comm.buffer_pool import BufferPool
-from lightning_zero.comm.collectives import (
-    PendingCollective,
-    ProcessGroup,
-    receive_buffer_numel,
-    receive_buffer_sizes,
-    reduce_scatter,
-)
+from lightning_zero.comm.collectives import ProcessGroup, receive_buffer_numel, receive_buffer_sizes, reduce_scatter
 from lightning_zero.comm.ledger import CommLedger
+from lightning_zero.comm.pending_collective import PendingCollective
 from lightning_zero.comm.streams import CollectiveStream
 from lightning_zero.compat import current_autograd_node, queue_autograd_callback
 from lightning_zero.config import ZeroConfig, dtype_from_name
 from lightning_zero.sharding.flat_bucket import FlatBucket, ParamSlot
 from lightning_zero.sharding.gradient_arrivals import GradientArrivals, late_gradient_error
 from lightning_zero.sharding.gradient_owners import GradientOwners, local_gradients_error
+from lightning_zero.sharding.launch_order import LaunchOrder
 
 
 class BucketState(enum.Enum):
@@ -108,14 +104,9 @@ class GradientReducer:
         """Which optimizer steps which elements of each shard (Note [gradients of several optimizers])."""
         self._launched = [False] * len(self.buckets)
         """Buckets launched in the current round: a gradient arriving for one is an error (Note [final gradients])."""
-        self._next_launch = 0
         self._callback_queued = False
-        self.launch_order = list(self.buckets)
-        """The order buckets are reduced in: registration order at first, then the observed one (Note [bucket
-        order])."""
-        self._observed: list[int] | None = []
-        """Bucket indices whose gradients completed in the first backward; None once applied. They are ordered by
-        their last gradient's arrival (``arrivals.last_call``)."""
+        self.launch_order = LaunchOrder(self.buckets)
+        """The order buckets are reduced in, and this round's progress through it (Note [bucket order])."""
         self.completed_by_caller: set[int] = set()
         """Buckets whose completion the caller declares (``complete()``) instead of counting gradient arrivals:
         stage 3's data-dependent units, which some ranks use and others not (Note [data-dependent units])."""
@@ -146,8 +137,13 @@ class GradientReducer:
             for i, (slot, param) in enumerate(bucket.slots_and_params()):
                 hook = partial(self._on_grad_accumulated, bucket, slot, self.arrivals.position(bucket.index, i))
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))
+        self._init_storage()
 
     # -- subclass storage API ------------------------------------------------------------------------------------
+    def _init_storage(self) -> None:
+        """Create the subclass's gradient storage, once the shared state above exists (the end of ``__init__``)."""
+        raise NotImplementedError
+
     def _store(self, bucket: FlatBucket, slot: ParamSlot, param: nn.Parameter) -> None:
         raise NotImplementedError
 
@@ -234,7 +230,7 @@ class GradientReducer:
         if bucket.index in self.completed_by_caller:
             return
         if self.arrivals.arrive(bucket.index, position):  # Note [final gradients]
-            self._observe(bucket)
+            self.launch_order.observe(bucket)
             if self.on_complete is not None and not self.arrivals.held(bucket.index):
                 self.on_complete(bucket)
             if not self.launch_by_caller:
@@ -258,35 +254,8 @@ class GradientReducer:
         for bucket in buckets:
             self.arrivals.declare_final(bucket.index)
             self._declared.add(bucket.index)
-            self._observe(bucket)
+            self.launch_order.observe(bucket)
         self._launch_complete_in_order()
-
-    def _observe(self, bucket: FlatBucket) -> None:
-        if self._observed is not None and bucket.index not in self._observed:
-            self._observed.append(bucket.index)
-
-    def _adopt_observed_order(self) -> None:
-        """After the first reducing backward, launch buckets in the order rank 0 saw them complete (Note [bucket
-        order]); every rank takes rank 0's, so the reductions still pair up. The same collective maxes each
-        parameter's gradient count over ranks (Note [final gradients])."""
-        if self._observed is None or not self.buckets:
-            return
-        nb = len(self.buckets)
-        calls = self.arrivals.calls()
-        exchanged = torch.full((nb + calls.numel(),), -1, dtype=torch.int64)
-        if self.group.rank() == 0:  # the others' -1 leave rank 0's order under the max
-            order = sorted(self._observed, key=lambda i: self.arrivals.last_call[i])
-            exchanged[: len(order)] = torch.tensor(order, dtype=torch.int64)
-        exchanged[nb:] = calls
-        if self.world_size > 1:
-            exchanged = exchanged.to(self.buckets[0].device)
-            torch.distributed.all_reduce(exchanged, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        values = exchanged.tolist()
-        self.arrivals.learn(values[nb:])
-        first = [i for i in values[:nb] if i >= 0]
-        by_index = {b.index: b for b in self.buckets}
-        self.launch_order = [by_index[i] for i in first] + [b for b in self.launch_order if b.index not in first]
-        self._observed = None
 
     def _begin_filling(self, bucket: FlatBucket) -> None:
         if self.state[bucket.index] is BucketState.IN_FLIGHT:
@@ -296,14 +265,13 @@ class GradientReducer:
 
     def _launch_complete_in_order(self) -> None:
         """Launch buckets whose gradients have all arrived, never skipping an earlier incomplete one."""
-        while self._next_launch < len(self.launch_order):
-            bucket = self.launch_order[self._next_launch]
+        while (bucket := self.launch_order.upcoming()) is not None:
             if not self.arrivals.launchable(bucket.index):
                 return
             if self.launch_by_caller and bucket.index not in self._declared:
                 return
             self._launch_one(bucket)
-            self._next_launch += 1
+            self.launch_order.advance()
 
     def _launch_one(self, bucket: FlatBucket) -> None:
         if self.state[bucket.index] is not BucketState.FILLING:
@@ -319,12 +287,12 @@ class GradientReducer:
             self.wait()
 
     def _launch_remaining(self) -> None:
-        for bucket in self.launch_order[self._next_launch :]:
+        for bucket in self.launch_order.remaining():
             self._launch_one(bucket)
 
     def _end_round(self) -> None:
         """Every bucket has been launched: the next backward starts a new round."""
-        self._next_launch = 0
+        self.launch_order.restart()
         self._launched = [False] * len(self.buckets)
         self._declared.clear()
         self.arrivals.reset()
@@ -343,7 +311,7 @@ class GradientReducer:
         # Nothing stays in flight past the backward that produced it: stage 1's buffers are autograd's
         # accumulation target for the next backward, and stage 2's staging buffers are memory we promised to free.
         self.wait()
-        self._adopt_observed_order()
+        self.launch_order.adopt_observed(self.arrivals, self.group)  # Note [bucket order]
         self._end_round()
         if not self.config.keeps_reduce_buffers:
             self.pool.clear()  # Note [buffers between steps]

@@ -7,15 +7,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_zero.comm.collectives import (
-    PendingCollective,
-    ProcessGroup,
-    reduce_scatter,
-    reduce_scatter_pieces,
-    takes_pieces,
-)
-from lightning_zero.comm.ledger import CommLedger
-from lightning_zero.config import ZeroConfig
+from lightning_zero.comm.collectives import reduce_scatter, reduce_scatter_pieces, takes_pieces
+from lightning_zero.comm.pending_collective import PendingCollective
 from lightning_zero.sharding.flat_bucket import FlatBucket, ParamSlot
 from lightning_zero.sharding.gradient_reducer import GradientReducer, accumulate_into
 
@@ -53,21 +46,17 @@ class ShardedGradReducer(GradientReducer):
     reduce-scatter: those keep the staging buffer.
     """
 
-    def __init__(
-        self,
-        buckets: Sequence[FlatBucket],
-        group: ProcessGroup,
-        config: ZeroConfig,
-        ledger: CommLedger,
-        on_complete: Callable[[FlatBucket], None] | None = None,
-    ) -> None:
-        super().__init__(buckets, group, config, ledger, on_complete)
+    def _init_storage(self) -> None:
         self.shards: list[Tensor | None] = [self._new_shard(b) for b in self.buckets]
         """(shard_numel,) per bucket: this rank's accumulated, averaged gradient. None until a reduction writes it
         and again after ``zero_grad(set_to_none=True)``: Note [gradient shards between steps]."""
         self._frees_shard = [s is None for s in self.shards]
         """Whether zero_grad frees the bucket's shard: the ones allocated here, not those a subclass keeps."""
         self._shard_is_zero = [True] * len(self.buckets)
+        group = self.group
+        self.advise_shard: Callable[[Tensor], object] | None = None
+        """Called with each gradient shard allocated here, before anything writes it: the host step advises a CPU
+        device's onto huge pages (Note [huge pages] in ``offload/host_arena.py``)."""
         self._pieces_possible = [
             takes_pieces(b.device, group) and self._reduce_dtype(b) == b.dtype != torch.float16 for b in self.buckets
         ]
@@ -173,7 +162,11 @@ class ShardedGradReducer(GradientReducer):
         return None
 
     def _allocate_shard(self, bucket: FlatBucket, factory: Callable[..., Tensor]) -> Tensor:
-        return factory(bucket.shard_numel, dtype=self._reduce_dtype(bucket), device=bucket.device)
+        if self.advise_shard is None:
+            return factory(bucket.shard_numel, dtype=self._reduce_dtype(bucket), device=bucket.device)
+        shard = torch.empty(bucket.shard_numel, dtype=self._reduce_dtype(bucket), device=bucket.device)
+        self.advise_shard(shard)
+        return shard.zero_() if factory is torch.zeros else shard
 
     def grad_shard(self, bucket: FlatBucket) -> Tensor:
         shard = self.shards[bucket.index]

@@ -39,7 +39,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_zero.comm.collectives import PendingCollective, ProcessGroup, all_gather
+from lightning_zero.comm.collectives import ProcessGroup, all_gather
+from lightning_zero.comm.pending_collective import PendingCollective
 from lightning_zero.stage3.sharded_unit import ShardedUnit
 
 NOTHING = -1

@@ -39,7 +39,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_zero.comm.collectives import PendingCollective, ProcessGroup, all_gather
+from lightning_zero.comm.collectives import ProcessGroup, all_gather
+from lightning_zero.comm.pending_collective import PendingCollective
 from lightning_zero.comm.quantization import PackedLayout
 from lightning_zero.comm.quantized_all_gather import quantized_all_gather
 from lightning_zero.comm.streams import CollectiveStream

@@ -7,8 +7,9 @@ from typing import Protocol
 
 from torch import Tensor, nn
 
-from lightning_zero.comm.collectives import PendingCollective, ProcessGroup
+from lightning_zero.comm.collectives import ProcessGroup
 from lightning_zero.comm.ledger import CommLedger
+from lightning_zero.comm.pending_collective import PendingCollective
 from lightning_zero.comm.streams import CollectiveStream
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.stage3.gathered_buffers import GatheredBuffers

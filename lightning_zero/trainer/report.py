@@ -30,7 +30,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_zero.comm.collectives import Collective
+from lightning_zero.comm.pending_collective import Collective
 from lightning_zero.comm.topology import LINKS
 from lightning_zero.compat import batches_that_stepped
 from lightning_zero.engine.memory import ModelStateBytes

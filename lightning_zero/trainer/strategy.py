@@ -156,15 +156,7 @@ class ZeroStrategy(RootUnitSteps):
         apply_activation_checkpointing_policy(self.lightning_module, self.config.activation_checkpointing_policy)
         self.model = self.precision_plugin.convert_module(self.model)
         if self._tiers is None:
-            self._tiers = build_memory_tiers(
-                self.config,
-                self.lightning_module,
-                trainer.default_root_dir,
-                trainer.global_rank,
-                self.root_device,
-                self.world_size,
-                self.num_processes,
-            )
+            self._tiers = build_memory_tiers(self.config, self.lightning_module, trainer.default_root_dir, self)
         if self.config.stage == 3:
             self._shard_model()
             self._broadcast_buffers()  # what _sync_module_states does for stages 1 and 2 (parameters are sharded)
@@ -185,15 +177,7 @@ class ZeroStrategy(RootUnitSteps):
             return
         assert self.lightning_module is not None
         self.built_on_meta = on_meta(self.lightning_module)
-        self._gatherer = shard_for_stage3(
-            self.lightning_module,
-            self.config,
-            self.process_group,
-            self.root_device,
-            self.num_processes,
-            self._param_init_fn,
-            self._tiers,
-        )
+        self._gatherer = shard_for_stage3(self.lightning_module, self.config, self, self._param_init_fn, self._tiers)
         self._module_state = install_module_state(
             self.lightning_module,
             self._gatherer,

@@ -20,13 +20,16 @@ the strategy refuses the callback when it connects, before the callback copies a
 Note [the module's state for Lightning and for a checkpoint]
 Lightning asks a strategy for the model's state through ``lightning_module_state_dict()``, both when it dumps a
 checkpoint and for any other caller (a callback exporting weights, Lightning's own strategy tests comparing them with
-``load_from_checkpoint``). A checkpoint wants this rank's owned ranges of each parameter, nothing copied
-(``sharded_model_state``: ``FlatChunk``s, which only DCP knows how to read); any other caller wants tensors with the
-model's values, as Lightning's sharded strategies return them: ``module.state_dict()`` (at stage 3 FSDP2's DTensor
-rows, Note [a stage-3 model's state dict]), or with ``state_dict_type="full"`` the full tensors on rank 0 and nothing
-on the others, as FSDP's strategy gives. So ``lightning_module_state_dict()`` returns the latter, and the strategy
-has the Trainer's checkpoint dump take the former from ``checkpoint_model_state()`` when it connects (``compat.
-route_checkpoint_model_state``): a save pays nothing for the tensors it would not write.
+``load_from_checkpoint``). Any other caller wants tensors with the model's values, as Lightning's sharded strategies
+return them: ``module.state_dict()`` (at stage 3 FSDP2's DTensor rows, Note [a stage-3 model's state dict]), or with
+``state_dict_type="full"`` the full tensors on rank 0 and nothing on the others, as FSDP's strategy gives; so
+``lightning_module_state_dict()`` returns those. A checkpoint dump hands the dictionary to the checkpoint hooks and
+then writes this rank's owned ranges of each parameter, nothing copied; so the strategy has the dump take the model's
+state from ``checkpoint_model_state()`` when it connects (``compat.route_checkpoint_model_state``): the same values,
+on every rank, read from the shards only where a hook uses them, and written from the shards where the hooks left
+them (Note [checkpoint hooks see the model's values] in ``checkpoint/model_entries.py``). A load reads the
+checkpoint's entries in ``load_checkpoint`` and loads the model from what ``on_load_checkpoint`` left in
+``load_model_state_dict`` (Note [on_load_checkpoint edits what loads] in ``checkpoint/saved_entries.py``).
 """
 
 from __future__ import annotations
@@ -45,12 +48,13 @@ from typing_extensions import override
 
 from lightning_zero.checkpoint.async_save import AsyncSaver
 from lightning_zero.checkpoint.files import remove
-from lightning_zero.checkpoint.frozen import FROZEN_KEY, frozen_keys, frozen_record, source_path
+from lightning_zero.checkpoint.frozen import FROZEN_KEY, frozen_keys, source_path
 from lightning_zero.checkpoint.full_save import save_full_checkpoint
+from lightning_zero.checkpoint.model_entries import HookEntries, Written, written_state
+from lightning_zero.checkpoint.module_state import ModuleState
+from lightning_zero.checkpoint.saved_entries import PendingLoad, load_edited, read_for_hooks
 from lightning_zero.checkpoint.sharded_checkpoint import (
-    load_checkpoint,
     save_sharded_checkpoint,
-    sharded_model_state,
     sharded_optimizer_state,
 )
 from lightning_zero.compat import MockOptimizer, route_checkpoint_model_state
@@ -79,6 +83,14 @@ class ShardedCheckpointing(ProcessPerDevice):
     """Whether stage 3 built the model on the meta device and initialized it (no weights of its own)."""
     async_saver: AsyncSaver | None = None
     """``ZeroConfig.async_save``: the background writer, created at setup (Note [asynchronous save])."""
+    _module_state: ModuleState | None = None
+    """Stage 3's ``state_dict()``/``load_state_dict()`` of the model; None for stages 1 and 2."""
+    _pending_load: PendingLoad | None = None
+    """A checkpoint read by ``load_checkpoint`` whose model loads in ``load_model_state_dict`` (Note
+    [on_load_checkpoint edits what loads])."""
+    _hook_entries: HookEntries | None = None
+    """The model's entries handed to the checkpoint hooks of the save in progress (Note [checkpoint hooks see the
+    model's values])."""
 
     def start_saves(self) -> None:
         """``ZeroConfig.async_save``: create the background writer and its process group, unless there is one.
@@ -137,13 +149,36 @@ class ShardedCheckpointing(ProcessPerDevice):
         raise NotImplementedError
 
     def checkpoint_model_state(self) -> dict[str, Any]:
-        """The LightningModule's state as a checkpoint saves it: this rank's owned ranges of the sharded parameters,
-        replicated tensors whole, nothing copied (Note [the module's state for Lightning and for a checkpoint])."""
+        """The LightningModule's state as the checkpoint hooks see it: tensors with the model's values, nothing copied
+        or gathered until a hook reads one; ``save_checkpoint`` writes what they left (Note [the module's state for
+        Lightning and for a checkpoint], Note [checkpoint hooks see the model's values])."""
+        self._hook_entries = self._model_entries()
+        return self._hook_entries.state
+
+    def _model_entries(self) -> HookEntries:
         assert self.lightning_module is not None
         self.settle_optimizers()
         zero_optimizers = list(iter_zero_optimizers(self.optimizers))
-        exclude_frozen = self.config.exclude_frozen_parameters
-        return sharded_model_state(self.lightning_module, zero_optimizers, self._gatherer, self._tiers, exclude_frozen)
+        full = self.config.state_dict_type == "full"
+        module, gatherer, tiers = self.lightning_module, self._gatherer, self._tiers
+        return HookEntries(module, zero_optimizers, gatherer, tiers, self._module_state, full)
+
+    def _written_model_state(self, state: Any) -> Written:
+        """What this rank writes of the model's state the hooks left; collective, refusals before anything is
+        written (Note [checkpoint hooks see the model's values])."""
+        entries, self._hook_entries = self._hook_entries, None
+        if entries is None:  # not dumped by the Trainer: every entry is the caller's own
+            entries = self._model_entries()
+        try:
+            return written_state(
+                entries,
+                state,
+                self.process_group,
+                exclude_frozen=self.config.exclude_frozen_parameters,
+                full=self.config.state_dict_type == "full",
+            )
+        finally:
+            entries.release()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -168,13 +203,14 @@ class ShardedCheckpointing(ProcessPerDevice):
         decision = getattr(self, "auto_decision", None)
         if decision is not None:  # stage="auto": what was chosen, and from what (Note [automatic configuration])
             checkpoint[AUTO_KEY] = decision.record()
-        if self.config.exclude_frozen_parameters:  # Note [frozen base restored from its source]
-            assert self.lightning_module is not None
-            checkpoint[FROZEN_KEY] = frozen_record(self.lightning_module, self.pretrained_source)
         averaged = None
         if _WEIGHT_AVERAGING_LIVE in checkpoint:  # Note [Lightning's WeightAveraging]
             averaged = checkpoint.pop("state_dict")
             checkpoint["state_dict"] = checkpoint.pop(_WEIGHT_AVERAGING_LIVE)
+        written = self._written_model_state(checkpoint.get("state_dict"))
+        checkpoint["state_dict"] = written.state
+        if self.config.exclude_frozen_parameters:  # Note [frozen base restored from its source]
+            checkpoint[FROZEN_KEY] = {"excluded": written.excluded, "source": self.pretrained_source}
         if self.config.state_dict_type == "full":  # one file as DDP writes it: Note [full checkpoint streamed]
             if averaged is not None:  # back where Lightning's callback put them
                 checkpoint[_WEIGHT_AVERAGING_LIVE] = checkpoint.pop("state_dict")
@@ -188,18 +224,22 @@ class ShardedCheckpointing(ProcessPerDevice):
                 self.process_group,
                 self._gatherer,
                 self._tiers,
+                param_of=written.params,
+                as_left=written.as_left,
             )
             return
+        path = self.broadcast(filepath)
         if self.config.async_save:  # Note [asynchronous save]
             self.start_saves()
             assert self.async_saver is not None
-            self.async_saver.save(checkpoint, self.broadcast(filepath), self.process_group, saved_with, averaged)
+            self.async_saver.save(checkpoint, path, self.process_group, saved_with, averaged, written.masters)
             return
-        save_sharded_checkpoint(checkpoint, self.broadcast(filepath), self.process_group, saved_with, averaged)
+        save_sharded_checkpoint(checkpoint, path, self.process_group, saved_with, averaged, written.masters)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded directory (any world size or stage) or a full ``.ckpt`` file into this rank's shards; or
+        """Read a sharded directory (any world size or stage) or a full ``.ckpt`` file, whose model and optimizer
+        state ``load_model_state_dict`` loads into this rank's shards once ``on_load_checkpoint`` has run; or load
         pretrained weights only (a ``.safetensors`` file, a Hugging Face directory), from which training starts.
 
         Always as ``weights_only=True`` would (see Note [safe loading] in ``checkpoint/files.py``).
@@ -209,7 +249,9 @@ class ShardedCheckpointing(ProcessPerDevice):
         module = self.lightning_module
         assert module is not None
         self.settle_optimizers()
-        state = load_checkpoint(
+        # The model loads in load_model_state_dict, after on_load_checkpoint: Note [on_load_checkpoint edits what
+        # loads] (pretrained weights and a WeightAveraging checkpoint load here).
+        state, self._pending_load = read_for_hooks(
             self.broadcast(checkpoint_path),
             module,
             list(iter_zero_optimizers(self.optimizers)),
@@ -226,7 +268,7 @@ class ShardedCheckpointing(ProcessPerDevice):
         frozen = state.get(FROZEN_KEY)
         if isinstance(frozen, dict) and frozen.get("source") is not None:  # the base came from there: saves say so
             self.pretrained_source = frozen["source"]
-        if "state_dict" in state:  # a WeightAveraging average: Note [Lightning's WeightAveraging]
+        if self._pending_load is None and "state_dict" in state:  # Note [Lightning's WeightAveraging]: the average
             # The live weights are in place already; loading them into the module again changes nothing.
             state[_WEIGHT_AVERAGING_LIVE] = module.state_dict()
         return state
@@ -251,11 +293,15 @@ class ShardedCheckpointing(ProcessPerDevice):
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # load_checkpoint() already wrote the weights into this rank's shards
+        """Load the model, and when fitting its optimizers, from ``checkpoint["state_dict"]`` as ``on_load_checkpoint``
+        left it, straight into this rank's shards (Note [on_load_checkpoint edits what loads]). Collective."""
+        pending, self._pending_load = self._pending_load, None
+        if pending is not None:
+            load_edited(pending, checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # likewise for the optimizer state
+        pass  # load_model_state_dict() loaded it with the weights, in one read of the files
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

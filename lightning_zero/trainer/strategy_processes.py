@@ -43,6 +43,7 @@ from lightning_zero.compat import (
 from lightning_zero.engine.fault_watch import FaultWatch
 from lightning_zero.engine.model_sharding import serving
 from lightning_zero.engine.presets import StartMethod
+from lightning_zero.engine.rank_layout import world_group
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +126,7 @@ class ProcessPerDevice(ParallelStrategy):
 
     @property
     def process_group(self) -> dist.ProcessGroup:
-        group = dist.group.WORLD
-        assert group is not None, "the process group is created in setup_environment()"
-        return group
+        return world_group()
 
     # -- processes and their group -------------------------------------------------------------------------------
     @override
