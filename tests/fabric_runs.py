@@ -137,11 +137,27 @@ def ddp_and_zero(
 ) -> list[Run]:
     """One rank's [Fabric DDP run, Fabric ZeRO run] in ``precision``; ``stage``, or ``ZeroConfig`` fields. Stage 3
     sets up the model and the optimizer separately (as Fabric's FSDP needs), stages 1 and 2 together."""
-    reference = train("ddp", name, steps, accumulate, max_norm, precision)
+    reference = ddp_only(name, steps, accumulate, max_norm, precision)
+    return [reference, zero_only(stage, name, steps, accumulate, max_norm, precision)]
+
+
+def ddp_only(name: str, steps: int, accumulate: int, max_norm: float | None, precision: str = "32-true") -> Run:
+    """``ddp_and_zero``'s Fabric DDP run alone: a reference several ZeRO configurations can share."""
+    return train("ddp", name, steps, accumulate, max_norm, precision)
+
+
+def zero_only(
+    stage: int | dict[str, Any],
+    name: str,
+    steps: int,
+    accumulate: int,
+    max_norm: float | None,
+    precision: str = "32-true",
+) -> Run:
+    """``ddp_and_zero``'s Fabric ZeRO run alone."""
     fields = {"stage": stage} if isinstance(stage, int) else stage
     zero = ZeroFabricStrategy(bucket_numel=3_000, **fields)
-    sharded = train(zero, name, steps, accumulate, max_norm, precision, separate_setup=fields["stage"] == 3)
-    return [reference, sharded]
+    return train(zero, name, steps, accumulate, max_norm, precision, separate_setup=fields["stage"] == 3)
 
 
 def built_on_meta_and_two_optimizers(stage: int) -> list[Run]:

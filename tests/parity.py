@@ -11,6 +11,7 @@ checks that run against DDP too, so every parity test covers both modes for the 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -31,6 +32,7 @@ from lightning_zero.models.param_groups import param_groups_with_weight_decay
 from lightning_zero.stage3.sharded_init import shard_module
 from tests.boundary_models import BATCHES as BOUNDARY_BATCHES
 from tests.boundary_models import BUILDERS as BOUNDARY_MODELS
+from tests.harness import run_distributed
 
 Batch = tuple[Tensor, Tensor]
 
@@ -202,13 +204,40 @@ def native_collectives_on() -> Iterator[None]:
 def ddp_and_zero(model_name: str, optimizer_name: str, steps: int, accumulate: int, config: ZeroConfig) -> list[Run]:
     """One rank's [DDP run, ZeRO run] with identical seeds and data; the ZeRO run carries a second one with native
     collectives in ``extra["native"]`` (see the module docstring)."""
-    reference = train(model_name, optimizer_name, steps, accumulate, ddp)
+    reference = ddp_only(model_name, optimizer_name, steps, accumulate)
+    return [reference, zero_only(model_name, optimizer_name, steps, accumulate, config)]
+
+
+def ddp_only(model_name: str, optimizer_name: str, steps: int, accumulate: int) -> Run:
+    """``ddp_and_zero``'s DDP run alone: a reference several ZeRO configurations can share (it depends on none)."""
+    return train(model_name, optimizer_name, steps, accumulate, ddp)
+
+
+def zero_only(model_name: str, optimizer_name: str, steps: int, accumulate: int, config: ZeroConfig) -> Run:
+    """``ddp_and_zero``'s ZeRO run alone, with its native-collective twin in ``extra["native"]``."""
     wrap = zero3(config) if config.stage == 3 else zero(config)
     sharded = train(model_name, optimizer_name, steps, accumulate, wrap)
     if dist.get_world_size() > 1 and not native_collectives():  # one rank: no collective has two branches
         with native_collectives_on():
             sharded.extra["native"] = train(model_name, optimizer_name, steps, accumulate, wrap)
-    return [reference, sharded]
+    return sharded
+
+
+@functools.cache
+def ddp_reference(world_size: int, model_name: str, optimizer_name: str, steps: int, accumulate: int) -> list[Run]:
+    """Each rank's ``ddp_only`` run, trained once per test session: every test comparing a ZeRO configuration with
+    the same DDP run (another stage, another option) reads it from here. Runs in the test process, not in a rank."""
+    return run_distributed(ddp_only, world_size, model_name, optimizer_name, steps, accumulate)
+
+
+def assert_zero_matches_ddp(
+    world_size: int, model_name: str, optimizer_name: str, steps: int, accumulate: int, config: ZeroConfig
+) -> None:
+    """``ddp_and_zero`` and ``assert_runs_match`` on every rank, the DDP side from ``ddp_reference``."""
+    sharded = run_distributed(zero_only, world_size, model_name, optimizer_name, steps, accumulate, config)
+    reference = ddp_reference(world_size, model_name, optimizer_name, steps, accumulate)
+    for expected, run in zip(reference, sharded, strict=True):
+        assert_runs_match(expected, run)
 
 
 def assert_runs_match(reference: Run, candidate: Run, rtol: float = 1e-5, atol: float = 1e-6) -> None:

@@ -28,7 +28,9 @@ def _assert_matches(reference: dict, candidate: dict) -> None:
         ("gathered", False, {}),
         ("unreached", False, {}),
         ("reentrant", False, {}),
-        ("plain", True, {"reshard_root_after_forward": False}),
+        pytest.param(  # 3 s; root-kept-into-backward and the manual-optimization test's two optimizers run by default
+            "plain", True, {"reshard_root_after_forward": False}, marks=pytest.mark.slow
+        ),
     ],
     ids=[
         "root-kept-into-backward",

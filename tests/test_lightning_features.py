@@ -260,9 +260,15 @@ def _runs_on_rank(feature: Run, ddp: str, extras: tuple[Extra, ...]) -> dict[str
     return {name: (other or feature)(make()) for name, (make, other) in runs.items()}
 
 
-@functools.cache
 def feature_runs(feature: Run, ddp: str = "ddp", extras: tuple[Extra, ...] = ()) -> tuple[dict[str, dict], ...]:
     """Every rank's runs of ``feature``, computed once per test session (several tests read the same runs)."""
+    # Every argument passed positionally: functools.cache keys on the arguments as given, so ``(f, "ddp")`` and
+    # ``(f, "ddp", ())`` would each train their own runs.
+    return _feature_runs(feature, ddp, extras)
+
+
+@functools.cache
+def _feature_runs(feature: Run, ddp: str, extras: tuple[Extra, ...]) -> tuple[dict[str, dict], ...]:
     return tuple(run_distributed(_runs_on_rank, 2, feature, ddp, extras, init_process_group=False, timeout=180))
 
 

@@ -67,6 +67,9 @@ def test_two_node_torchrun_on_localhost(tmp_path):
     _check_two_node_run(tmp_path, _two_nodes(tmp_path, commands, [{}, {}]))
 
 
+# 11 s: the two-node torchrun job (the same externally started processes, the same node ranks) runs by default, and
+# test_zeropp.py reads SLURM's ranks per node.
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT + 30)
 def test_two_node_slurm_tasks_on_localhost(tmp_path):
     port = str(_free_port())

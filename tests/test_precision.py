@@ -238,7 +238,12 @@ def _model_state_per_stage(world_size: int) -> list[tuple[int, Any, int]]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize(
+    "world_size",
+    # 4 s; [2] runs by default, and at 4 ranks test_memory_and_comm.py's bf16 formula test (stages 1 and 2) and
+    # test_stage3.py's 16Ψ/N test.
+    [2, pytest.param(4, marks=pytest.mark.slow)],
+)
 def test_bf16_mixed_model_state_per_rank_matches_the_paper_through_the_trainer(world_size):
     """4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N bytes per rank for bf16 parameters with fp32 masters and AdamW."""
     ranks = run_distributed(_model_state_per_stage, world_size, world_size, init_process_group=False, timeout=200)

@@ -6,6 +6,7 @@ and training matches DDP started from ``from_pretrained``.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -124,18 +125,32 @@ def _fit(strategy: Any, module: FineTune, ckpt_path: str | None) -> tuple[list[f
     return module.losses, module.at_start, full_state(module)
 
 
-def _fit_from_pretrained(sources: dict[str, str], stage: int, source: str) -> tuple[Any, Any]:
-    ddp = _fit("ddp", FineTune(sources["single"]), None)
-    zero = _fit(ZeroStrategy(stage=stage, bucket_numel=2_000), FineTune(), sources[source])
-    return ddp, zero
+def _fit_from_pretrained(sources: dict[str, str], stage: int, source: str) -> Any:
+    return _fit(ZeroStrategy(stage=stage, bucket_numel=2_000), FineTune(), sources[source])
+
+
+def _fit_ddp_from_pretrained(single: str) -> Any:
+    return _fit("ddp", FineTune(single), None)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """``save_pretrained``'s checkpoints, written once for every case of the test below."""
+    return {k: str(v) for k, v in save_pretrained(tmp_path_factory.mktemp("pretrained")).items()}
+
+
+@functools.cache
+def _ddp_from_pretrained(single: str) -> list[Any]:
+    """Every rank's DDP run from ``from_pretrained``: no case changes it, so the three share it."""
+    return run_distributed(_fit_ddp_from_pretrained, 2, single, init_process_group=False)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("stage", "source"), [(1, "file"), (2, "single"), (3, "sharded")])
-def test_fit_from_a_hugging_face_checkpoint_matches_ddp_from_from_pretrained(tmp_path, stage, source):
-    sources = {k: str(v) for k, v in save_pretrained(tmp_path).items()}
-    for (ddp_losses, ddp_start, ddp_end), (losses, start, end) in run_distributed(
-        _fit_from_pretrained, 2, sources, stage, source, init_process_group=False
+def test_fit_from_a_hugging_face_checkpoint_matches_ddp_from_from_pretrained(pretrained, stage, source):
+    ranks = run_distributed(_fit_from_pretrained, 2, pretrained, stage, source, init_process_group=False)
+    for (ddp_losses, ddp_start, ddp_end), (losses, start, end) in zip(
+        _ddp_from_pretrained(pretrained["single"]), ranks, strict=True
     ):
         assert start.keys() == ddp_start.keys()
         for key, value in ddp_start.items():  # from_pretrained's weights, tied head included

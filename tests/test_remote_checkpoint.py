@@ -101,7 +101,10 @@ def _memory_round_trip(stage: int) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize(
+    "stage",
+    [2, pytest.param(3, marks=pytest.mark.slow)],  # 5 s; [2] and the S3 test's stage 3 run by default
+)
 def test_memory_url_saves_resumes_exactly_and_consolidates(stage):
     (result,) = run_distributed(_memory_round_trip, 1, stage, init_process_group=False)
     assert result["listing"] == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"]
@@ -285,7 +288,10 @@ def _s3_resume(root: str, stage: int) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize(
+    "stage",
+    [pytest.param(2, marks=pytest.mark.slow), 3],  # 3 s; [3] and the memory:// test's stage 2 run by default
+)
 def test_s3_checkpoints_resume_exactly_at_world_size_2_and_consolidate(s3_bucket, stage, tmp_path):
     root = f"s3://{s3_bucket}/resume-{stage}"
     results = run_distributed(_s3_resume, 2, root, stage, init_process_group=False, timeout=230)

@@ -9,6 +9,7 @@ reference is DDP on the same model without checkpointing: the same mathematics.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, Literal
@@ -133,13 +134,25 @@ def _train(
 
 def _reference_and_zero(kind: Kind, checkpointing: Checkpointing, config: ZeroConfig, accumulate: int) -> list[Run]:
     """DDP without checkpointing, then ZeRO with ``checkpointing``, on gloo's path and on the native one."""
-    steps = 3
-    reference = _train(kind, "none", ddp, steps, accumulate)
+    return [_reference(kind, accumulate), *_zero_runs(kind, checkpointing, config, accumulate)]
+
+
+def _reference(kind: Kind, accumulate: int) -> Run:
+    return _train(kind, "none", ddp, 3, accumulate)
+
+
+def _zero_runs(kind: Kind, checkpointing: Checkpointing, config: ZeroConfig, accumulate: int) -> list[Run]:
     wrap = zero3(config) if config.stage == 3 else zero(config)
-    runs = [reference, _train(kind, checkpointing, wrap, steps, accumulate)]
+    runs = [_train(kind, checkpointing, wrap, 3, accumulate)]
     with native_collectives_on():
-        runs.append(_train(kind, checkpointing, wrap, steps, accumulate))
+        runs.append(_train(kind, checkpointing, wrap, 3, accumulate))
     return runs
+
+
+@functools.cache
+def _shared_reference(kind: Kind, accumulate: int) -> list[Run]:
+    """Each rank's DDP run: the same for every stage, checkpointing and accumulation mode, so trained once."""
+    return run_distributed(_reference, 2, kind, accumulate)
 
 
 @pytest.mark.timeout(120)
@@ -157,7 +170,8 @@ def test_a_parameter_shared_across_checkpoint_segments_gets_ddps_gradient_reduce
     config = ZeroConfig(stage=stage, bucket_numel=1_500, grad_accumulation=grad_accumulation)
     per_step = accumulate if stage > 1 and grad_accumulation == "sharded" else 1  # reducing backward passes
     uses = 3 if checkpointing == "reentrant" else 1  # hook calls per backward of the shared block's parameters
-    for reference, *runs in run_distributed(_reference_and_zero, 2, kind, checkpointing, config, accumulate):
+    ranks = run_distributed(_zero_runs, 2, kind, checkpointing, config, accumulate)
+    for reference, runs in zip(_shared_reference(kind, accumulate), ranks, strict=True):
         for run in runs:  # gloo's collectives, then the native ones
             assert_runs_match(reference, run)
             # Exactly one reduce-scatter per bucket and reducing backward, however many segments used a parameter.

@@ -14,22 +14,29 @@ from lightning_zero.engine.memory import model_state_bytes
 from lightning_zero.models.gpt import GPT, GPTConfig
 from lightning_zero.stage3.sharded_unit import UnitState
 from tests.harness import run_distributed
-from tests.parity import assert_runs_match, ddp_and_zero
+from tests.parity import assert_runs_match, assert_zero_matches_ddp, ddp_and_zero
 
 CPU = torch.device("cpu")
 
 
+MODELS = [("gpt", "adamw"), ("transformer", "adamw"), ("gpt_checkpointed", "adamw"), ("mlp", "sgd")]
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize(
-    ("model", "optimizer"),
-    [("gpt", "adamw"), ("transformer", "adamw"), ("gpt_checkpointed", "adamw"), ("mlp", "sgd")],
+    ("model", "optimizer", "world_size"),
+    [
+        # 4-6 s each: one rank, every shard its own, no collective with two sides; mlp-sgd-1, and every model at 2
+        # and 4 ranks, run by default.
+        pytest.param(model, optimizer, world_size, marks=pytest.mark.slow if world_size == 1 and model != "mlp" else ())
+        for model, optimizer in MODELS
+        for world_size in (1, 2, 4)
+    ],
 )
-def test_stage3_matches_ddp(world_size, model, optimizer):
+def test_stage3_matches_ddp(model, optimizer, world_size):
     # "gpt" ties its input embedding and output projection; "transformer" is nn.TransformerEncoder, whose attention
     # reads out_proj.weight outside out_proj's forward; "gpt_checkpointed" recomputes each block in backward.
-    for reference, sharded in run_distributed(ddp_and_zero, world_size, model, optimizer, 10, 1, ZeroConfig(stage=3)):
-        assert_runs_match(reference, sharded)
+    assert_zero_matches_ddp(world_size, model, optimizer, 10, 1, ZeroConfig(stage=3))
 
 
 @pytest.mark.timeout(180)
@@ -46,8 +53,7 @@ def test_stage3_matches_ddp(world_size, model, optimizer):
 )
 def test_stage3_options_match_ddp(config):
     for model in ("transformer", "gpt"):
-        for reference, sharded in run_distributed(ddp_and_zero, 2, model, "adamw", 6, 2, config):
-            assert_runs_match(reference, sharded)
+        assert_zero_matches_ddp(2, model, "adamw", 6, 2, config)
 
 
 def _sharded_init() -> tuple[bool, dict[str, float], list[str]]:

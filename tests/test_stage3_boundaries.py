@@ -15,14 +15,27 @@ from lightning_zero.comm.pending_collective import Collective
 from lightning_zero.stage3.sharded_unit import UnitState
 from tests.boundary_models import BUILDERS
 from tests.harness import run_distributed
-from tests.parity import Run, assert_runs_match, batch, build_model, ddp_and_zero, loss_fn, train, zero, zero3
+from tests.parity import (
+    Run,
+    assert_runs_match,
+    batch,
+    build_model,
+    ddp_and_zero,
+    ddp_reference,
+    loss_fn,
+    train,
+    zero,
+    zero3,
+    zero_only,
+)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("model", sorted(set(BUILDERS) - {"moe"}))
 def test_boundary_models_match_ddp(model, stage):
-    for reference, sharded in run_distributed(ddp_and_zero, 2, model, "adamw", 5, 1, ZeroConfig(stage=stage)):
+    sharded_runs = run_distributed(zero_only, 2, model, "adamw", 5, 1, ZeroConfig(stage=stage))
+    for reference, sharded in zip(ddp_reference(2, model, "adamw", 5, 1), sharded_runs, strict=True):
         assert all(torch.isfinite(torch.tensor(sharded.losses))), sharded.losses
         assert_runs_match(reference, sharded)
 
