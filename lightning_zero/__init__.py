@@ -26,7 +26,8 @@ imports upwards):
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero.checkpoint.sharded_checkpoint import CheckpointError, load_full_state_dict
+from lightning_zero.checkpoint.full_weights import load_full_state_dict
+from lightning_zero.checkpoint.sharded_checkpoint import CheckpointError
 from lightning_zero.cli.consolidate import consolidate_checkpoint
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.config import ZeroConfig

@@ -27,7 +27,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_zero  # noqa: F401  (registers the presets)
 from lightning_zero import ZeroConfig, ZeroOptimizer, ZeroStrategy
 from lightning_zero.__main__ import main as cli
-from lightning_zero.checkpoint.sharded_checkpoint import load_full_state_dict, owned_parameter_slices
+from lightning_zero.checkpoint.full_weights import load_full_state_dict
+from lightning_zero.checkpoint.sharded_checkpoint import owned_parameter_slices
 from lightning_zero.models.gpt import GPT, GPTConfig
 from lightning_zero.models.param_groups import param_groups_with_weight_decay
 from tests.harness import DistributedTestError, run_distributed

@@ -1,6 +1,7 @@
 """Sharded checkpoint IO: each rank writes and reads only what it owns; any layout loads any other.
 
-- ``sharded_checkpoint``: the entry points (save, load at any world size or stage, pretrained weights in).
+- ``sharded_checkpoint``: the entry points (save, load at any world size or stage).
+- ``full_weights``: ``load_full_state_dict``, full (e.g. pretrained) weights into the shards.
 - ``slices``: which flat range of each parameter (and its optimizer state) this rank owns; the load plan.
 - ``format``: the on-disk layout over ``torch.distributed.checkpoint`` (flat chunks, the table of contents).
 - ``files``: safe reading (no code runs on load), integrity checks and the atomic commit.

@@ -40,12 +40,12 @@ from torch.distributed.tensor import DTensor
 
 from lightning_zero.checkpoint.files import CheckpointError, load_lightning_state
 from lightning_zero.checkpoint.format import Toc, info_dtype, open_committed, tensor_info
+from lightning_zero.checkpoint.full_weights import refresh_gathered
 from lightning_zero.checkpoint.pretrained import is_pretrained_source
 from lightning_zero.checkpoint.sharded_checkpoint import (
     load_checkpoint,
     load_full_checkpoint,
     ready_to_read,
-    refresh_gathered,
     restore_frozen,
 )
 from lightning_zero.checkpoint.slices import LoadPlan, owned_parameter_slices, read_whole

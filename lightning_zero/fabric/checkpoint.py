@@ -35,12 +35,12 @@ from torch.nn import Module
 from lightning_zero.checkpoint.files import CheckpointError, load_lightning_state
 from lightning_zero.checkpoint.frozen import FROZEN_KEY, frozen_keys, frozen_record, source_path
 from lightning_zero.checkpoint.full_save import save_full_checkpoint
+from lightning_zero.checkpoint.full_weights import load_pretrained
 from lightning_zero.checkpoint.pretrained import is_pretrained_source
 from lightning_zero.checkpoint.sections import prefixed, prefixed_optimizer_state, read_checkpoint_state
 from lightning_zero.checkpoint.sharded_checkpoint import (
     load_checkpoint,
     load_full_checkpoint,
-    load_pretrained,
     save_sharded_checkpoint,
     sharded_model_state,
     sharded_optimizer_state,
