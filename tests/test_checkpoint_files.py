@@ -28,10 +28,10 @@ from lightning_zero.checkpoint.files import (
     stage_save,
 )
 from lightning_zero.checkpoint.format import SafeLoadPlanner
+from lightning_zero.checkpoint.full_weights import load_full_state_dict
 from lightning_zero.checkpoint.local_commit import commit, recover_interrupted_commits
 from lightning_zero.checkpoint.sharded_checkpoint import (
     load_checkpoint,
-    load_full_state_dict,
     owned_parameter_slices,
     save_sharded_checkpoint,
     sharded_model_state,
