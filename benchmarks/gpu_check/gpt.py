@@ -44,14 +44,18 @@ def num_parameters(gpt: dict[str, int]) -> int:
 
 
 class CheckGPT(pl.LightningModule):
-    """A GPT on random tokens, built in ``configure_model`` (stage 3 on meta, FSDP2 sharded there too)."""
+    """A GPT on random tokens, built in ``configure_model`` (stage 3 on meta, FSDP2 sharded there too); its blocks
+    compiled there with ``compile_with`` (a ``torch.compile`` backend), before FSDP2 is applied."""
 
-    def __init__(self, gpt: dict[str, int], batch: int, steps: int, fsdp2: bool, fused: bool) -> None:
+    def __init__(
+        self, gpt: dict[str, int], batch: int, steps: int, fsdp2: bool, fused: bool, compile_with: str | None = None
+    ) -> None:
         super().__init__()
         from lightning_zero.models.gpt import GPTConfig
 
         self.config = GPTConfig(**gpt)
         self.batch, self.steps, self.fsdp2, self.fused = batch, steps, fsdp2, fused
+        self.compile_with = compile_with
         self.model: Any = None
 
     def configure_model(self) -> None:
@@ -64,6 +68,9 @@ class CheckGPT(pl.LightningModule):
         # in setup (to_empty, then each module's reset_parameters): no 5 GB fp32 model initialized on the CPU first.
         with torch.device("meta") if self.fsdp2 else nullcontext():
             self.model = GPT(self.config)
+        if self.compile_with is not None:
+            for block in self.model.blocks:  # in place: the module (and its parameters' names) stay the same
+                block.compile(backend=self.compile_with)
         if self.fsdp2:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -32,16 +32,14 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from contextlib import nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
 
 from gpu_check.common import Config, brief, note, ranks
-from gpu_check.gpt import Timer, num_parameters, shape
+from gpu_check.gpt import CheckGPT, Timer, num_parameters, shape
 
 Batch = tuple[Tensor, Tensor]
 VARIANTS = ("unsharded", "ddp", "zero1", "zero2", "zero3", "fsdp2")
@@ -66,52 +64,6 @@ def flops_per_token(gpt: dict[str, int]) -> int:
 
 def peak_flops(name: str) -> float | None:
     return next((flops for key, flops in PEAK_BF16.items() if key in name), None)
-
-
-class ThroughputGPT(pl.LightningModule):
-    """A GPT on random tokens, built in ``configure_model``; blocks compiled there if asked, FSDP2 applied after."""
-
-    def __init__(self, gpt: dict[str, int], batch: int, steps: int, fsdp2: bool, compile_with: str | None) -> None:
-        super().__init__()
-        from lightning_zero.models.gpt import GPTConfig
-
-        self.config = GPTConfig(**gpt)
-        self.batch, self.steps, self.fsdp2, self.compile_with = batch, steps, fsdp2, compile_with
-        self.model: Any = None
-
-    def configure_model(self) -> None:
-        from lightning_zero.models.gpt import GPT
-
-        if self.model is not None:
-            return
-        torch.manual_seed(0)
-        with torch.device("meta") if self.fsdp2 else nullcontext():
-            self.model = GPT(self.config)
-        if self.compile_with is not None:
-            for block in self.model.blocks:  # in place: the module (and its parameters' names) stay the same
-                block.compile(backend=self.compile_with)
-        if self.fsdp2:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            mesh = self.device_mesh["data_parallel"]
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            for block in self.model.blocks:
-                fully_shard(block, mesh=mesh, mp_policy=policy)
-            fully_shard(self.model, mesh=mesh, mp_policy=policy)
-
-    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        loss: Tensor = self.model.loss(*batch)
-        return loss
-
-    def train_dataloader(self) -> DataLoader[Batch]:
-        gen = torch.Generator().manual_seed(1)
-        tokens = torch.randint(
-            self.config.vocab_size, (self.steps, self.batch, self.config.block_size + 1), generator=gen
-        )
-        return DataLoader([(t[:, :-1], t[:, 1:]) for t in tokens], batch_size=None)  # type: ignore[arg-type]
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
 
 def _strategy(variant: str) -> Any:
@@ -143,7 +95,7 @@ def _fit(config: Config, variant: str, gpt: dict[str, int], batch: int, compile_
         enable_model_summary=False,
         callbacks=[timer],
     )
-    module = ThroughputGPT(gpt, batch, warmup + steps, variant == "fsdp2", compile_with)
+    module = CheckGPT(gpt, batch, warmup + steps, variant == "fsdp2", fused=False, compile_with=compile_with)
     trainer.fit(module)
     timed = timer.times[warmup:]
     median = statistics.median(timed)
