@@ -39,6 +39,17 @@ import torch
 from lightning_zero.sharding.state_tiers import TierStep
 
 
+def chained(*parts: Callable[[], None] | None) -> Callable[[], None]:
+    """One worker task running ``parts`` (None: skipped) one after the other."""
+    steps = [p for p in parts if p is not None]
+
+    def run() -> None:
+        for step in steps:
+            step()
+
+    return run
+
+
 class HostSteps:
     """Runs the tiers' own bucket updates on one worker thread; ``delayed_after``: the ``global_step`` from which
     updates are deferred (None: exact)."""
@@ -55,17 +66,33 @@ class HostSteps:
         """The host's threads for the updates (Note [host step threads]); read when the worker starts (``close()``
         stops it: the next update starts it again)."""
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pools: list[ThreadPoolExecutor] = []
+        self._submitted = 0
         self._started: dict[int, Future[None]] = {}
         self._deferred: set[int] = set()
         self.busy_s = 0.0
         """Seconds the worker has spent in updates so far (the GPU check's split of a step)."""
 
+    @property
+    def workers(self) -> int:
+        """Worker threads the updates are spread over (Note [host step threads])."""
+        return self.threads if self.parallel == "buckets" else 1
+
+    def slot(self) -> int:
+        """The worker the next update ``start`` submits will run on: it has that worker's scratch buffers to itself
+        (updates run one at a time on each worker, in the order they were started)."""
+        return self._submitted % (len(self._pools) or self.workers)
+
     def _worker(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            workers, threads = (self.threads, 1) if self.parallel == "buckets" else (1, self.threads)
-            self._pool = ThreadPoolExecutor(workers, "host-step", initializer=lambda: torch.set_num_threads(threads))
-        return self._pool
+        if not self._pools:
+            threads = 1 if self.parallel == "buckets" else self.threads
+            self._pools = [
+                ThreadPoolExecutor(1, f"host-step-{k}", initializer=lambda: torch.set_num_threads(threads))
+                for k in range(self.workers)
+            ]
+        pool = self._pools[self.slot()]
+        self._submitted += 1
+        return pool
 
     @property
     def delays(self) -> bool:
@@ -105,8 +132,9 @@ class HostSteps:
 
     def close(self) -> None:
         """Stop the worker after what it runs (an error there no longer matters: the run is over)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        for pool in self._pools:
+            pool.shutdown(wait=True)
+        self._pools = []
+        self._submitted = 0
         self._started.clear()
         self._deferred.clear()
