@@ -1,16 +1,26 @@
 """``HostSteps``: when and on which thread the tiers' own bucket steps (``HostAdam``) run: exact or delayed.
 
 Note [host step threads]
-A bucket ``HostAdam`` covers is prepared on the training thread (its gradients loaded, unscaled and clipped, its
-hyperparameters read) and its update runs on a worker thread, while the training thread loads the next bucket and
-publishes the previous one (rounds its masters into the parameter shard, issues the upload and the all-gather). So
-the step of bucket k overlaps the copies of buckets k-1 and k+1; on a GPU those copies are DMA on the copy streams
-and the training thread only issues and orders them. The update itself runs on torch's intra-op threads (the fused
-kernel splits each tensor across them) by default; ``parallel="buckets"`` runs one worker per thread instead,
-each stepping whole buckets on one intra-op thread (the same kernel per bucket: bit for bit the same result). The
-two are measured against each other in ``benchmarks/host_step.py`` (``tier``, ``tier_buckets``; figures in
-``benchmarks/README.md``). The workers take the intra-op thread count of the thread that built the tiers
-(``torch.get_num_threads()``).
+What runs where in a step of the buckets ``HostAdam`` covers. The training thread, per bucket: waits for the
+gradient's copy to the host (issued in the backward, as the bucket's reduction completed), adopts edits where the
+edit check found some, points the masters' ``.grad`` at the buffers the worker will fill, reads the
+hyperparameters (``HostAdam.prepare``) and submits one task; then it publishes the previous bucket: waits for its
+task, issues the upload of its staging buffer into the parameter shard, digests the shard (Note [edits reach the
+masters]) and issues its all-gather. The worker's task for a bucket does every per-element pass of the bucket's
+step, in order: the gradient's conversion to the masters' dtype (bf16 to fp32, into one buffer per worker reused
+by every bucket it steps: ``HostTier.converted``), unscaling and clipping (``TieredGradients.set_on_masters``), the
+update (torch's fused kernel), and the rounding of the updated masters into the staging buffer
+(``HostTier.rounding``). So the update of bucket k and the passes around it overlap the training thread's publication
+of bucket k-1 and loading of bucket k+1; on a GPU the copies are DMA on the copy streams and the training thread
+only issues and orders them, and the clipping norm is taken on the device shards (``TieredGradients.norms``), so
+no pass over host memory is left on the training thread. Each pass is the one the training thread ran before, on
+the same elements, so the result is bit for bit the same. The update itself runs on torch's intra-op threads (the
+fused kernel splits each tensor across them) by default; ``parallel="buckets"`` runs one worker per thread
+instead, each stepping whole buckets on one intra-op thread (the same kernel per bucket: bit for bit the same
+result), the buckets assigned in turn (``slot``), so each worker's buffers are its own. The two are measured
+against each other in ``benchmarks/host_step.py`` (``tier``, ``tier_buckets``), the training thread's share in
+``benchmarks/host_path.py`` (figures in ``benchmarks/README.md``). The workers take the intra-op thread count
+``threads`` (by default that of the thread that built the tiers).
 
 Note [delayed parameter update]
 ``ZeroConfig.offload_overlap="delayed"`` is ZeRO-Offload's one-step delayed parameter update: after
@@ -71,7 +81,8 @@ class HostSteps:
         self._started: dict[int, Future[None]] = {}
         self._deferred: set[int] = set()
         self.busy_s = 0.0
-        """Seconds the worker has spent in updates so far (the GPU check's split of a step)."""
+        """Seconds the workers have spent in bucket tasks so far: the updates and the per-element passes around them
+        (Note [host step threads]; the GPU check's split of a step)."""
 
     @property
     def workers(self) -> int:

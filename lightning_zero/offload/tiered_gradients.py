@@ -77,7 +77,12 @@ class TieredGradients:
             used = [i for i in segments_of.get(id(bucket), []) if opt.segment_used[i]]
             if not used or not self.holds(bucket):
                 continue
-            shard, first = self.shard(bucket)
+            if self.host is not None and bucket in self.host:
+                # The device shard the host copy is taken from (the same values): no wait for the copy, and on a
+                # GPU no pass over host memory on the training thread (Note [host step threads]).
+                shard, first = opt.reducer.grad_shard(bucket), 0
+            else:
+                shard, first = self.shard(bucket)
             pieces = [shard[opt.segments[i].start - first : opt.segments[i].stop - first] for i in used]
             if self._unscale is not None:  # the values the step will see, as the step without tiers clips them
                 pieces = [p.to(opt.masters[i].dtype) * self._unscale for p, i in zip(pieces, used, strict=True)]
