@@ -14,15 +14,18 @@ rotated every round: paired, interleaved rounds, so the drift of a shared machin
 Per step, the training thread's time is split by wrapping the tier's functions (exclusive times, thread CPU clock
 ``time.thread_time`` and wall clock): ``download`` (the gradient's copy to the host buffer, in the backward
 or the step), ``gradients`` (``TieredGradients.set_on_masters``: conversion to fp32, unscaling, clipping, or
-just their setup where the worker does them), ``norm`` (the clipping norm's pass over the host gradients),
+just their setup where the worker does them), ``norm`` (the clipping norm's pass over the gradients: the host
+copies, or, from 2026-11-28, the device shards, device work on a GPU),
 ``wait`` (``HostSteps.finish``/``join``: waiting for the worker's updates), ``round`` (``HostTier.write_back``
 without the upload: the rounding of the masters into the staging buffer, where the training thread does it),
 ``upload`` (the copy of the rounded values into the parameter shard), ``edits`` (the edit check: the digests of
 Note [edits reach the masters], which on a GPU run on the device: a CPU-only cost, reported apart and left out of
 ``thread_ex_edits``), and ``other``: the rest of the step (Python per bucket, the all-gather call, the moments'
-step counts). ``worker_cpu`` is the worker threads' CPU time in updates. Each round keeps each tree's fastest step
-(by ``thread_ex_edits``: the least disturbed); the table shows medians over the rounds and each tree's ratio to the
-first tree's in the same round.
+step counts). ``thread_ex_device`` leaves out ``norm`` too; ``step_wall`` is the wall time from the clipping to
+the end of the step, ``wall_ex_edits`` and ``wall_ex_device`` less those parts' wall time. ``worker_cpu`` is the
+worker threads' CPU time in their bucket tasks. Each round keeps each tree's fastest step (by ``thread_ex_edits``:
+the least disturbed); the table shows medians over the rounds and each tree's ratio to the first tree's in the same
+round.
 """
 
 from __future__ import annotations
@@ -168,6 +171,9 @@ def _child(args: argparse.Namespace) -> None:
             **parts,
         }
         record["thread_ex_edits"] = record["thread_cpu"] - clock.cpu["edits"]
+        record["thread_ex_device"] = record["thread_ex_edits"] - clock.cpu["norm"]
+        record["wall_ex_edits"] = step - clock.wall["edits"]
+        record["wall_ex_device"] = record["wall_ex_edits"] - clock.wall["norm"]
         record["other_cpu"] = record["thread_cpu"] - inside
         print(json.dumps(record))
         sys.stdout.flush()
@@ -254,12 +260,15 @@ def _report(
         f"load average {uptime_before} before, {os.getloadavg()} after; ms per step (median over rounds)"
     )
     columns = ["download", "gradients", "norm", "wait", "round", "upload", "other", "edits"]
+    totals = ["thread_ex_edits", "thread_ex_device", "step_wall", "wall_ex_edits", "wall_ex_device"]
     print(
-        "| tree | threads | thread CPU ex edits | x first | step wall | x first | worker CPU | "
+        "| tree | threads | "
+        + " | ".join(f"{t} | x first" for t in totals)
+        + " | worker CPU | "
         + " | ".join(columns)
         + " |"
     )
-    print("|---" * (7 + len(columns)) + "|")
+    print("|---" * (3 + 2 * len(totals) + len(columns)) + "|")
     summary: dict[str, Any] = {}
     for label, records in kept.items():
         name, count = label.split("@")
@@ -272,15 +281,9 @@ def _report(
             return statistics.median(r[key] / b[key] for r, b in zip(rows, base, strict=True))
 
         cells = [f"{median(f'{c}_cpu'):.1f}" for c in columns]
-        print(
-            f"| {name} | {count} | {median('thread_ex_edits'):.1f} | {ratio('thread_ex_edits'):.3f} "
-            f"| {median('step_wall'):.1f} | {ratio('step_wall'):.3f} | {median('worker_cpu'):.1f} | "
-            + " | ".join(cells)
-            + " |"
-        )
-        summary[label] = {
-            key: median(key) for key in records[0] if key.endswith(("_cpu", "_wall")) or key == "thread_ex_edits"
-        } | {"thread_ex_edits_ratio": ratio("thread_ex_edits"), "step_wall_ratio": ratio("step_wall")}
+        pairs = " | ".join(f"{median(t):.1f} | {ratio(t):.3f}" for t in totals)
+        print(f"| {name} | {count} | {pairs} | {median('worker_cpu'):.1f} | " + " | ".join(cells) + " |")
+        summary[label] = {key: median(key) for key in records[0]} | {f"{t}_ratio": ratio(t) for t in totals}
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         record = {"argv": sys.argv, "trees": trees, "info": info, "rounds": kept, "summary": summary}
