@@ -243,7 +243,7 @@ from tests.fabric_offload_runs import LossOf, batches
 write_save = async_save.write_save
 
 def slow_write(*args, **kwargs):
-    time.sleep(2)  # still writing when the script ends
+    time.sleep(1)  # still writing when the script ends
     if sys.argv[2] == "fail":
         raise OSError("the disk is full")
     write_save(*args, **kwargs)
