@@ -119,7 +119,7 @@ def fabric_run(
     for step, (inputs, targets) in enumerate(batches(fabric.global_rank, STEPS)[first:], start=first):
         loss = model(inputs, targets)
         fabric.backward(loss)
-        fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+        fabric.clip_gradients(model, optimizer, max_norm=CLIP)  # waits for the update in flight
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
