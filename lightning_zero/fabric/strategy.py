@@ -18,7 +18,9 @@ Thin glue, in the order a Fabric loop calls it:
   ``ZeroOptimizer``'s reduction, accumulation and clipping over shards, as the Trainer's strategy uses them; between
   a backward and the step ``.grad`` shows the averaged gradients (Note [gradients between backward and step] in
   ``fabric/visible_gradients.py``).
-- ``save_checkpoint``/``load_checkpoint``: the Trainer's sharded directory (``fabric/checkpoint.py``).
+- ``save_checkpoint``/``load_checkpoint``: the Trainer's sharded directory (``fabric/checkpoint.py``), written in the
+  background with ``async_save`` (``fabric/async_saves.py``). ``optimizer_step`` counts each optimizer's steps, which
+  end the delayed update's warm-up (``fabric/optimizer_steps.py``).
 
 Everything both front doors do to the engine is in ``lightning_zero.engine``, below both.
 """
