@@ -131,3 +131,18 @@ def test_a_fabric_script_ending_with_a_failing_save_in_flight_exits_1(tmp_path):
     assert "the asynchronous checkpoint save still in flight when the process ended failed" in stderr
     assert "the disk is full" in stderr
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_fabric_refuses_what_the_trainer_refuses_naming_both_options(tmp_path):
+    from lightning_zero import ZeroFabricStrategy, ZeroStrategy
+
+    delayed = {"offload_optimizer": "cpu", "offload_overlap": "delayed"}
+    for front_door in (ZeroStrategy, ZeroFabricStrategy):
+        with pytest.raises(ValueError, match=r"offload_optimizer_state='disk' with offload_overlap='delayed'"):
+            front_door(stage=2, **delayed, offload_optimizer_state="disk", offload_dir=str(tmp_path))
+        with pytest.raises(ValueError, match=r"offload_overlap='delayed' with offload_params='cpu'"):
+            front_door(stage=3, **delayed, offload_params="cpu")
+        with pytest.raises(ValueError, match=r"async_save=True with state_dict_type='full'"):
+            front_door(stage=2, async_save=True, state_dict_type="full")
+    with pytest.raises(NotImplementedError, match=r"does not take auto=True .* computes its loss in its own code"):
+        ZeroFabricStrategy(auto=True)
