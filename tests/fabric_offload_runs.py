@@ -140,15 +140,16 @@ def fabric_run(
     return {"losses": losses, "weights": weights, "state": state, "in_flight": in_flight}
 
 
-def delayed_runs(root: str, stage: int, precision: str) -> dict[str, dict[str, Any]]:
+def delayed_runs(root: str, stage: int, precision: str, one_file: bool = False) -> dict[str, dict[str, Any]]:
     """The Trainer's delayed run, the Fabric loop's saving after ``SAVE_AT`` steps, and a Fabric run resumed from that
-    checkpoint; on the host tier's copy path (Note [host tier data path])."""
-    fields = {**DELAYED, "stage": stage}
+    checkpoint; on the host tier's copy path (Note [host tier data path]). ``one_file``: ``state_dict_type="full"``."""
+    fields = {**DELAYED, "stage": stage, **({"state_dict_type": "full"} if one_file else {})}
+    checkpoint = f"{root}/fabric" + (".ckpt" if one_file else "")
     with forced_host_copies():
         return {
             "trainer": trainer_run(root, fields, precision),
-            "fabric": fabric_run(root, fields, precision, save_to=f"{root}/fabric"),
-            "resumed": fabric_run(root, fields, precision, resume_from=f"{root}/fabric", teardown=True),
+            "fabric": fabric_run(root, fields, precision, save_to=checkpoint),
+            "resumed": fabric_run(root, fields, precision, resume_from=checkpoint, teardown=True),
         }
 
 

@@ -21,9 +21,11 @@ from tests.harness import DistributedTestError, run_distributed
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _delayed(stage: int, precision: str) -> None:
+def _delayed(stage: int, precision: str, one_file: bool = False) -> None:
     with tempfile.TemporaryDirectory() as root:
-        ranks = run_distributed(runs.delayed_runs, 2, root, stage, precision, init_process_group=False, timeout=280)
+        ranks = run_distributed(
+            runs.delayed_runs, 2, root, stage, precision, one_file, init_process_group=False, timeout=280
+        )
     for rank in ranks:
         trainer, fabric, resumed = rank["trainer"], rank["fabric"], rank["resumed"]
         # The warm-up's 2 steps are exact, every later step leaves its update in flight (the save after step 3
@@ -48,9 +50,11 @@ def test_fabric_delayed_update_is_the_trainers_step_by_step_and_resumes_exactly(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("stage", "precision"), [(3, "32-true"), (2, "bf16-mixed")])
-def test_fabric_delayed_update_in_the_other_stage_and_precision(stage, precision):
-    _delayed(stage, precision)
+@pytest.mark.parametrize(("stage", "precision", "one_file"), [(3, "32-true", False), (2, "bf16-mixed", True)])
+def test_fabric_delayed_update_in_the_other_stage_and_precision(stage, precision, one_file):
+    """The other two combinations; bf16-mixed saving one file (``state_dict_type="full"``), whose counts of steps
+    taken resume the run exactly too."""
+    _delayed(stage, precision, one_file)
 
 
 def _check_async_save(ranks: list[dict[str, Any]], with_sync: bool) -> None:
