@@ -7,6 +7,7 @@ with ``init_process_group=False``."""
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 from typing import Any
 
@@ -37,6 +38,14 @@ def fabric_loop(name: str, precision: str, fields: dict[str, Any], read: bool = 
         module, torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=0.02)
     )
     steps: list[dict[str, Any]] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(fabric, model, optimizer, steps, read)
+    shown_warnings = [str(w.message) for w in caught if "`.grad`" in str(w.message)]
+    return {"steps": steps, "weights": weights(fabric, model), "warnings": shown_warnings}
+
+
+def _steps(fabric: Any, model: Any, optimizer: Any, steps: list[dict[str, Any]], read: bool) -> None:
     for step in range(STEPS):
         fabric.backward(loss_of(model, batch(fabric.global_rank, step)))
         before = reads(model) if read else {}
@@ -45,17 +54,50 @@ def fabric_loop(name: str, precision: str, fields: dict[str, Any], read: bool = 
         optimizer.step()
         optimizer.zero_grad()
         steps.append({"before": before, "clip_norm": torch.as_tensor(norm).detach().clone(), "after": after})
-    return {"steps": steps, "weights": weights(fabric, model)}
 
 
-def fabric_runs(precision: str, variants: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+def fabric_runs(
+    precision: str, variants: dict[str, tuple[str, dict[str, Any]]], disk_root: str | None = None
+) -> dict[str, dict[str, Any]]:
     """Fabric's DDP, then each ``{label: (strategy name, fields)}`` on the host tier's copy path; a label ending in
-    ``-unread`` runs without the reads."""
+    ``-unread`` runs without the reads. ``disk_root``: also stage 3 with the optimizer and its gradients on disk
+    there (``"disk"``), whose gradients are not shown."""
     out = {"ddp": fabric_loop("ddp", precision, {})}
     with forced_host_copies():
         for label, (name, fields) in variants.items():
             out[label] = fabric_loop(name, precision, fields, read=not label.endswith("-unread"))
+    if disk_root is not None:
+        out["disk"] = disk_loop(precision, disk_root)
     return out
+
+
+def disk_loop(precision: str, root: str) -> dict[str, Any]:
+    """``fabric_loop`` at stage 3 with the optimizer and the gradients on disk: after each ``fabric.backward``, what
+    ``.grad`` is (None, or the refusal of a read) instead of the reads."""
+    fabric = make_fabric("zero3", precision, offload_optimizer="disk", offload_dir=root)
+    module = build()
+    model, optimizer = fabric.setup(
+        module, torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=0.02)
+    )
+    shown: list[dict[str, str | None]] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            fabric.backward(loss_of(model, batch(fabric.global_rank, step)))
+            shown.append({n: None if p.grad is None else _refusal(p.grad) for n, p in model.named_parameters()})
+            fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+    shown_warnings = [str(w.message) for w in caught if "`.grad`" in str(w.message)]
+    return {"shown": shown, "weights": weights(fabric, model), "warnings": shown_warnings}
+
+
+def _refusal(grad: Tensor) -> str:
+    try:
+        torch.linalg.vector_norm(grad)
+    except RuntimeError as error:
+        return str(error)
+    return "read"
 
 
 class Plain(pl.LightningModule):

@@ -60,6 +60,8 @@ def _check_fabric(ranks: list[dict[str, dict[str, Any]]], labels: list[str], pre
             if delayed:  # reading changes nothing: the weights of the same run without reads, exactly
                 for name, value in per_rank[f"{label}-unread"]["weights"].items():
                     assert torch.equal(run["weights"][name], value), (label, name)
+                late = [n for n, w in reference["weights"].items() if not torch.allclose(run["weights"][n].float(), w)]
+                assert late, "the steps after the warm-up were delayed"
                 continue
             for name, expected in reference["weights"].items():
                 torch.testing.assert_close(run["weights"][name].float(), expected.float(), **tolerance, msg=name)
@@ -71,11 +73,31 @@ def _fabric(precision: str, stages: list[int], fields: dict[str, Any], delayed: 
         variants |= {f"zero{s}-unread": (f"zero{s}", {**fields}) for s in stages}
     ranks = run_distributed(runs.fabric_runs, 2, precision, variants, init_process_group=False, timeout=280)
     _check_fabric(ranks, [f"zero{s}" for s in stages], precision, delayed)
+    assert all(per_rank[label]["warnings"] == [] for per_rank in ranks for label in variants)  # nothing hidden
 
 
 @pytest.mark.timeout(200)
 def test_fabric_host_tier_gradients_read_between_backward_and_step_match_fabric_ddp():
-    _fabric("32-true", [2, 3], HOST)
+    """Stages 2 and 3, fp32; stage 3 with its gradients on disk too, which are not in memory before the step: no
+    ``.grad`` is shown there, and the warning says why (on rank 0, as Lightning warns)."""
+    variants = {f"zero{s}": (f"zero{s}", HOST) for s in (2, 3)}
+    with tempfile.TemporaryDirectory() as root:
+        ranks = run_distributed(runs.fabric_runs, 2, "32-true", variants, root, init_process_group=False, timeout=280)
+    _check_fabric(ranks, list(variants), "32-true", delayed=False)
+    for rank, per_rank in enumerate(ranks):
+        assert all(per_rank[label]["warnings"] == [] for label in variants)
+        disk = per_rank["disk"]
+        for step in disk["shown"]:  # None, or a marker (Note [model.zero_grad() reaches the shards]) refusing reads
+            assert all(shown is None or "offload_optimizer='disk'" in shown for shown in step.values()), step
+        warned = disk["warnings"]
+        if rank == 0:
+            assert len(warned) == 1, warned
+            assert "kept on disk" in warned[0], warned[0]
+            assert "offload_optimizer='disk'" in warned[0], warned[0]
+            assert "offload_optimizer='cpu' (the host tier), whose gradients are shown" in warned[0], warned[0]
+        # The weights are still DDP's: the clip's norm comes from the disk tier.
+        for name, expected in per_rank["ddp"]["weights"].items():
+            torch.testing.assert_close(disk["weights"][name], expected, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.slow
@@ -121,6 +143,8 @@ def _check_trainer(ranks: list[dict[str, dict[str, Any]]], precision: str, delay
             if delayed:  # reading changes nothing: the weights of the same run without reads, exactly
                 for name, value in per_rank[f"{label}-unread"]["weights"].items():
                     assert torch.equal(run["weights"][name], value), (label, name)
+                late = [n for n, w in reference["weights"].items() if not torch.allclose(run["weights"][n], w)]
+                assert late, "the steps after the warm-up were delayed"
                 continue
             for name, expected in reference["weights"].items():
                 torch.testing.assert_close(run["weights"][name], expected, rtol=rel, atol=atol, msg=f"{label} {name}")
