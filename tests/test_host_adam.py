@@ -40,11 +40,12 @@ def _train(
     parallel: str = "intra_op",
     late_from: int | None = None,
     one_group: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     host_copies.FORCE_COPIES = copies
     try:
         torch.manual_seed(0)
-        model = _Net()
+        model = _Net(dtype)
         decay = [p for p in model.parameters() if p.ndim == 2]
         other = [p for p in model.parameters() if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0, "lr": 3e-3}]
@@ -56,7 +57,7 @@ def _train(
         zero = ZeroOptimizer(model, optimizer, dist.group.WORLD, config, tiers=tiers.for_optimizer() if tiers else None)
         for host_steps in tiers.host_steps if tiers else []:
             host_steps.parallel = parallel  # type: ignore[assignment]
-        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
         losses = []
         for i in range(4):
             model.late = late_from is not None and i >= late_from
@@ -81,19 +82,28 @@ def _train(
         host_copies.FORCE_COPIES = False
 
 
-def _parallel_runs() -> list[dict[str, Any]]:
+def _parallel_runs() -> list[list[dict[str, Any]]]:
     torch.set_num_threads(2)
-    return [_train(True, True, {}, torch.optim.AdamW, parallel) for parallel in ("intra_op", "buckets")]
+    runs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        runs.append([_train(True, True, {}, torch.optim.AdamW, p, dtype=dtype) for p in ("intra_op", "buckets")])
+    runs[1].append(_train(True, False, {}, torch.optim.AdamW, dtype=torch.bfloat16))  # no copies: no worker buffers
+    return runs
 
 
 @pytest.mark.timeout(60)
 def test_host_updates_on_a_worker_per_thread_step_bit_for_bit_as_on_one_worker():
-    """Note [host step threads]: ``parallel="buckets"`` steps whole buckets on several workers at once."""
-    for intra_op, buckets in run_distributed(_parallel_runs, 2):
-        assert buckets["own"] > 1  # several buckets, stepped by two workers
-        assert buckets["losses"] == intra_op["losses"]
-        for a, b in zip(buckets["weights"], intra_op["weights"], strict=True):
-            assert torch.equal(a, b)
+    """Note [host step threads]: ``parallel="buckets"`` steps whole buckets on several workers at once; in bf16-mixed
+    each worker converts gradients in its own buffer and rounds the masters into staging, bit for bit as the step
+    without the copy path."""
+    for per_dtype in run_distributed(_parallel_runs, 2):
+        for intra_op, *others in per_dtype:
+            for other in others:
+                assert other["own"] > 1  # several buckets, stepped by two workers
+                assert other["losses"] == intra_op["losses"]
+                for a, b in zip(other["weights"], intra_op["weights"], strict=True):
+                    assert a.dtype == b.dtype
+                    assert torch.equal(a, b)
 
 
 def _all(cases: list[tuple[dict[str, Any], type[torch.optim.Optimizer]]]) -> list[list[dict[str, Any]]]:

@@ -9,6 +9,7 @@ then ``transform``) or by value, in that order and in the masters' dtype, so the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -94,7 +95,12 @@ class TieredGradients:
             used = [i for i in segments_of.get(id(bucket), []) if opt.segment_used[i]]
             if not used or not self.holds(bucket):
                 continue
-            shard, first = self.shard(bucket)
+            if self.host is not None and bucket in self.host:
+                # The device shard the host copy is taken from (the same values): no wait for the copy, and on a
+                # GPU no pass over host memory on the training thread (Note [host step threads]).
+                shard, first = opt.reducer.grad_shard(bucket), 0
+            else:
+                shard, first = self.shard(bucket)
             pieces = [shard[opt.segments[i].start - first : opt.segments[i].stop - first] for i in used]
             if self._unscale is not None:  # the values the step will see, as the step without tiers clips them
                 pieces = [p.to(opt.masters[i].dtype) * self._unscale for p, i in zip(pieces, used, strict=True)]
@@ -128,33 +134,63 @@ class TieredGradients:
     def end_step(self) -> None:
         self._unscale = None
 
-    def set_on_masters(self, segments: list[int], shard: Tensor, first: int) -> None:
+    def set_on_masters(
+        self,
+        segments: list[int],
+        shard: Tensor,
+        first: int,
+        scratch: Callable[[int, torch.dtype], Tensor] | None = None,
+    ) -> Callable[[], None] | None:
         """The tiered gradient ``shard`` (from shard element ``first``), unscaled and clipped, as the ``.grad`` of
-        the used masters of ``segments``."""
+        the used masters of ``segments``. With ``scratch`` (the bucket's update runs on a worker: Note [host step
+        threads]) the ``.grad`` are set now, as views of ``scratch(numel, dtype)`` where the gradient needs
+        converting, and the per-element work (conversion, unscaling, clipping) is left to the function returned,
+        which the worker runs right before the update."""
         opt = self._opt
         used = [i for i in segments if opt.segment_used[i]]
         dtypes = {opt.masters[i].dtype for i in used}
+        source: Tensor | None = None
         if len(dtypes) == 1 and shard.dtype not in dtypes:
             # One conversion of the bucket's span rather than one tensor per segment: the masters' gradients stay
             # back to back, for one kernel call (Note [one kernel call per bucket] in ``host_adam.py``).
             lo = min(opt.segments[i].start for i in used) - first
             hi = max(opt.segments[i].stop for i in used) - first
-            shard, first = shard[lo:hi].to(dtypes.pop()), first + lo
+            dtype = dtypes.pop()
+            if scratch is None:
+                shard = shard[lo:hi].to(dtype)
+            else:  # converted by the worker into its own buffer: no allocation, off the training thread
+                source, shard = shard[lo:hi], scratch(hi - lo, dtype)
+            first += lo
         grads: list[Tensor] = []
         for i in used:
             seg, master = opt.segments[i], opt.masters[i]
             grad = shard[seg.start - first : seg.stop - first]
             master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
             grads.append(master.grad)
-        # In the masters' dtype, as the step without tiers unscales and clips them (ZeroOptimizer.reduce_gradients,
-        # clip_grad_*), in that order.
-        if grads and self._unscale is not None:
-            torch._foreach_mul_(grads, self._unscale)
+        coefficient = None
         if grads and self._coefficient is not None:
             key = (grads[0].device, grads[0].dtype)
             if key not in self._coefficients:  # one copy per step: a device scalar read on the host waits for it
                 self._coefficients[key] = self._coefficient.to(device=key[0], dtype=key[1])
-            torch._foreach_mul_(grads, self._coefficients[key])
-        if grads and self._clamp is not None:
-            torch._foreach_clamp_min_(grads, -self._clamp)
-            torch._foreach_clamp_max_(grads, self._clamp)
+            coefficient = self._coefficients[key]
+        unscale, clamp = self._unscale, self._clamp  # as of this step: a delayed update runs after its end
+
+        def fill() -> None:
+            if source is not None:
+                shard.copy_(source)
+            # In the masters' dtype, as the step without tiers unscales and clips them (ZeroOptimizer.
+            # reduce_gradients, clip_grad_*), in that order.
+            if unscale is not None:
+                torch._foreach_mul_(grads, unscale)
+            if coefficient is not None:
+                torch._foreach_mul_(grads, coefficient)
+            if clamp is not None:
+                torch._foreach_clamp_min_(grads, -clamp)
+                torch._foreach_clamp_max_(grads, clamp)
+
+        if not grads or (source is None and unscale is None and coefficient is None and clamp is None):
+            return None
+        if scratch is None:
+            fill()
+            return None
+        return fill
