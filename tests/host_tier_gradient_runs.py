@@ -13,15 +13,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric import Fabric
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
 from lightning_zero import ZeroStrategy
+from lightning_zero.compat import tree_map
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 from tests.fabric_gradient_runs import build, reads
-from tests.lightning_port_fabric_runs import batch, loss_of, make_fabric, weights
+from tests.lightning_port_fabric_runs import batch, loss_of, make_fabric, strategy_for, weights
 from tests.offload_runs import forced_host_copies
 
 STEPS = 3
@@ -29,10 +31,14 @@ CLIP = 0.05
 """Below every step's gradient norm: each clip scales the gradients (checked by the test)."""
 
 
-def fabric_loop(name: str, precision: str, fields: dict[str, Any], read: bool = True) -> dict[str, Any]:
+def fabric_loop(
+    name: str, precision: str, fields: dict[str, Any], read: bool = True, accelerator: str = "cpu", devices: int = 2
+) -> dict[str, Any]:
     """``STEPS`` AdamW steps of ``build()``, each clipped to ``CLIP``; ``read``: the loop's reads (``reads``) after
     ``fabric.backward`` and again after ``fabric.clip_gradients``."""
-    fabric = make_fabric(name, precision, **({} if name == "ddp" else fields))
+    strategy = strategy_for(name, **({} if name == "ddp" else fields))
+    fabric = Fabric(strategy=strategy, accelerator=accelerator, devices=devices, precision=precision)  # type: ignore[arg-type]
+    fabric.launch()
     module = build()
     model, optimizer = fabric.setup(
         module, torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=0.02)
@@ -47,7 +53,7 @@ def fabric_loop(name: str, precision: str, fields: dict[str, Any], read: bool = 
 
 def _steps(fabric: Any, model: Any, optimizer: Any, steps: list[dict[str, Any]], read: bool) -> None:
     for step in range(STEPS):
-        fabric.backward(loss_of(model, batch(fabric.global_rank, step)))
+        fabric.backward(loss_of(model, fabric.to_device(batch(fabric.global_rank, step))))
         before = reads(model) if read else {}
         norm = fabric.clip_gradients(model, optimizer, max_norm=CLIP)
         after = reads(model) if read else {}
@@ -57,18 +63,27 @@ def _steps(fabric: Any, model: Any, optimizer: Any, steps: list[dict[str, Any]],
 
 
 def fabric_runs(
-    precision: str, variants: dict[str, tuple[str, dict[str, Any]]], disk_root: str | None = None
+    precision: str,
+    variants: dict[str, tuple[str, dict[str, Any]]],
+    disk_root: str | None = None,
+    accelerator: str = "cpu",
+    devices: int = 2,
 ) -> dict[str, dict[str, Any]]:
     """Fabric's DDP, then each ``{label: (strategy name, fields)}`` on the host tier's copy path; a label ending in
     ``-unread`` runs without the reads. ``disk_root``: also stage 3 with the optimizer and its gradients on disk
-    there (``"disk"``), whose gradients are not shown."""
-    out = {"ddp": fabric_loop("ddp", precision, {})}
+    there (``"disk"``), whose gradients are not shown. Tensors come back on the CPU."""
+    out = {"ddp": fabric_loop("ddp", precision, {}, accelerator=accelerator, devices=devices)}
     with forced_host_copies():
         for label, (name, fields) in variants.items():
-            out[label] = fabric_loop(name, precision, fields, read=not label.endswith("-unread"))
+            read = not label.endswith("-unread")
+            out[label] = fabric_loop(name, precision, fields, read, accelerator, devices)
     if disk_root is not None:
         out["disk"] = disk_loop(precision, disk_root)
-    return out
+    return _on_cpu(out)
+
+
+def _on_cpu(results: Any) -> Any:
+    return tree_map(lambda x: x.cpu() if isinstance(x, Tensor) else x, results)
 
 
 def disk_loop(precision: str, root: str) -> dict[str, Any]:
@@ -148,12 +163,14 @@ class Reading(Plain):
         self.copies.append(grad.clone())
 
 
-def _fit(strategy: Any, root: str, precision: str, read: bool = True) -> dict[str, Any]:
+def _fit(
+    strategy: Any, root: str, precision: str, read: bool = True, accelerator: str = "cpu", devices: int = 2
+) -> dict[str, Any]:
     module = Reading() if read else Plain()
     trainer = pl.Trainer(
         strategy=strategy,
-        accelerator="cpu",
-        devices=2,
+        accelerator=accelerator,
+        devices=devices,
         max_epochs=1,
         default_root_dir=root,
         logger=False,
@@ -174,12 +191,14 @@ def _fit(strategy: Any, root: str, precision: str, read: bool = True) -> dict[st
     }
 
 
-def trainer_runs(root: str, precision: str, variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def trainer_runs(
+    root: str, precision: str, variants: dict[str, dict[str, Any]], accelerator: str = "cpu", devices: int = 2
+) -> dict[str, dict[str, Any]]:
     """The Trainer's DDP, then ``ZeroStrategy(**fields)`` of each ``{label: fields}`` on the host tier's copy
     path; a label ending in ``-unread`` trains ``Plain``, which reads nothing."""
-    out = {"ddp": _fit("ddp_find_unused_parameters_true", root, precision)}
+    out = {"ddp": _fit("ddp_find_unused_parameters_true", root, precision, True, accelerator, devices)}
     with forced_host_copies():
         for label, fields in variants.items():
             strategy = ZeroStrategy(bucket_numel=100, **fields)
-            out[label] = _fit(strategy, root, precision, read=not label.endswith("-unread"))
-    return out
+            out[label] = _fit(strategy, root, precision, not label.endswith("-unread"), accelerator, devices)
+    return _on_cpu(out)

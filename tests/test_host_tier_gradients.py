@@ -34,7 +34,7 @@ def _check_clipped(step: dict[str, Any], precision: str) -> None:
         torch.testing.assert_close(step["after"]["values"][name].float(), value.float() * coefficient, **tolerance)
 
 
-def _check_fabric(ranks: list[dict[str, dict[str, Any]]], labels: list[str], precision: str, delayed: bool) -> None:
+def check_fabric(ranks: list[dict[str, dict[str, Any]]], labels: list[str], precision: str, delayed: bool) -> None:
     tolerance = _tolerance(precision)
     for rank, per_rank in enumerate(ranks):
         reference = per_rank["ddp"]
@@ -48,7 +48,7 @@ def _check_fabric(ranks: list[dict[str, dict[str, Any]]], labels: list[str], pre
                 _check_clipped(step, precision)
                 values = step["before"]["values"]
                 for name, value in values.items():  # the averaged gradient: the same on every rank
-                    other = ranks[1 - rank][label]["steps"][k]["before"]["values"][name]
+                    other = ranks[(rank + 1) % len(ranks)][label]["steps"][k]["before"]["values"][name]
                     torch.testing.assert_close(value, other, rtol=0, atol=0)
                 if delayed and k >= WARMUP:
                     continue  # the parameters are not DDP's: the update lands a step late
@@ -72,7 +72,7 @@ def _fabric(precision: str, stages: list[int], fields: dict[str, Any], delayed: 
     if delayed:
         variants |= {f"zero{s}-unread": (f"zero{s}", {**fields}) for s in stages}
     ranks = run_distributed(runs.fabric_runs, 2, precision, variants, init_process_group=False, timeout=280)
-    _check_fabric(ranks, [f"zero{s}" for s in stages], precision, delayed)
+    check_fabric(ranks, [f"zero{s}" for s in stages], precision, delayed)
     assert all(per_rank[label]["warnings"] == [] for per_rank in ranks for label in variants)  # nothing hidden
 
 
@@ -83,7 +83,7 @@ def test_fabric_host_tier_gradients_read_between_backward_and_step_match_fabric_
     variants = {f"zero{s}": (f"zero{s}", HOST) for s in (2, 3)}
     with tempfile.TemporaryDirectory() as root:
         ranks = run_distributed(runs.fabric_runs, 2, "32-true", variants, root, init_process_group=False, timeout=280)
-    _check_fabric(ranks, list(variants), "32-true", delayed=False)
+    check_fabric(ranks, list(variants), "32-true", delayed=False)
     for rank, per_rank in enumerate(ranks):
         assert all(per_rank[label]["warnings"] == [] for label in variants)
         disk = per_rank["disk"]
@@ -115,7 +115,7 @@ def test_fabric_host_tier_gradients_in_other_stages_precisions_and_delayed(preci
     _fabric(precision, stages, DELAYED if delayed else HOST, delayed)
 
 
-def _check_trainer(ranks: list[dict[str, dict[str, Any]]], precision: str, delayed: bool) -> None:
+def check_trainer(ranks: list[dict[str, dict[str, Any]]], precision: str, delayed: bool) -> None:
     rel, atol = (1e-5, 1e-6) if precision == "32-true" else (4e-2, 2e-3)
     for per_rank in ranks:
         reference = per_rank["ddp"]
@@ -157,7 +157,7 @@ def _trainer(precision: str, stages: list[int], delayed: bool = False) -> None:
         variants |= {f"zero{s}-unread": {"stage": s, **fields} for s in stages}
     with tempfile.TemporaryDirectory() as root:
         ranks = run_distributed(runs.trainer_runs, 2, root, precision, variants, init_process_group=False, timeout=280)
-    _check_trainer(ranks, precision, delayed)
+    check_trainer(ranks, precision, delayed)
 
 
 @pytest.mark.timeout(200)
