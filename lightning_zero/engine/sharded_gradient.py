@@ -174,9 +174,9 @@ def _norms(grads: list[ShardedGradient], order: float) -> list[Tensor]:
 
 def segment_gradient(optimizer: ZeroOptimizer, i: int) -> Tensor | None:
     """Segment ``i``'s averaged gradient as the step will read it, once reduced (Note [gradients visible to hooks]):
-    its master's ``.grad``; where the host tier keeps the masters, a copy of the device shard it copies them from
-    (Note [host tier data path]), unscaled and clipped as the step will read it. None: the segment got no gradient
-    on any rank, or it is on disk until the step (Note [gradients on disk])."""
+    its master's ``.grad``; where the host tier keeps the masters, the device shard it copies them from (Note [host
+    tier data path]), unscaled and clipped as the step will read it, to be read only. None: the segment got no
+    gradient on any rank, or it is on disk until the step (Note [gradients on disk])."""
     tiers = optimizer.tiers
     segment = optimizer.segments[i]
     if not isinstance(tiers, OptimizerTiers) or not tiers.gradients.holds(segment.bucket):

@@ -75,8 +75,10 @@ class TieredGradients:
         return self.host is not None and bucket in self.host
 
     def as_read(self, values: Tensor, dtype: torch.dtype) -> Tensor:
-        """A copy of ``values`` (elements of a tiered gradient shard) as the step will read them: in ``dtype``,
-        unscaled and clipped as ``set_on_masters`` does."""
+        """``values`` (elements of a tiered gradient shard) as the step will read them: in ``dtype``, unscaled and
+        clipped as ``set_on_masters`` does; to be read only (``values`` itself where nothing changes them)."""
+        if self._unscale is None and self._coefficient is None and self._clamp is None:
+            return values.to(dtype)
         out = values.to(dtype, copy=True)
         if self._unscale is not None:
             out.mul_(self._unscale)
