@@ -68,6 +68,26 @@ class TieredGradients:
             assert reducer is not None
             reducer.drop_grad(bucket)
 
+    def on_device(self, bucket: FlatBucket) -> bool:
+        """Whether the bucket's reduced gradient shard also stays in the device's memory until the step: the host
+        tier's, which it copies from (Note [host tier data path]); ``.grad`` shows it from there (Note [gradients
+        visible to hooks] in ``engine/sharded_gradient.py``)."""
+        return self.host is not None and bucket in self.host
+
+    def as_read(self, values: Tensor, dtype: torch.dtype) -> Tensor:
+        """``values`` (elements of a tiered gradient shard) as the step will read them: in ``dtype``, unscaled and
+        clipped as ``set_on_masters`` does; to be read only (``values`` itself where nothing changes them)."""
+        if self._unscale is None and self._coefficient is None and self._clamp is None:
+            return values.to(dtype)
+        out = values.to(dtype, copy=True)
+        if self._unscale is not None:
+            out.mul_(self._unscale)
+        if self._coefficient is not None:
+            out.mul_(self._coefficient.to(device=out.device, dtype=out.dtype))
+        if self._clamp is not None:
+            out.clamp_(-self._clamp, self._clamp)
+        return out
+
     def norms(self, segments_of: dict[int, list[int]], norm_type: float) -> list[Tensor]:
         """Per used segment of a bucket whose gradient is in a tier (``segments_of``: bucket id -> its segment
         indices): its gradient's norm (fp32, on the bucket's device), as the step will see it."""
