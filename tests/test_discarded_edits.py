@@ -75,19 +75,33 @@ def _edits() -> dict[str, Any]:
                     param.data.add_(1.0)  # no version counter moves (Note [edits discarded at exit])
                 else:
                     param.data = param.detach() + 1.0  # a new tensor
+            if how == "before a forward":
+                with torch.no_grad():
+                    if rank == 1:
+                        model.module.gpt.get_parameter(_EDITED).add_(1.0)
+                    model(tokens)  # runs on the held parameters: the edit stays to be seen at exit
 
     result: dict[str, Any] = {"forwards": _error(forwards), "calls": float(model.module.calls)}
     result["data"] = _error(lambda: edit_on_rank_1("data"))
     result["replaced"] = _error(lambda: edit_on_rank_1("replaced"))
+    result["before a forward"] = _error(lambda: edit_on_rank_1("before a forward"))
     after = weights()
     result["kept"] = all(torch.equal(after[n], before[n]) for n in before)
+
+    with torch.no_grad():
+        unedited = model(tokens)
 
     def writeback() -> None:
         with strategy.gathered_parameters(writeback=True), torch.no_grad():
             model.module.gpt.get_parameter(_EDITED).add_(1.0)
+            result["inside"] = model(tokens)  # on the edited parameters the context holds
 
     result["writeback"] = _error(writeback)
     result["landed"] = torch.equal(weights()[_EDITED], before[_EDITED] + 1.0)
+    with torch.no_grad():
+        after_writeback = model(tokens)
+    result["forward inside saw the edit"] = torch.equal(result.pop("inside"), after_writeback)
+    result["the edit matters"] = not torch.equal(after_writeback, unedited)
 
     # rank 0 alone, served by rank 1 waiting in the barrier: no peer at its exit, so it warns
     with warnings.catch_warnings(record=True) as caught:
@@ -106,7 +120,7 @@ def test_an_edit_inside_gathered_parameters_without_writeback_is_refused_on_ever
     for rank, r in enumerate(results):
         assert r["forwards"] is None, r["forwards"]  # forwards and a buffer updated in place: no report
         assert r["calls"] == 3.0
-        for how in ("data", "replaced"):
+        for how in ("data", "replaced", "before a forward"):
             message = r[how]
             assert message is not None, (rank, how)
             assert "writeback=True" in message, message
@@ -119,6 +133,8 @@ def test_an_edit_inside_gathered_parameters_without_writeback_is_refused_on_ever
         assert r["kept"]  # discarded as before, and said so
         assert r["writeback"] is None, r["writeback"]
         assert r["landed"]  # writeback=True keeps the edit
+        assert r["forward inside saw the edit"]
+        assert r["the edit matters"]
     assert any(f"'gpt.{_EDITED}'" in w and "writeback=True" in w for w in results[0]["warned"]), results[0]["warned"]
     assert not [w for w in results[1]["warned"] if "gathered_parameters" in w], results[1]["warned"]
     assert all(r["served_kept"] for r in results)

@@ -17,16 +17,16 @@ of the units this context gathers (and so frees) is digested on its device, the 
 in ``sharding/param_edits.py`` (exact: the same bits give the same digest; any one-element change is seen), and at exit
 digested again; a parameter given a new tensor (``p.data = tensor``) is found by its data pointer. Only parameters count
 (a KV cache or a buffer a forward updates is no parameter), and only units this context frees: a unit already gathered
-(inside its forward, or an outer ``writeback=True``) keeps its edits past this exit. A forward inside the context frees
-the units it runs (as it would outside) and gathers them again: a bucket freed since entry (``FlatBucket.releases``) is
-not compared, so sampling inside the context gives no report, but an edit followed by a forward inside one context is
-lost unseen. Cost: two passes over the gathered parameters on the device (about 18 bytes of memory traffic per 2 bytes
-each, against the all-gather's own traffic), a 1/256 copy kept in between, one host read of one flag per parameter, and
-one all-reduce of one integer per rank on the model's group: entry was collective (the gathers), so every rank reaches
-the exit too, and every rank raises together, naming the parameters on the ranks that edited them and those ranks on the
-others; a rank raising alone would leave the others hanging in their next collective. A call one rank makes alone,
-served by the others (Note [one-rank calls]), has no peers in step at its exit: that rank warns (``UserWarning``)
-instead.
+(inside its forward, or an outer ``writeback=True``) keeps its edits past this exit. A forward inside the context runs
+on the units it holds (``ParameterGatherer._held``: its post-forward and the end of the pass leave them gathered), so an
+edit before a forward is seen, and used by it, as under DDP; a bucket freed since entry all the same (a backward inside
+the context frees what it reaches: ``FlatBucket.releases``) is not compared. Cost: two passes over the gathered
+parameters on the device (about 18 bytes of memory traffic per 2 bytes each, against the all-gather's own traffic), a
+1/256 copy kept in between, one host read of one flag per parameter, and one all-reduce of one integer per rank on the
+model's group: entry was collective (the gathers), so every rank reaches the exit too, and every rank raises together,
+naming the parameters on the ranks that edited them and those ranks on the others; a rank raising alone would leave the
+others hanging in their next collective. A call one rank makes alone, served by the others (Note [one-rank calls]), has
+no peers in step at its exit: that rank warns (``UserWarning``) instead.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class OutsideStep:
         gather_group: ProcessGroup
         _call_depth: int
         _served_depth: dict[int, int]
+        _held: dict[int, int]
 
         def _owner(self, unit: ShardedUnit) -> ShardedUnit: ...
         def _gather(self, unit: ShardedUnit, prefetch: bool = False, exact: bool = False) -> None: ...
@@ -98,6 +99,7 @@ class OutsideStep:
                 if served:
                     self._served_gather(unit)
                 else:
+                    self._held[unit.index] = self._held.get(unit.index, 0) + 1  # a forward inside keeps it
                     self._gather(unit, exact=True)
             for unit in units:
                 if not served:
@@ -119,6 +121,7 @@ class OutsideStep:
                 if served:
                     self._served_release(unit)
                 else:
+                    self._held[unit.index] -= 1
                     self._release(unit)
         if unwritten is not None:
             self._refuse_discarded(edited, served, unwritten.device)
@@ -159,9 +162,10 @@ class OutsideStep:
         )
 
     def release_all(self, keep: ShardedUnit | None = None) -> None:
-        """Free every unit that is not inside its forward (except ``keep``)."""
+        """Free every unit that is not inside its forward or a ``gathered()`` context (except ``keep``)."""
         for unit in self.units:
-            if self._owner(unit) is unit and self._depth[unit.index] == 0 and unit is not keep:
+            held = self._depth[unit.index] or self._held.get(unit.index)  # inside its forward, or by gathered()
+            if self._owner(unit) is unit and not held and unit is not keep:
                 self._release(unit)
 
     def invalidate_secondaries(self) -> None:
@@ -179,7 +183,7 @@ class OutsideStep:
             if unit.state is UnitState.SHARDED or self._owner(unit) is not unit:
                 continue
             self._release(unit)
-            if self._depth[unit.index] > 0:
+            if self._depth[unit.index] > 0 or self._held.get(unit.index):
                 self._gather(unit)
                 self._wait(unit)
 
