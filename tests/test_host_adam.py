@@ -41,6 +41,7 @@ def _train(
     late_from: int | None = None,
     one_group: bool = False,
     dtype: torch.dtype = torch.float32,
+    clips: tuple[tuple[str, float], ...] = (("norm", 0.05),),
 ) -> dict[str, Any]:
     host_copies.FORCE_COPIES = copies
     try:
@@ -58,13 +59,17 @@ def _train(
         for host_steps in tiers.host_steps if tiers else []:
             host_steps.parallel = parallel  # type: ignore[assignment]
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
-        losses = []
+        losses, norms = [], []
         for i in range(4):
             model.late = late_from is not None and i >= late_from
             loss = model(x).square().mean()
             loss.backward()
             losses.append(loss.item())
-            zero.clip_grad_norm_(0.05)
+            for kind, bound in clips:  # Note [clips in order]
+                if kind == "norm":
+                    norms.append(zero.clip_grad_norm_(bound).item())
+                else:
+                    zero.clip_grad_value_(bound)
             zero.step()
             zero.zero_grad()
         state = zero.state_dict()
@@ -77,7 +82,7 @@ def _train(
         if tiers is not None:
             tiers.close()
         return {"losses": losses, "weights": [p.detach().clone() for p in model.parameters()], "own": own,
-                "state": zero.state_dict()["state"]}  # fmt: skip
+                "state": zero.state_dict()["state"], "norms": norms}  # fmt: skip
     finally:
         host_copies.FORCE_COPIES = False
 
@@ -128,6 +133,31 @@ def test_host_adam_steps_bit_for_bit_as_torchs_fused_adamw_and_adam_with_its_sta
                 for name, value in entries.items():
                     assert value.dtype == run["state"][i][name].dtype, (label, name)
                     assert torch.equal(run["state"][i][name], value), (label, i, name)
+
+
+def _clipped_runs() -> list[list[dict[str, Any]]]:
+    clips = (("norm", 0.05), ("value", 0.001), ("norm", 0.02))  # each clip binds: the clamp cuts the largest
+    runs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        modes = ((False, False), (True, False), (True, True))  # without tiers; the host tier; its copy path
+        runs.append([_train(t, c, {}, torch.optim.AdamW, dtype=dtype, clips=clips) for t, c in modes])
+    return runs
+
+
+@pytest.mark.timeout(60)
+def test_clips_taken_one_after_another_act_on_tiered_gradients_in_order_bit_for_bit_as_without_tiers():
+    """Note [clips in order]: a norm clip, a value clip and a second norm clip before each step measure and cut
+    what the clips before them left, on the host tier as without tiers (fp32 and bf16 parameters)."""
+    (found,) = run_distributed(_clipped_runs, 1, timeout=50)
+    for untiered, *tiered in found:
+        assert len(untiered["norms"]) == 8
+        assert untiered["norms"][1] <= 0.05 * (1 + 1e-5)  # the second clip measures what the first left
+        for run in tiered:
+            assert run["own"] > 0
+            assert run["norms"] == untiered["norms"]
+            assert run["losses"] == untiered["losses"]
+            for mine, theirs in zip(run["weights"], untiered["weights"], strict=True):
+                assert torch.equal(mine, theirs)
 
 
 def _late_runs() -> list[tuple[list[dict[str, Any]], list[tuple[int, int]]]]:
