@@ -21,7 +21,8 @@ written their shards, leaving them to wait in the commit's barrier. So before an
 that state into memory and loads it back exactly as a resume would, and every rank raises the same error if that
 fails, naming the entry. It costs one pickle round trip of that state per save (its ``lightning_state.pt`` is 7 KB
 for a Trainer with ``ModelCheckpoint``, ``EarlyStopping`` and a scheduler); the model's and the optimizer's tensors are
-in DCP's files, not in it.
+in DCP's files, not in it. The one-file save (``state_dict_type="full"``, ``full_save.py``) checks the same way,
+through the same function, what it pickles besides the tensors it streams from the shards.
 
 Note [what a save may replace]
 Lightning's ``save_checkpoint`` overwrites what is at its path: a ``.ckpt`` file, and under FSDP a sharded checkpoint
