@@ -88,10 +88,6 @@ def test_async_save_is_refused_where_it_cannot_snapshot():
         ZeroConfig(async_save=True, state_dict_type="full")
     with pytest.raises(ValueError, match=r"async_save=True with a disk tier"):
         ZeroConfig(stage=3, async_save=True, offload_optimizer="disk", offload_dir="/tmp")
-    from lightning_zero import ZeroFabricStrategy
-
-    with pytest.raises(NotImplementedError, match="ZeroFabricStrategy does not take async_save=True"):
-        ZeroFabricStrategy(async_save=True)
 
 
 def _writer_processes() -> list[str]:
@@ -180,6 +176,6 @@ def test_a_lost_writer_process_fails_the_save_on_every_rank_and_commits_nothing(
         with pytest.raises(DistributedTestError) as failed:
             run_distributed(_lose_the_writer, 2, root, init_process_group=False, timeout=90)
         assert sorted(failed.value.failures) == [0, 1]
-        assert all("Saving checkpoint" in failure for failure in failed.value.failures.values())
+        assert all("Saving checkpoint" in failure for failure in failed.value.failures.values()), failed.value.failures
         assert "writer process exited" in failed.value.failures[0]
         assert sorted(os.listdir(f"{root}/ck")) == ["epoch=0-step=2.ckpt"]

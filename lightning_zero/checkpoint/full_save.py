@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_zero.checkpoint.files import CheckpointError, refuse_replacing_other_files
+from lightning_zero.checkpoint.files import CheckpointError, refuse_replacing_other_files, refuse_unloadable_state
 from lightning_zero.checkpoint.format import FlatChunk
 from lightning_zero.checkpoint.local_commit import commit, partial_sibling, remove_stale_siblings
 from lightning_zero.checkpoint.slices import OwnedSlice, owned_parameter_slices
@@ -169,6 +169,7 @@ def save_full_checkpoint(
             "for one file."
         )
     refuse_replacing_other_files(target, process_group)  # Note [what a save may replace]
+    refuse_unloadable_state(_lightning_state(checkpoint), target, process_group)  # Note [a save that cannot load back]
     rank = 0 if process_group is None else process_group.rank()
     slices = owned_parameter_slices(zero_optimizers, gatherer)
     by_param = {id(s.param): s for s in slices}
@@ -244,6 +245,23 @@ def save_full_checkpoint(
             f"Saving the full checkpoint {target} failed: {errors[0]}. Nothing was committed; a previous checkpoint "
             "of that name is intact. HINT: check that the location is writable and has room."
         )
+
+
+_FROM_SHARDS = ("state_dict", "current_model_state", "optimizer_states")
+"""The entries written from the shards (Note [full checkpoint streamed]): the rest is Lightning's own state."""
+
+
+def _lightning_state(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """What of ``checkpoint`` the file pickles as given (Note [a save that cannot load back]): everything but the
+    entries written from the shards, and of the optimizers' state their ``param_groups``, as the sharded save keeps
+    it."""
+    state = {key: value for key, value in checkpoint.items() if key not in _FROM_SHARDS}
+    optimizer_states = checkpoint.get("optimizer_states")
+    if isinstance(optimizer_states, Sequence):
+        state["optimizer_states"] = [
+            {"param_groups": s.get("param_groups")} if isinstance(s, Mapping) else s for s in optimizer_states
+        ]
+    return state
 
 
 def _deferred_parameter(records: _Records, param: Tensor, owned: OwnedSlice) -> _Deferred:

@@ -110,6 +110,9 @@ class FlatBucket:
         fill = float("nan") if self.dtype.is_floating_point else 0
         self._placeholder = torch.full((), fill, dtype=self.dtype, device=self.device)  # Note [placeholders]
         self._shard: Tensor | None = None
+        self.releases = 0
+        """Times the full buffer was freed: whether values gathered earlier are still these (Note [edits discarded at
+        exit] in ``stage3/outside_step.py``)."""
         self._full = flat  # sharded buckets keep this tensor and resize its storage: Note [freeing saved views]
         self.attach(flat)
         if not resident:
@@ -198,6 +201,7 @@ class FlatBucket:
         ``keep_memory`` its memory is not freed but moved into a tensor that is returned, for ``allocate_full`` of
         a bucket of the same size to take over (Note [gathered buffers reused] in ``stage3/gathered_buffers.py``)."""
         assert not self.resident, "a resident bucket keeps its parameters"
+        self.releases += 1
         for slot, p in self.slots_and_params():
             p.data = self._placeholder.expand(slot.shape)
         self.data = None

@@ -58,7 +58,8 @@ _BLOCK_ROWS = 4096
 """Rows converted to float64 at a time: 32 MiB of temporary memory."""
 
 
-def _weights(device: torch.device) -> Tensor:
+def digest_weights(device: torch.device) -> Tensor:
+    """The fixed random integer weights of ``digest`` on ``device``: (``_ROW``, 2) float64."""
     generator = torch.Generator().manual_seed(0x5EED)
     return torch.randint(1, 1 << 15, (_ROW, 2), generator=generator).to(device=device, dtype=torch.float64)
 
@@ -182,5 +183,5 @@ class ParamEdits:
 
     def _weights_on(self, device: torch.device) -> Tensor:
         if device not in self._weights:
-            self._weights[device] = _weights(device)
+            self._weights[device] = digest_weights(device)
         return self._weights[device]

@@ -128,6 +128,9 @@ class ParameterGatherer(OutsideStep, UnitBackward):
         """Set on a group of several ranks: calls outside a step meet the other ranks first (Note [one-rank calls])."""
         self._call_depth = 0
         self._served_depth: dict[int, int] = {}
+        self._held: dict[int, int] = {}
+        """Units gathered by ``gathered()`` contexts (nesting counted): a forward inside one does not free them (Note
+        [edits discarded at exit] in ``outside_step.py``)."""
         self._handles: list[RemovableHandle] = []
         for unit in units:
             pre_hook = partial(self._pre_forward_hook, unit)
@@ -237,7 +240,7 @@ class ParameterGatherer(OutsideStep, UnitBackward):
         if unit.index == 0:
             self._end_of_pass()
         keep = unit.index == 0 and differentiated and not self.config.reshard_root_after_forward and self._order_frozen
-        if not keep:  # the root kept gathered into backward: ZeroConfig.reshard_root_after_forward
+        if not keep and not self._held.get(unit.index):  # the root kept into backward; a unit gathered() holds
             self._release(unit, reuse=self._reused_soon(unit, self._forward_order))
         if unit.index == 0:
             # The whole forward is over: a unit prefetched for it but never called (a branch not taken, a step
