@@ -13,6 +13,11 @@ Design notes (why, not what):
       forkserver, preload torch             N=2: 1.4 s   N=4: 3.1 s
       forkserver, preload torch+lightning   N=2: 0.03 s  N=4: 0.04 s  (one-off ~2.6 s server start per session)
 
+  Under pytest the server also preloads what nearly every rank of the suite imports later (``PRELOAD``, extended
+  in ``tests/conftest.py``): ``lightning_zero`` itself, the modules Lightning imports lazily in every Trainer that
+  saves a checkpoint (``omegaconf``, ``s3fs`` where installed), the Hugging Face and peft modeling stacks of the
+  parity tests. Each is seconds per rank on a loaded machine, paid once per session instead.
+
   ``__main__`` is deliberately not preloaded, and ranks never re-run the pytest session (Lightning's own launcher
   re-executes the whole command line): multiprocessing at most imports the ``__main__``-guarded ``pytest`` script
   as ``__mp_main__`` (and nothing for ``python -m pytest``). Caveat: env vars read when torch is *imported* (e.g.
@@ -65,10 +70,16 @@ class DistributedTestError(RuntimeError):
         super().__init__(headline + details)
 
 
+PRELOAD = ["torch", "lightning"]
+"""What the forkserver imports once, before it forks any rank (a name not installed is skipped). The test suite adds
+what nearly every one of its ranks imports (``tests/conftest.py``); a program using the harness alone (the GPU check)
+keeps the server's start short. Changes take effect only before the server's first start."""
+
+
 def _context() -> mp.context.ForkServerContext:
     ctx = mp.get_context("forkserver")
     # Only takes effect before the server's first start; harmless afterwards.
-    ctx.set_forkserver_preload(["torch", "lightning"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
