@@ -175,6 +175,7 @@ def run_distributed(
     collective_timeout: float = 30.0,
     init_process_group: bool = True,
     env: Mapping[str, str] | None = None,
+    grace: float = _GRACE_PERIOD,
 ) -> list[T]:
     """Run fn(*args) on world_size gloo processes on localhost; return each rank's return value, in rank order.
 
@@ -182,7 +183,9 @@ def run_distributed(
     the whole group (wall clock, seconds); ``collective_timeout`` is the process group timeout and is unused when
     ``init_process_group=False`` (then code in ``fn``, e.g. a Lightning Trainer, creates the group from the
     MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK/... env vars set here). Raises ``DistributedTestError``
-    naming every failed, dead or hung rank with its traceback or stack dump.
+    naming every failed, dead or hung rank with its traceback or stack dump. ``grace``: after the first failure,
+    how long the other ranks get to report their own (a test that expects every rank to fail, each through its own
+    slow path such as a teardown waiting for a process, gives them longer).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -220,7 +223,7 @@ def run_distributed(
                 procs[rank].start()
                 writer.close()  # so the reader sees EOF once the rank is gone
                 conns[rank] = reader
-            results, failures, pending = _collect(procs, conns, deadline)
+            results, failures, pending = _collect(procs, conns, deadline, grace)
         finally:
             stacks = _shutdown(procs, pending, stack_dir)
             for c in conns.values():
@@ -229,7 +232,7 @@ def run_distributed(
         return [results[r] for r in range(world_size)]
     failed = ", ".join(str(r) for r in sorted(failures))
     reason = (
-        f"still running {_GRACE_PERIOD:g} s after rank(s) {failed} failed; killed"
+        f"still running {grace:g} s after rank(s) {failed} failed; killed"
         if failures
         else f"did not finish within timeout={timeout:g} s; killed"
     )
@@ -240,7 +243,7 @@ def run_distributed(
 
 
 def _collect(
-    procs: Mapping[int, BaseProcess], conns: Mapping[int, mpc.Connection], deadline: float
+    procs: Mapping[int, BaseProcess], conns: Mapping[int, mpc.Connection], deadline: float, grace: float
 ) -> tuple[dict[int, Any], dict[int, str], list[int]]:
     """Wait for every rank's report; return (results, failures in arrival order, ranks still running)."""
     results: dict[int, Any] = {}
@@ -270,7 +273,7 @@ def _collect(
                 failures[rank] = "return value could not be unpickled in the parent:\n" + traceback.format_exc()
         if failures:
             # Others may be stuck in a collective with the failed rank: give them a moment to fail on their own.
-            deadline = min(deadline, time.monotonic() + _GRACE_PERIOD)
+            deadline = min(deadline, time.monotonic() + grace)
     return results, failures, sorted(pending)
 
 
