@@ -153,6 +153,19 @@ def test_all_gather_puts_every_shard_in_rank_order(world_size, in_place):
     assert all(run_distributed(_all_gather, world_size, in_place))
 
 
+def _every_case() -> bool:
+    for dtype_name, in_place in itertools.product(("float32", "bfloat16", "float16"), (False, True)):
+        _reduce_scatter(dtype_name, False, in_place)
+    return all(_all_gather(in_place) for in_place in (False, True))
+
+
+@pytest.mark.timeout(120)
+def test_the_native_branch_averages_and_gathers_every_case_on_four_ranks():
+    # The cases above take the session's mode (gloo's forms by default); NCCL's branch gets them all in one launch,
+    # in place (stage 1's reduction into its own chunk) and fp16's divide-first included (Note [native collectives]).
+    assert all(run_distributed(_every_case, 4, env={NATIVE_COLLECTIVES_ENV: "1"}))
+
+
 def test_buffer_pool_reuses_buffers_within_size_classes():
     cpu = torch.device("cpu")
     pool = BufferPool()
