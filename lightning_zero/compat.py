@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -96,6 +97,7 @@ __all__ = [
     "TCPStore",
     "TorchDispatchMode",
     "apply_activation_checkpointing",
+    "at_threading_shutdown",
     "batches_that_stepped",
     "broadcast_coalesced",
     "checkpoint_wrapper",
@@ -314,6 +316,13 @@ FabricBackwardSyncControl = _BackwardSyncControl
 FabricSharded = _Sharded
 FabricStateful = _Stateful
 validate_keys_for_strict_loading = _validate_keys_for_strict_loading
+
+
+def at_threading_shutdown(callback: Callable[[], None]) -> None:
+    """Call ``callback`` as the process ends, before the interpreter stops daemon threads: Python's
+    ``threading._register_atexit`` (what ``concurrent.futures`` uses), which runs at a script's normal end and at the
+    end of a ``multiprocessing`` child, spawned or forked (where ``atexit`` does not run)."""
+    threading._register_atexit(callback)  # type: ignore[attr-defined]
 
 
 def fabric_run_command() -> Any:

@@ -88,10 +88,6 @@ def test_async_save_is_refused_where_it_cannot_snapshot():
         ZeroConfig(async_save=True, state_dict_type="full")
     with pytest.raises(ValueError, match=r"async_save=True with a disk tier"):
         ZeroConfig(stage=3, async_save=True, offload_optimizer="disk", offload_dir="/tmp")
-    from lightning_zero import ZeroFabricStrategy
-
-    with pytest.raises(NotImplementedError, match="ZeroFabricStrategy does not take async_save=True"):
-        ZeroFabricStrategy(async_save=True)
 
 
 def _writer_processes() -> list[str]:

@@ -72,6 +72,7 @@ PRIVATE = {
     "torch.utils.flop_counter.flop_registry (not in the module's __all__)": "flop_registry",
     "torch._ops.HigherOrderOperator": "HigherOrderOperator",
     "lightning.pytorch.loops.FitLoop._data_source": "training_dataloader",
+    "threading._register_atexit (Python's own)": "at_threading_shutdown",
     "lightning.pytorch.trainer.connectors._CheckpointConnector._get_lightning_module_state_dict": (
         "route_checkpoint_model_state"
     ),

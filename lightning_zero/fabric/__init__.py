@@ -11,6 +11,8 @@
 - ``backward_sync``: ``fabric.no_backward_sync``, accumulation through the reducers' ``no_sync``.
 - ``checkpoint``: ``fabric.save``/``load``/``load_raw`` in the Trainer's sharded directory format, or one file
   (``state_dict_type="full"``); ``checkpoint_layout``: where each object of a state goes, what each load takes.
+- ``optimizer_steps``: each set-up optimizer's step count, which ends the delayed update's warm-up (saved with it).
+- ``async_saves``: ``async_save`` in a Fabric loop, waited for by the next save, a load, teardown and the process's end.
 
 May import: lightning_zero.config, lightning_zero.comm, lightning_zero.sharding, lightning_zero.stage3,
 lightning_zero.offload, lightning_zero.checkpoint, lightning_zero.planning, lightning_zero.engine

@@ -48,6 +48,7 @@ from lightning_zero.checkpoint.sharded_checkpoint import (
 from lightning_zero.checkpoint.storage import Location, locate
 from lightning_zero.compat import validate_keys_for_strict_loading
 from lightning_zero.config import ZeroConfig
+from lightning_zero.fabric.async_saves import FabricSaves
 from lightning_zero.fabric.checkpoint_layout import (
     FABRIC_NAMES,
     FORMAT_KEYS,
@@ -60,6 +61,7 @@ from lightning_zero.fabric.checkpoint_layout import (
 )
 from lightning_zero.fabric.models import SetUpModel, SetUpModels
 from lightning_zero.fabric.module import refuse_released_parameters
+from lightning_zero.fabric.optimizer_steps import STEPS_KEY, TRAINER_STEPS_KEY, OptimizerSteps
 from lightning_zero.offload.memory_tiers import MemoryTiers
 
 CheckpointPath = str | PathLike[str]
@@ -76,6 +78,10 @@ class CheckpointingStrategy(Protocol):
     def config(self) -> ZeroConfig: ...
     @property
     def models(self) -> SetUpModels: ...
+    @property
+    def optimizer_steps(self) -> OptimizerSteps: ...
+    @property
+    def saves(self) -> FabricSaves: ...
     @property
     def _tiers(self) -> MemoryTiers | None: ...
     @property
@@ -143,8 +149,16 @@ def save_fabric_checkpoint(
             for o in layout.optimizers
         ]
     checkpoint[FABRIC_NAMES] = layout.record(added)
+    checkpoint[STEPS_KEY] = _saved_steps(strategy, layout)  # Note [delayed update in a Fabric loop]
     saved_with = {"world_size": strategy.world_size, "stage": config.stage}
+    if strategy.saves.saver is not None:  # Note [asynchronous saves in a Fabric loop]
+        strategy.saves.saver.save(checkpoint, path, strategy.process_group, saved_with)
+        return
     save_sharded_checkpoint(checkpoint, path, strategy.process_group, saved_with)
+
+
+def _saved_steps(strategy: CheckpointingStrategy, layout: SaveLayout) -> dict[str, int]:
+    return strategy.optimizer_steps.saved((o.name, o.optimizer) for o in layout.optimizers)
 
 
 def _save_one_file(
@@ -157,6 +171,8 @@ def _save_one_file(
     names = {id(o.optimizer): o.name for o in layout.optimizers}
     optimizers = model.optimizers if model is not None else []
     optimizer_names = [names.get(id(zero)) for zero in optimizers]
+    if names and strategy.config.offload_overlap == "delayed":  # Note [delayed update in a Fabric loop]
+        checkpoint[STEPS_KEY] = _saved_steps(strategy, layout)
     if names:
         checkpoint["optimizer_states"] = [
             sharded_optimizer_state(optimizers, i, strategy._tiers) if name is not None else None
@@ -224,6 +240,7 @@ def load_fabric_checkpoint(
         optimizer_states = contents.get("optimizer_states") or []
         others = {k: v for k, v in contents.items() if k not in FORMAT_KEYS}
         saved = saved_contents(None, contents["state_dict"].keys(), len(optimizer_states), others.keys())
+        counts, trainer_step = None, contents.get(TRAINER_STEPS_KEY)
     elif is_pretrained_source(location):  # weights only, as for the Trainer's `fit(ckpt_path=hf_dir)`
         return _load_pretrained(strategy, path, state, strict)
     else:
@@ -232,6 +249,8 @@ def load_fabric_checkpoint(
         drop = {*FORMAT_KEYS, *(record.get("added", ()) if isinstance(record, dict) else ())}
         others = {k: v for k, v in lightning_state.items() if k not in drop}
         saved = saved_contents(record, toc["state_dict"].keys(), len(toc["optimizers"]), others.keys())
+        counts = lightning_state.get(STEPS_KEY)
+        trainer_step = lightning_state.get(TRAINER_STEPS_KEY) if not isinstance(record, dict) else None
     if not state:
         return others
     plan = restore_plan(strategy.models, state, saved, strict)
@@ -249,6 +268,9 @@ def load_fabric_checkpoint(
             section=section,
         )
         _note_frozen_source(strategy, loaded)
+        chosen = zip(model.optimizers, section.optimizers, strict=True)  # Note [delayed update in a Fabric loop]
+        loaded_optimizers = [(o, saved.optimizers[i]) for o, i in chosen if i is not None]
+        strategy.optimizer_steps.restore(loaded_optimizers, counts, trainer_step)
     for name, section in plan.plain.items():  # no shards: every rank reads the weights whole
         load_checkpoint(path, state[name], [], strategy.process_group, load_optimizer=False, strict=strict,
                         section=section)  # fmt: skip
@@ -259,6 +281,7 @@ def _load_one_file(
     strategy: CheckpointingStrategy, origin: Location, contents: dict[str, Any], state: dict[str, Any], strict: bool
 ) -> dict[str, Any]:
     """Note [one-file Fabric checkpoints]: each set-up model and optimizer of ``state`` from the entry of its name."""
+    counts = contents.pop(STEPS_KEY, None)  # Note [delayed update in a Fabric loop]
     if not state:
         return contents
     validate_keys_for_strict_loading(list(state), contents.keys(), strict=strict)
@@ -295,6 +318,8 @@ def _load_one_file(
             built_on_meta=_unloaded_meta(strategy, model),
         )
         _note_frozen_source(strategy, full_state)
+        loaded = [(zero, name) for zero, name in zip(model.optimizers, optimizer_names, strict=True) if name]
+        strategy.optimizer_steps.restore(loaded, counts)
         restored += [n for n in (module_name, *optimizer_names) if n is not None]
     return restore_others(contents, state, restored, strict)
 

@@ -37,12 +37,13 @@ from lightning_zero.checkpoint.frozen import FROZEN_KEY
 from lightning_zero.checkpoint.sections import Section
 from lightning_zero.compat import FabricStateful, validate_keys_for_strict_loading
 from lightning_zero.fabric.models import SetUpModel, SetUpModels
+from lightning_zero.fabric.optimizer_steps import STEPS_KEY
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
 FABRIC_NAMES = "fabric_names"
 """The names and sections of the models and optimizers in the Fabric state saved (Note [Fabric state in the
 Trainer's format])."""
-FORMAT_KEYS = ("state_dict", "optimizer_states", FABRIC_NAMES, FROZEN_KEY)
+FORMAT_KEYS = ("state_dict", "optimizer_states", FABRIC_NAMES, FROZEN_KEY, STEPS_KEY)
 TRAINER_REQUIRES: dict[str, Any] = {"lr_schedulers": [], "pytorch-lightning_version": lightning.__version__}
 """What a Trainer's resume reads that a Fabric state need not have (Note [Fabric state in the Trainer's format])."""
 

@@ -122,6 +122,20 @@ class SetUpModels:
         return owners[0]
 
 
+def refuse_auto(config: ZeroConfig) -> None:
+    """``auto=True`` (``"zero_auto"``) needs what a Fabric loop hands over only after its models are set up."""
+    if config.auto:
+        raise NotImplementedError(
+            "ZeroFabricStrategy does not take auto=True (strategy='zero_auto'): it chooses the stage and tiers from "
+            "the predicted peak of one training step (the forward, loss and backward of a micro-batch, then the "
+            "optimizer's step), before the model is built or sharded; a Fabric loop builds its model (at stage 3 "
+            "under `fabric.init_module`) and sets it up before any batch, and computes its loss in its own code, "
+            "which the strategy never sees. HINT: get the choice for your model and micro-batch from `python -m "
+            "lightning_zero estimate --model <LightningModule> --auto` (or a Trainer with strategy='zero_auto') and "
+            "give ZeroFabricStrategy its stage and offload_* fields."
+        )
+
+
 def set_up_model(
     module: Module, config: ZeroConfig, ranks: RankLayout, param_init_fn: ParamInitFn | None, tiers: MemoryTiers | None
 ) -> SetUpModel:

@@ -18,7 +18,9 @@ Thin glue, in the order a Fabric loop calls it:
   ``ZeroOptimizer``'s reduction, accumulation and clipping over shards, as the Trainer's strategy uses them; between
   a backward and the step ``.grad`` shows the averaged gradients (Note [gradients between backward and step] in
   ``fabric/visible_gradients.py``).
-- ``save_checkpoint``/``load_checkpoint``: the Trainer's sharded directory (``fabric/checkpoint.py``).
+- ``save_checkpoint``/``load_checkpoint``: the Trainer's sharded directory (``fabric/checkpoint.py``), written in the
+  background with ``async_save`` (``fabric/async_saves.py``). ``optimizer_step`` counts each optimizer's steps, which
+  end the delayed update's warm-up (``fabric/optimizer_steps.py``).
 
 Everything both front doors do to the engine is in ``lightning_zero.engine``, below both.
 """
@@ -61,6 +63,7 @@ from lightning_zero.engine.presets import StartMethod, register_presets
 from lightning_zero.engine.rank_layout import world_group
 from lightning_zero.engine.throughput import StepThroughput, ThroughputSummary, compute_dtype
 from lightning_zero.engine.tier_setup import build_memory_tiers, close_memory_tiers
+from lightning_zero.fabric.async_saves import FabricSaves
 from lightning_zero.fabric.backward_sync import ZeroBackwardSyncControl
 from lightning_zero.fabric.checkpoint import (
     CheckpointPath,
@@ -69,8 +72,9 @@ from lightning_zero.fabric.checkpoint import (
     refuse_unrestorable_frozen_base,
     save_fabric_checkpoint,
 )
-from lightning_zero.fabric.models import SetUpModel, SetUpModels, set_up_model, set_up_optimizer
+from lightning_zero.fabric.models import SetUpModel, SetUpModels, refuse_auto, set_up_model, set_up_optimizer
 from lightning_zero.fabric.module import full_tensors
+from lightning_zero.fabric.optimizer_steps import OptimizerSteps
 from lightning_zero.fabric.precision import ZeroFabricPrecision
 from lightning_zero.fabric.visible_gradients import LoopGradients
 from lightning_zero.fabric.zero_grad import apply_zero_grad, engine_call, mark, watched
@@ -111,18 +115,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         **config_kwargs: Any,
     ) -> None:
         self.config = ZeroConfig.from_arguments(config, config_kwargs)
-        if self.config.offload_overlap == "delayed":
-            raise NotImplementedError(
-                "ZeroFabricStrategy with offload_overlap='delayed' is not implemented: the delayed update starts "
-                "after a warm-up counted by the Trainer's global_step, which a Fabric loop does not have. HINT: use "
-                "offload_overlap='exact' with Fabric, or ZeroStrategy with the Trainer."
-            )
-        if self.config.async_save or self.config.auto:
-            raise NotImplementedError(
-                f"ZeroFabricStrategy does not take {'async_save' if self.config.async_save else 'auto'}=True: a "
-                "Fabric loop saves synchronously, and its micro-batch is not known at setup. HINT: use the Trainer's "
-                "ZeroStrategy for these, or drop the field."
-            )
+        refuse_auto(self.config)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -146,6 +139,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         out (Note [frozen base restored from its source])."""
         self._frozen_base_checked = False
         self._throughput = StepThroughput(recomputation=self.config.activation_checkpointing_policy is not None)
+        self.optimizer_steps = OptimizerSteps()  # Note [delayed update in a Fabric loop]
+        self.saves = FabricSaves()  # Note [asynchronous saves in a Fabric loop]
 
     # The first model set up, its units and every optimizer: what a loop with one model reads.
     @property
@@ -188,6 +183,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._fault_watch.start()
+        self.saves.start(self.config, self.process_group)  # before the first step: Note [asynchronous save]
 
     # -- model and optimizers ----------------------------------------------------------------------------------------
     @override
@@ -282,11 +278,18 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         if zero is not None:
             self._loop_gradients.apply_zeroing(zero)
             apply_zero_grad(self.models, only=zero)
-        with engine_call(self.models):
+        with engine_call(self.models), self.optimizer_steps.step(zero) if zero is not None else nullcontext():
             with self._loop_gradients.kept():
                 output = super().optimizer_step(optimizer, **kwargs)
             self._loop_gradients.hide(zero)  # the step consumed them: Note [gradients between backward and step]
         return output
+
+    def settle_optimizers(self) -> None:
+        """Publish the delayed update still in flight, if any (Note [delayed parameter update] in
+        ``offload/host_steps.py``): the weights, masters and moments are then those after every step taken. Call it
+        on every rank."""
+        for optimizer in self._optimizers:
+            optimizer.settle()
 
     def reducers(self) -> list[GradientReducer]:
         """The gradient reducers of every set-up model."""
@@ -306,6 +309,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         """Inside the context a stage-3 model's ``state_dict()`` gives full tensors instead of DTensors (on the CPU
         with ``offload_to_cpu``, only on rank 0 with ``rank0_only``): Note [a stage-3 model's state dict]. Call it on
         every rank. Stages 1 and 2 give full tensors always."""
+        self.settle_optimizers()
         with full_state_dicts((module_state_of(m.module) for m in self.models), offload_to_cpu, rank0_only):
             yield
 
@@ -359,6 +363,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
                 "checkpoints are written by every rank, not through a CheckpointIO plugin. HINT: drop storage_options."
             )
         state = {name: self._set_up_model(value) for name, value in state.items()}
+        self.settle_optimizers()  # Note [delayed update in a Fabric loop]
         if any(m.gatherer is not None for m in self.models):
             state = full_tensors(state)  # a state dict taken as DTensors is saved whole, as DDP's
         save_fabric_checkpoint(self, self.broadcast(path), state, filter or {})
@@ -377,6 +382,8 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
 
         Always as ``weights_only=True`` would (Note [safe loading] in ``checkpoint/files.py``).
         """
+        self.saves.wait()  # the checkpoint may be the one in flight: Note [asynchronous saves in a Fabric loop]
+        self.settle_optimizers()  # Note [delayed update in a Fabric loop]
         path = self.broadcast(path)
         if isinstance(state, Module | Optimizer):
             load_raw(self, path, self._set_up_model(state), strict)
@@ -389,10 +396,13 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
     # -- end ---------------------------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        self._fault_watch.stop()
-        close_memory_tiers(self._tiers, self._optimizers)
-        self._tiers = None
-        super().teardown()
+        try:
+            self.saves.finish()  # committed, or its error raised: Note [asynchronous saves in a Fabric loop]
+        finally:
+            self._fault_watch.stop()
+            close_memory_tiers(self._tiers, self._optimizers)
+            self._tiers = None
+            super().teardown()
 
     @classmethod
     @override

@@ -30,9 +30,10 @@ refused. Before each backward every ``.grad`` shown gets back what ZeRO had ther
 Inside ``fabric.no_backward_sync`` nothing is reduced yet, so nothing is shown: stage 1 keeps its full gradient buffers
 with ``.grad`` views of them, this rank's local partial sum, as DDP's ``.grad`` inside ``no_sync``; stages 2 and 3
 keep None (or a marker), as FSDP2's sharded parameters keep their ``.grad`` while it accumulates unsharded gradients.
-Gradients kept in a memory tier on disk are not in memory before the step (Note [gradients on disk]): none are shown,
-with a warning once. The cost is one Python assignment per parameter per synchronizing backward and per step (a few
-microseconds per tensor: ``benchmarks/visible_gradients.py``), plus the collectives of what the loop reads.
+Gradients kept in a memory tier (on disk, Note [gradients on disk]; in host memory on an accelerator, Note [host tier
+data path]) are not in the device's memory before the step: none are shown, with a warning once. The cost is one
+Python assignment per parameter per synchronizing backward and per step (a few microseconds per tensor:
+``benchmarks/visible_gradients.py``), plus the collectives of what the loop reads.
 """
 
 from __future__ import annotations
@@ -198,8 +199,8 @@ class LoopGradients(GradientReads):
         if not self._warned:
             self._warned = True
             rank_zero_warn(
-                "The gradients are kept in a memory tier on disk until the optimizer step (ZeroConfig."
-                "offload_optimizer='disk', Note [gradients on disk]), so between `fabric.backward` and the step "
-                "every `.grad` is None. HINT: log the total norm `fabric.clip_gradients(...)` returns, or measure "
-                "without offload_optimizer='disk'."
+                "The gradients are kept in a memory tier until the optimizer step (on disk with ZeroConfig."
+                "offload_optimizer='disk', Note [gradients on disk]; in host memory with offload_optimizer='cpu' on "
+                "an accelerator), so between `fabric.backward` and the step no `.grad` is shown. HINT: log the total "
+                "norm `fabric.clip_gradients(...)` returns, or measure without offload_optimizer."
             )
