@@ -182,3 +182,56 @@ def run_script(script: str, strategy: str, checkpoint: str, data_path: str, out:
         config = module.Config.from_file(checkpoint_dir / "model_config.yaml")
         module.main(fabric, 2, False, 1337, config, data, checkpoint_dir, out_dir, train, evaluation, optimizer, 1)
     return {"metrics": recorder.metrics, "samples": samples}
+
+
+class _ResumableLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
+    """A loader ``fabric.save`` stores by its ``state_dict()``, as it stores litdata's ``StreamingDataLoader`` (a plain
+    ``DataLoader`` in the saved state is refused: Note [a save that cannot load back])."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def run_pretrain(strategy: str, out: str, iterations: int, resume: bool) -> dict[str, Any]:
+    """One rank of ``litgpt pretrain``'s ``main`` under ``strategy`` (what its ``setup()`` would call, with this
+    ``Fabric``): random tokens, tied embeddings, a save every 2 optimizer steps, ``resume="auto"`` when ``resume``."""
+    from litgpt import pretrain
+    from litgpt.args import EvalArgs, TrainArgs
+    from litgpt.config import Config
+    from litgpt.data import DataModule
+
+    import lightning_zero  # noqa: F401  registers "zero3" with Fabric
+
+    class RandomTokens(DataModule):  # type: ignore[misc]
+        def connect(self, tokenizer: Any = None, batch_size: int = 1, max_seq_length: int = -1) -> None:
+            self.batch_size, self.length = batch_size, max_seq_length
+
+        def _tokens(self, count: int, seed: int) -> _ResumableLoader:
+            tokens = torch.randint(0, 64, (count, self.length + 1), generator=torch.Generator().manual_seed(seed))
+            return _ResumableLoader(tokens, batch_size=self.batch_size)
+
+        def train_dataloader(self) -> _ResumableLoader:
+            return self._tokens(64, 0)
+
+        def val_dataloader(self) -> _ResumableLoader:
+            return self._tokens(16, 1)
+
+    recorder = Recorder()
+    fabric = Fabric(devices=2, accelerator="cpu", strategy=strategy, loggers=recorder)  # type: ignore[arg-type]
+    fabric.launch()
+    pretrain.save_hyperparameters = lambda *args, **kwargs: None  # it parses the command line `litgpt pretrain` had
+    config = Config(**{**_CONFIG, "block_size": 32})
+    train = TrainArgs(
+        save_interval=2, log_interval=1, global_batch_size=8, micro_batch_size=2, max_tokens=2 * 2 * 32 * iterations,
+        lr_warmup_steps=1, tie_embeddings=True, max_norm=1.0,
+    )  # fmt: skip
+    evaluation = EvalArgs(interval=2, max_iters=2, initial_validation=True, final_validation=True)
+    optimizer = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.01}}
+    pretrain.main(
+        fabric, 2, 42, None, "auto" if resume else False, config, RandomTokens(), Path(out), None, None, train,
+        evaluation, optimizer,
+    )  # fmt: skip
+    return {"metrics": recorder.metrics}

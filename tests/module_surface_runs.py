@@ -303,7 +303,8 @@ def spawn_fit(strategy: str) -> dict[str, Tensor]:
 def peft_adapters(strategy: str | ZeroFabricStrategy, directory: str, world: int = 2) -> dict[str, Any]:
     """peft's own adapter save and load on a LoRA Llama: ``get_peft_model_state_dict`` (``model.state_dict()``
     filtered) saved by rank 0, training on, ``set_peft_model_state_dict`` (peft's key renames, then
-    ``model.load_state_dict(strict=False)``) of the file, training on."""
+    ``model.load_state_dict(strict=False)``) of the file, training on, then ``merge_and_unload`` and the merged
+    model's ``save_pretrained``."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     from tests import third_party_models
@@ -340,12 +341,20 @@ def peft_adapters(strategy: str | ZeroFabricStrategy, directory: str, world: int
     result = set_peft_model_state_dict(model.module, torch.load(path, weights_only=True))
     reloaded = _full(get_peft_model_state_dict(model.module))
     losses += train(range(4, 6))
+    # peft's merge_and_unload writes into the base weights: at stage 3 inside gathered_parameters(writeback=True)
+    merged_dir = os.path.join(directory, f"merged-{type(fabric.strategy).__name__}-{world}")
+    with fabric.strategy.gathered_parameters(model.module, writeback=True) if zero else nullcontext():  # type: ignore[attr-defined]
+        merged = model.module.merge_and_unload()
+    with fabric.strategy.full_state_dict() if zero else nullcontext():  # type: ignore[attr-defined]
+        merged.save_pretrained(merged_dir, is_main_process=fabric.global_rank == 0)
+    fabric.barrier()
     from safetensors.torch import load_file
 
     return {
         "losses": losses,
         "adapters": adapters,
         "pretrained": load_file(os.path.join(saved, "adapter_model.safetensors")),
+        "merged": load_file(os.path.join(merged_dir, "model.safetensors")),
         "reloaded": reloaded,
         "unexpected": list(result.unexpected_keys),
     }

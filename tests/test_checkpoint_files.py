@@ -4,6 +4,7 @@ errors for damaged or mismatched checkpoints, and the atomic commit (training-le
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import os
@@ -53,6 +54,13 @@ class Payload:
 
     def __reduce__(self):
         return (open, (str(self.marker), "w"))
+
+
+@dataclasses.dataclass
+class Settings:
+    """A user's class in a checkpoint: loads only once allow-listed."""
+
+    size: int
 
 
 def _mlp(hidden: int = 16) -> MLP:
@@ -145,6 +153,30 @@ def test_pickled_payload_in_lightning_state_is_refused(saved, tmp_path):
     with pytest.raises(CheckpointError, match="Refused to load"):
         consolidate_checkpoint(saved, tmp_path / "out.ckpt")
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("entry", "named"),
+    [(torch.utils.data.DataLoader(torch.arange(4)), "'loader' (a DataLoader)"), (lambda: 0, "'loader' (a function)")],
+)
+def test_a_state_that_would_not_load_back_is_refused_before_anything_is_written(entry, named, tmp_path):
+    """Note [a save that cannot load back]: a plain DataLoader pickles and then fails every weights_only load; a
+    lambda does not pickle at all. Both are refused by name before a file is written, and the previous checkpoint of
+    that name is left as it was; a class allow-listed where it is saved and loaded is saved and loads back."""
+    path = _save(_mlp(), tmp_path / "last.ckpt")
+    before = sorted(p.name for p in path.iterdir())
+    checkpoint = {"epoch": 2, "loader": entry, "state_dict": sharded_model_state(_mlp(), [])}
+    with pytest.raises(CheckpointError, match=re.escape(named) + ".*weights_only=True.*HINT: ") as refused:
+        save_sharded_checkpoint(checkpoint, path, None, {"world_size": 1, "stage": 2})
+    assert "Nothing was written" in str(refused.value)
+    assert sorted(p.name for p in path.iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no staged directory left
+    assert _load(_mlp(), path)["epoch"] == 1
+    checkpoint = {"epoch": 2, "loader": Settings(3), "state_dict": sharded_model_state(_mlp(), [])}
+    with torch.serialization.safe_globals([Settings]):
+        save_sharded_checkpoint(checkpoint, path, None, {"world_size": 1, "stage": 2})
+        loaded = _load(_mlp(), path)
+    assert (loaded["epoch"], loaded["loader"]) == (2, Settings(3))
 
 
 @pytest.mark.parametrize("where", ["whole file", "inside valid metadata"])

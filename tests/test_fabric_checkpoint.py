@@ -262,6 +262,38 @@ def test_a_corrupted_checkpoint_is_refused_as_the_trainer_refuses_it():
     assert any(re.search(r"\.distcp is corrupted", m) for m in messages), messages
 
 
+def _save_unloadable(root: str) -> dict[str, Any]:
+    fabric = _fabric(3, 2)
+    model, optimizer = _setup(fabric)
+    refused = {}
+    for name, entry in (("loader", torch.utils.data.DataLoader(torch.arange(8))), ("key", lambda: 0)):
+        try:  # LitGPT's pretraining script saves its train_dataloader this way
+            fabric.save(f"{root}/bad.ckpt", {"model": model, "optimizer": optimizer, name: entry})
+        except CheckpointError as error:
+            refused[name] = str(error)
+    fabric.save(f"{root}/good.ckpt", {"model": model, "optimizer": optimizer, "step": 1})  # the ranks still agree
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(f"{root}/good.ckpt", state)
+    return {"refused": refused, "bad": Path(root, "bad.ckpt").exists(), "step": state["step"]}
+
+
+@pytest.mark.timeout(120)
+def test_a_state_that_would_not_load_back_is_refused_on_every_rank_before_anything_is_written():
+    """Note [a save that cannot load back]: a DataLoader in the saved state pickles but fails every resume; a lambda
+    does not pickle, and failed on rank 0 alone after rank 1 had written its shards. Both are refused by name on
+    every rank, nothing is written, and the next save and load work."""
+    with tempfile.TemporaryDirectory() as root:
+        results = run_distributed(_save_unloadable, 2, root, init_process_group=False)
+    for result in results:
+        assert result["refused"].keys() == {"loader", "key"}, result
+        assert "'loader' (a DataLoader)" in result["refused"]["loader"]
+        assert "'key' (a function)" in result["refused"]["key"]
+        assert all("HINT: " in message for message in result["refused"].values())
+        assert not result["bad"]
+        assert result["step"] == 1
+    assert results[0]["refused"] == results[1]["refused"]
+
+
 # -- a one-file checkpoint of Fabric's DDP ----------------------------------------------------------------------------
 def _ddp_file_into_zero(root: str) -> dict[str, Any]:
     fabric = Fabric(strategy="ddp", accelerator="cpu", devices=2)

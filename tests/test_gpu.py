@@ -20,6 +20,7 @@ variables it sets.
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,7 +34,9 @@ import lightning_zero  # noqa: F401  (registers the presets)
 from lightning_zero import ZeroConfig, ZeroOptimizer, ZeroStrategy, expected_model_state_bytes, shard_module
 from lightning_zero.models.gpt import GPT, GPTConfig
 from lightning_zero.offload import host_copies
+from tests import host_tier_gradient_runs
 from tests.harness import run_distributed
+from tests.test_host_tier_gradients import check_fabric, check_trainer
 from tests.test_strategy import STEPS, ParityModule, _dataset, _full_weights
 from tests.test_teardown import TrackedModule, _sharded_state
 
@@ -279,6 +282,32 @@ def test_bf16_mixed_every_stage_and_host_tier_matches_ddp_on_one_gpu():
     for variant, run in zip([f"stage {s}" for s in (1, 2, 3)] + [str(t) for t in TIERED], runs, strict=True):
         assert run["dtypes"] == {"torch.bfloat16"}, variant  # ZeRO's bf16-mixed: bf16 parameters, fp32 masters
         assert_matches(run, reference, "bf16-mixed", variant)
+
+
+# -- `.grad` with the host tier: Note [gradients visible to hooks] in lightning_zero/engine/sharded_gradient.py ------
+# Not yet run on a GPU: on the CPU the same path runs with host_copies.FORCE_COPIES (tests/test_host_tier_gradients.py).
+def _host_tier_gradients_fabric(devices: int) -> dict[str, Any]:
+    variants = {f"zero{s}": (f"zero{s}", {"offload_optimizer": "cpu"}) for s in (2, 3)}
+    return host_tier_gradient_runs.fabric_runs("32-true", variants, accelerator="cuda", devices=devices)
+
+
+def _host_tier_gradients_trainer(devices: int) -> dict[str, Any]:
+    variants = {"zero3": {"stage": 3, "offload_optimizer": "cpu"}}
+    with tempfile.TemporaryDirectory() as root:
+        return host_tier_gradient_runs.trainer_runs(root, "32-true", variants, accelerator="gpu", devices=devices)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT)
+@pytest.mark.parametrize("world", WORLDS)
+def test_host_tier_gradients_read_between_backward_and_step_match_ddp_on_gpus(world):
+    """``.grad`` read from the device shards the host tier copies from, in a Fabric loop and in
+    ``on_before_optimizer_step``, against DDP on NCCL."""
+    fabric = run_distributed(_host_tier_gradients_fabric, world, world, init_process_group=False,
+                             timeout=RANKS_TIMEOUT)  # fmt: skip
+    check_fabric(fabric, ["zero2", "zero3"], "32-true", delayed=False)
+    trainer = run_distributed(_host_tier_gradients_trainer, world, world, init_process_group=False,
+                              timeout=RANKS_TIMEOUT)  # fmt: skip
+    check_trainer(trainer, "32-true", delayed=False)
 
 
 # Note: `torch.cuda._sleep` makes the compute stream (or the copy stream) busy for that many GPU cycles (about

@@ -40,11 +40,13 @@ def _train(
     parallel: str = "intra_op",
     late_from: int | None = None,
     one_group: bool = False,
+    dtype: torch.dtype = torch.float32,
+    clips: tuple[tuple[str, float], ...] = (("norm", 0.05),),
 ) -> dict[str, Any]:
     host_copies.FORCE_COPIES = copies
     try:
         torch.manual_seed(0)
-        model = _Net()
+        model = _Net(dtype)
         decay = [p for p in model.parameters() if p.ndim == 2]
         other = [p for p in model.parameters() if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0, "lr": 3e-3}]
@@ -56,14 +58,18 @@ def _train(
         zero = ZeroOptimizer(model, optimizer, dist.group.WORLD, config, tiers=tiers.for_optimizer() if tiers else None)
         for host_steps in tiers.host_steps if tiers else []:
             host_steps.parallel = parallel  # type: ignore[assignment]
-        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-        losses = []
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+        losses, norms = [], []
         for i in range(4):
             model.late = late_from is not None and i >= late_from
             loss = model(x).square().mean()
             loss.backward()
             losses.append(loss.item())
-            zero.clip_grad_norm_(0.05)
+            for kind, bound in clips:  # Note [clips in order]
+                if kind == "norm":
+                    norms.append(zero.clip_grad_norm_(bound).item())
+                else:
+                    zero.clip_grad_value_(bound)
             zero.step()
             zero.zero_grad()
         state = zero.state_dict()
@@ -76,24 +82,33 @@ def _train(
         if tiers is not None:
             tiers.close()
         return {"losses": losses, "weights": [p.detach().clone() for p in model.parameters()], "own": own,
-                "state": zero.state_dict()["state"]}  # fmt: skip
+                "state": zero.state_dict()["state"], "norms": norms}  # fmt: skip
     finally:
         host_copies.FORCE_COPIES = False
 
 
-def _parallel_runs() -> list[dict[str, Any]]:
+def _parallel_runs() -> list[list[dict[str, Any]]]:
     torch.set_num_threads(2)
-    return [_train(True, True, {}, torch.optim.AdamW, parallel) for parallel in ("intra_op", "buckets")]
+    runs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        runs.append([_train(True, True, {}, torch.optim.AdamW, p, dtype=dtype) for p in ("intra_op", "buckets")])
+    runs[1].append(_train(True, False, {}, torch.optim.AdamW, dtype=torch.bfloat16))  # no copies: no worker buffers
+    return runs
 
 
 @pytest.mark.timeout(60)
 def test_host_updates_on_a_worker_per_thread_step_bit_for_bit_as_on_one_worker():
-    """Note [host step threads]: ``parallel="buckets"`` steps whole buckets on several workers at once."""
-    for intra_op, buckets in run_distributed(_parallel_runs, 2):
-        assert buckets["own"] > 1  # several buckets, stepped by two workers
-        assert buckets["losses"] == intra_op["losses"]
-        for a, b in zip(buckets["weights"], intra_op["weights"], strict=True):
-            assert torch.equal(a, b)
+    """Note [host step threads]: ``parallel="buckets"`` steps whole buckets on several workers at once; in bf16-mixed
+    each worker converts gradients in its own buffer and rounds the masters into staging, bit for bit as the step
+    without the copy path."""
+    for per_dtype in run_distributed(_parallel_runs, 2):
+        for intra_op, *others in per_dtype:
+            for other in others:
+                assert other["own"] > 1  # several buckets, stepped by two workers
+                assert other["losses"] == intra_op["losses"]
+                for a, b in zip(other["weights"], intra_op["weights"], strict=True):
+                    assert a.dtype == b.dtype
+                    assert torch.equal(a, b)
 
 
 def _all(cases: list[tuple[dict[str, Any], type[torch.optim.Optimizer]]]) -> list[list[dict[str, Any]]]:
@@ -118,6 +133,31 @@ def test_host_adam_steps_bit_for_bit_as_torchs_fused_adamw_and_adam_with_its_sta
                 for name, value in entries.items():
                     assert value.dtype == run["state"][i][name].dtype, (label, name)
                     assert torch.equal(run["state"][i][name], value), (label, i, name)
+
+
+def _clipped_runs() -> list[list[dict[str, Any]]]:
+    clips = (("norm", 0.05), ("value", 0.001), ("norm", 0.02))  # each clip binds: the clamp cuts the largest
+    runs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        modes = ((False, False), (True, False), (True, True))  # without tiers; the host tier; its copy path
+        runs.append([_train(t, c, {}, torch.optim.AdamW, dtype=dtype, clips=clips) for t, c in modes])
+    return runs
+
+
+@pytest.mark.timeout(60)
+def test_clips_taken_one_after_another_act_on_tiered_gradients_in_order_bit_for_bit_as_without_tiers():
+    """Note [clips in order]: a norm clip, a value clip and a second norm clip before each step measure and cut
+    what the clips before them left, on the host tier as without tiers (fp32 and bf16 parameters)."""
+    (found,) = run_distributed(_clipped_runs, 1, timeout=50)
+    for untiered, *tiered in found:
+        assert len(untiered["norms"]) == 8
+        assert untiered["norms"][1] <= 0.05 * (1 + 1e-5)  # the second clip measures what the first left
+        for run in tiered:
+            assert run["own"] > 0
+            assert run["norms"] == untiered["norms"]
+            assert run["losses"] == untiered["losses"]
+            for mine, theirs in zip(run["weights"], untiered["weights"], strict=True):
+                assert torch.equal(mine, theirs)
 
 
 def _late_runs() -> list[tuple[list[dict[str, Any]], list[tuple[int, int]]]]:

@@ -91,3 +91,35 @@ def test_litgpt_full_finetuning_script_matches_ddp(tmp_path):
         zero_weights = torch.load(full, weights_only=True)["state_dict"]
         ddp_weights = torch.load(tmp_path / "ddp" / name / "lit_model.pth", weights_only=True)["model"]
         _assert_same({name: ddp_weights}, {name: zero_weights}, 1e-5)
+
+
+def _pretrain(strategy, out, iterations, resume):
+    return run_distributed(
+        litgpt_runs.run_pretrain, 2, strategy, str(out), iterations, resume, init_process_group=False, timeout=400.0
+    )
+
+
+@pytest.mark.slow
+def test_litgpt_pretrain_script_matches_ddp_and_resumes(tmp_path):
+    """``pretrain.py``: the model built under ``init_module(empty_init=True)`` and initialized by the script's own
+    ``reset_parameters`` overrides, tied embeddings, ``torch.compile``, ``fabric.save`` of the whole state (its
+    loader included) every 2 steps, then ``resume="auto"`` from the last of them; the losses, and the final weights
+    consolidated into DDP's layout, are DDP's."""
+    from lightning_zero.cli.consolidate import consolidate_checkpoint
+
+    runs = {}
+    for strategy in ("ddp", "zero3"):
+        first = _pretrain(strategy, tmp_path / strategy, 12, resume=False)
+        resumed = _pretrain(strategy, tmp_path / strategy, 16, resume=True)
+        for result in resumed:  # from the save at iteration 12: its iterations 14 and 16 are logged
+            assert [m["iter"] for m in result["metrics"] if "iter" in m] == [14.0, 16.0], result
+        runs[strategy] = [a["metrics"] + b["metrics"] for a, b in zip(first, resumed, strict=True)]
+    for d, z in zip(runs["ddp"], runs["zero3"], strict=True):
+        assert [m.keys() for m in z] == [m.keys() for m in d]
+        for dm, zm in zip(d, z, strict=True):
+            for key, value in dm.items():
+                assert zm[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, dm, zm)
+    full = consolidate_checkpoint(tmp_path / "zero3" / "final" / "lit_model.pth", tmp_path / "final.ckpt")
+    zero_weights = torch.load(full, weights_only=True)["state_dict"]
+    ddp_weights = torch.load(tmp_path / "ddp" / "final" / "lit_model.pth", weights_only=True)["model"]
+    _assert_same({"final": ddp_weights}, {"final": zero_weights}, 1e-5)

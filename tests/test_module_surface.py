@@ -125,6 +125,10 @@ def test_peft_saves_and_loads_its_adapters_through_the_stage3_model_as_under_ddp
         for key, value in d["adapters"].items():
             torch.testing.assert_close(z["adapters"][key], value, rtol=1e-5, atol=1e-6, msg=key)
             torch.testing.assert_close(z["reloaded"][key], z["adapters"][key], rtol=0, atol=0, msg=key)
+        assert z["merged"].keys() == d["merged"].keys()
+        assert not any("lora" in key for key in d["merged"]), list(d["merged"])
+        for key, value in d["merged"].items():  # merge_and_unload in gathered_parameters(writeback=True)
+            torch.testing.assert_close(z["merged"][key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 @pytest.mark.slow

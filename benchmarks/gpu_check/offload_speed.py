@@ -6,7 +6,8 @@ parameter of host memory and 8 of disk, under ``OUT/moments``), exact; each at b
 per run the median step time, tokens/s, the losses, the host's RSS, and the split of a steady step:
 
 - ``gpu_s``: forward and backward on the device (CUDA events on the compute stream, batch start to the step);
-- ``host_adam_s``: the host tier's own updates (``HostSteps.busy_s``, the worker's time in the fused kernel);
+- ``host_adam_s``: the host tier's own updates (``HostSteps.busy_s``, the worker's time in its bucket tasks: the
+  gradient's conversion, the fused kernel, the rounding into staging, Note [host step threads]);
 - ``copies_bytes``: bytes the host tier copied to the host and to the device in the step;
 - ``exposed_s``: the step's wall time less the larger of ``gpu_s`` and ``host_adam_s``: what neither hides;
 - ``disk_bytes``: bytes of the tier files read and written in the step (the moments).

@@ -67,7 +67,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from lightning_zero.checkpoint.files import refuse_replacing_other_files
+from lightning_zero.checkpoint.files import refuse_replacing_other_files, refuse_unloadable_state
 from lightning_zero.checkpoint.format import FlatChunk, Toc
 from lightning_zero.checkpoint.sharded_checkpoint import prepare_save, write_save
 from lightning_zero.checkpoint.storage import locate
@@ -248,6 +248,7 @@ class AsyncSaver:
         group = self._group
         rank = 0 if group is None else group.rank()
         tensors, toc = prepare_save(checkpoint, rank, averaged, masters_of)
+        refuse_unloadable_state(checkpoint, path, group)  # Note [a save that cannot load back]
         snapshot = self._staging.snapshot(tensors)
         if self._staging.shared and self._process is None:  # its imports run while the thread plans the save
             self._process = WriterProcess()

@@ -11,6 +11,18 @@ with ``weights_only=False``; we never write those and ``SafeLoadPlanner`` refuse
 
 The local commit itself (Note [atomic commit]) is ``local_commit.py``'s.
 
+Note [a save that cannot load back]
+Lightning's own state (loops, callbacks, hyper-parameters, and under Fabric whatever the user's state dictionary
+holds besides models and optimizers) is pickled into ``lightning_state.pt``, which every load reads with
+``weights_only=True``. An object outside torch's allow-list (a ``DataLoader`` passed in ``fabric.save``'s state, as
+LitGPT's pretraining script does with a plain loader, a custom class) pickles without complaint and then makes every
+resume fail; one that does not pickle at all (a lambda) used to fail on rank 0 alone, after the other ranks had
+written their shards, leaving them to wait in the commit's barrier. So before any rank writes anything, rank 0 saves
+that state into memory and loads it back exactly as a resume would, and every rank raises the same error if that
+fails, naming the entry. It costs one pickle round trip of that state per save (its ``lightning_state.pt`` is 7 KB
+for a Trainer with ``ModelCheckpoint``, ``EarlyStopping`` and a scheduler); the model's and the optimizer's tensors are
+in DCP's files, not in it.
+
 Note [what a save may replace]
 Lightning's ``save_checkpoint`` overwrites what is at its path: a ``.ckpt`` file, and under FSDP a sharded checkpoint
 directory (its full save deletes one). Here every save replaces its path as a whole (the commit exchanges
@@ -264,6 +276,50 @@ def refuse_replacing_other_files(target: Location, process_group: dist.ProcessGr
         dist.broadcast_object_list(refusal, src=dist.get_global_rank(process_group, 0), group=process_group)
     if refusal[0] is not None:
         raise IsADirectoryError(refusal[0])
+
+
+def refuse_unloadable_state(state: Mapping[str, Any], target: object, process_group: dist.ProcessGroup | None) -> None:
+    """Collective, before anything is written: raise ``CheckpointError`` on every rank if rank 0's ``state`` (what
+    ``lightning_state.pt`` will hold) could not be pickled or would not load back as every load reads it,
+    with ``weights_only=True`` (Note [a save that cannot load back])."""
+    rank = 0 if process_group is None else process_group.rank()
+    refusal: list[str | None] = [None]
+    if rank == 0:
+        refusal[0] = _unloadable(state, target)
+    if process_group is not None and process_group.size() > 1:
+        dist.broadcast_object_list(refusal, src=dist.get_global_rank(process_group, 0), group=process_group)
+    if refusal[0] is not None:
+        raise CheckpointError(refusal[0])
+
+
+def _round_trip_error(obj: object) -> Exception | None:
+    buffer = io.BytesIO()
+    try:
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        torch.load(buffer, map_location="cpu", weights_only=True)  # exactly as load_lightning_state reads it
+    except Exception as error:
+        return error
+    return None
+
+
+def _unloadable(state: Mapping[str, Any], target: object) -> str | None:
+    error = _round_trip_error(dict(state))
+    if error is None:
+        return None
+    # Name the entry: only on this failure path is each one tried alone.
+    key = next((k for k, v in state.items() if _round_trip_error({k: v}) is not None), None)
+    what = "the state" if key is None else f"the entry {key!r} (a {type(state[key]).__name__})"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    # torch's weights_only message is a page long; its "WeightsUnpickler error: ..." line names the class.
+    reason = next((line for line in lines if "Unpickler error" in line), lines[0] if lines else "")
+    return (
+        f"Cannot save checkpoint {target}: {what} would not load back, as checkpoints load with weights_only=True "
+        f"({type(error).__name__}: {reason}). Nothing was written. HINT: save plain values, tensors or the object's "
+        "`state_dict()` instead (an object with `state_dict` and `load_state_dict` methods is saved and restored "
+        "that way), leave it out of the saved state, or allow-list a class you trust with "
+        "`torch.serialization.add_safe_globals([...])` in the runs that save and load."
+    )
 
 
 def stage_save(target: Location) -> Location:

@@ -44,6 +44,7 @@ from lightning_zero.checkpoint.files import (
     commit_save,
     load_lightning_state,
     refuse_replacing_other_files,
+    refuse_unloadable_state,
     stage_save,
 )
 from lightning_zero.checkpoint.format import (
@@ -165,6 +166,7 @@ def save_sharded_checkpoint(
     refuse_replacing_other_files(target, process_group)  # Note [what a save may replace]
     rank = 0 if process_group is None else process_group.rank()
     tensors, toc = prepare_save(checkpoint, rank, averaged, masters_of)
+    refuse_unloadable_state(checkpoint, target, process_group)  # Note [a save that cannot load back]
     write_save(checkpoint, tensors, toc, path, process_group, saved_with)
 
 

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.comm.collectives import all_reduce_sum
+from lightning_zero.engine.sharded_gradient import gradients_on_disk, segment_gradient
 from lightning_zero.sharding.activation_checkpointing import parameter_names
 from lightning_zero.sharding.gradient_reducer import BucketState
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
@@ -91,15 +92,16 @@ def grad_norm(
             for slot, param in enumerate(bucket.params):
                 if id(param) in trainable and optimizer.presence.used(bucket, slot):
                     has_grad.add(id(param))
-        for segment, master in zip(optimizer.segments, optimizer.masters, strict=True):
-            if master.grad is not None:
-                pieces.setdefault(id(segment.bucket.params[segment.slot]), []).append(master.grad)
-            elif optimizer.tiers is not None and optimizer.tiers.holds_gradient(segment.bucket):
-                raise NotImplementedError(
-                    "lightning_zero.grad_norm cannot read gradients kept in a memory tier "
-                    "(ZeroConfig.offload_optimizer): they stay there until the step. HINT: log the total norm "
-                    "`Trainer(gradient_clip_val=...)` clips by, or measure without offload_optimizer."
-                )
+        if gradients_on_disk(optimizer):
+            raise NotImplementedError(
+                "lightning_zero.grad_norm cannot read gradients kept on disk (stage 3 with ZeroConfig."
+                "offload_optimizer='disk', Note [gradients on disk]): they stay there until the step. HINT: log the "
+                "total norm `Trainer(gradient_clip_val=...)` clips by, or measure with offload_optimizer='cpu'."
+            )
+        for i, segment in enumerate(optimizer.segments):
+            grad = segment_gradient(optimizer, i)  # the host tier's: its device shard (Note [host tier data path])
+            if grad is not None:
+                pieces.setdefault(id(segment.bucket.params[segment.slot]), []).append(grad)
     names = parameter_names(module)  # the unwrapped model's names: Note [checkpoint wrappers keep the names]
     named = [(names[id(p)], p) for p in module.parameters() if id(p) in has_grad]
     if not named:

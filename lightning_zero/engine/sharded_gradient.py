@@ -17,7 +17,11 @@ every rank must read the same gradients in the same order. A front door may fini
 (``GradientReads.before_read``: Fabric, Note [gradients between backward and step]) and may let ``zero_()`` record a
 ``zero_grad(set_to_none=False)`` (``GradientReads.records_zeroing``), after which the gradient reads as zeros with no
 collective, as DDP's zeroed ``.grad`` does. Objects are made once per optimizer and set again at every step: what
-they read, this rank's pieces of the reduced gradient, is looked up when an operation runs.
+they read, this rank's pieces of the reduced gradient, is looked up when an operation runs (``segment_gradient``):
+the masters' ``.grad``, or where the host tier keeps the masters in host memory (Note [host tier data path] in
+``offload/host_copies.py``) the device shards it copies them from, which stay until the step, unscaled and clipped
+as the step will read them. Stage 3's gradients on disk (Note [gradients on disk]) are not in memory before the
+step; no front door shows them.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torch import Tensor, nn
 
 from lightning_zero.comm.collectives import all_reduce_sum
 from lightning_zero.compat import make_wrapper_subclass, tree_map
+from lightning_zero.offload.optimizer_tiers import OptimizerTiers
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
@@ -74,8 +79,7 @@ class ShardedGradient(Tensor):
 
     def pieces(self) -> list[tuple[int, Tensor]]:
         """``(offset, values)``: this rank's part of the averaged gradient at flat ``[offset, offset + numel)``."""
-        masters = self._optimizer.masters
-        return [(offset, g) for offset, i in self._refs if (g := masters[i].grad) is not None]
+        return [(offset, g) for offset, i in self._refs if (g := segment_gradient(self._optimizer, i)) is not None]
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -166,6 +170,31 @@ def _norms(grads: list[ShardedGradient], order: float) -> list[Tensor]:
         optimizer.ledger.record(all_reduce_sum(partial, optimizer.group)).wait()
         partial = partial ** (1.0 / order)
     return [partial[k].to(grad.dtype) for k, grad in enumerate(grads)]
+
+
+def segment_gradient(optimizer: ZeroOptimizer, i: int) -> Tensor | None:
+    """Segment ``i``'s averaged gradient as the step will read it, once reduced (Note [gradients visible to hooks]):
+    its master's ``.grad``; where the host tier keeps the masters, the device shard it copies them from (Note [host
+    tier data path]), unscaled and clipped as the step will read it, to be read only. None: the segment got no
+    gradient on any rank, or it is on disk until the step (Note [gradients on disk])."""
+    tiers = optimizer.tiers
+    segment = optimizer.segments[i]
+    if not isinstance(tiers, OptimizerTiers) or not tiers.gradients.holds(segment.bucket):
+        return optimizer.masters[i].grad
+    # A tiered master's `.grad` is the tier's (a delayed update may still read the last step's): never shown.
+    if not optimizer.segment_used[i] or not tiers.gradients.on_device(segment.bucket):
+        return None
+    shard = optimizer.reducer.grad_shard(segment.bucket)[segment.start : segment.stop]
+    return tiers.gradients.as_read(shard, optimizer.masters[i].dtype)
+
+
+def gradients_on_disk(optimizer: ZeroOptimizer) -> bool:
+    """Whether some of the optimizer's reduced gradients are on disk until the step (Note [gradients on disk]):
+    not in memory, so not shown."""
+    tiers = optimizer.tiers
+    if not isinstance(tiers, OptimizerTiers):
+        return False
+    return any(tiers.gradients.holds(b) and not tiers.gradients.on_device(b) for b in optimizer.buckets)
 
 
 def sharded_gradients(

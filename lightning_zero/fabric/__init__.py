@@ -9,8 +9,10 @@
 - ``module``: ``ZeroForwardModule``, what ``setup_module`` returns, so that Fabric routes marked methods through the
   model's call; the guard against saving stage-3 placeholders.
 - ``backward_sync``: ``fabric.no_backward_sync``, accumulation through the reducers' ``no_sync``.
-- ``checkpoint``: ``fabric.save``/``load``/``load_raw`` in the Trainer's sharded directory format, or one file
-  (``state_dict_type="full"``); ``checkpoint_layout``: where each object of a state goes, what each load takes.
+- ``gradient_clipping``: ``fabric.clip_gradients`` over the shards, with the ``.grad`` the loop was shown kept.
+- ``checkpoint``: ``fabric.save``/``load`` in the Trainer's sharded directory format, or one file
+  (``state_dict_type="full"``); ``checkpoint_layout``: where each object of a state goes, what each load takes;
+  ``raw_loads``: ``fabric.load_raw``, one object from a raw file, and the frozen-base state every load keeps.
 - ``optimizer_steps``: each set-up optimizer's step count, which ends the delayed update's warm-up (saved with it).
 - ``async_saves``: ``async_save`` in a Fabric loop, waited for by the next save, a load, teardown and the process's end.
 

@@ -1,6 +1,6 @@
-"""Fabric's ``save``/``load``/``load_raw`` in the Trainer's sharded checkpoint format (``lightning_zero.checkpoint``):
-where each object goes and what each load takes is ``checkpoint_layout.py``'s (Note [Fabric state in the Trainer's
-format]); this file writes and reads it.
+"""Fabric's ``save``/``load`` in the Trainer's sharded checkpoint format (``lightning_zero.checkpoint``): where each
+object goes and what each load takes is ``checkpoint_layout.py``'s (Note [Fabric state in the Trainer's format]); this
+file writes and reads it (``load_raw``, one object from a raw file, is ``raw_loads.py``'s).
 
 ``ZeroConfig.state_dict_type="full"`` writes instead one file as Fabric's DDP (and FSDP's full state dict) does
 (Note [one-file Fabric checkpoints]); ``exclude_frozen_parameters=True`` leaves the frozen parameters out and records
@@ -26,16 +26,13 @@ checkpoint (a DDP Trainer's) has the ``state_dict`` layout and goes through ``lo
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from os import PathLike
 from typing import Any, Protocol
 
-import torch.distributed as dist
 from torch.nn import Module
 
 from lightning_zero.checkpoint.files import CheckpointError, load_lightning_state
-from lightning_zero.checkpoint.frozen import FROZEN_KEY, frozen_keys, frozen_record, source_path
+from lightning_zero.checkpoint.frozen import FROZEN_KEY, frozen_keys, frozen_record
 from lightning_zero.checkpoint.full_save import save_full_checkpoint
-from lightning_zero.checkpoint.full_weights import load_pretrained
 from lightning_zero.checkpoint.pretrained import is_pretrained_source
 from lightning_zero.checkpoint.sections import prefixed, prefixed_optimizer_state, read_checkpoint_state
 from lightning_zero.checkpoint.sharded_checkpoint import (
@@ -59,39 +56,32 @@ from lightning_zero.fabric.checkpoint_layout import (
     save_layout,
     saved_contents,
 )
-from lightning_zero.fabric.models import SetUpModel, SetUpModels
 from lightning_zero.fabric.module import refuse_released_parameters
 from lightning_zero.fabric.optimizer_steps import STEPS_KEY, TRAINER_STEPS_KEY, OptimizerSteps
-from lightning_zero.offload.memory_tiers import MemoryTiers
+from lightning_zero.fabric.raw_loads import (
+    CheckpointPath,
+    LoadingStrategy,
+    load_pretrained_weights,
+    note_frozen_source,
+    unloaded_meta,
+)
 
-CheckpointPath = str | PathLike[str]
-"""A checkpoint's location: a local path or an fsspec URL."""
 
-
-class CheckpointingStrategy(Protocol):
+class CheckpointingStrategy(LoadingStrategy, Protocol):
     """What these functions use of ``ZeroFabricStrategy`` (``strategy.py``, which calls them)."""
-
-    pretrained_source: str | None
-    """Set by a load of pretrained weights or of a checkpoint that left the frozen base out."""
 
     @property
     def config(self) -> ZeroConfig: ...
     @property
-    def models(self) -> SetUpModels: ...
-    @property
     def optimizer_steps(self) -> OptimizerSteps: ...
     @property
     def saves(self) -> FabricSaves: ...
-    @property
-    def _tiers(self) -> MemoryTiers | None: ...
     @property
     def _module(self) -> Module | None: ...
     @property
     def built_on_meta(self) -> bool: ...
     @property
     def world_size(self) -> int: ...
-    @property
-    def process_group(self) -> dist.ProcessGroup: ...
 
 
 # -- save ------------------------------------------------------------------------------------------------------------
@@ -242,7 +232,7 @@ def load_fabric_checkpoint(
         saved = saved_contents(None, contents["state_dict"].keys(), len(optimizer_states), others.keys())
         counts, trainer_step = None, contents.get(TRAINER_STEPS_KEY)
     elif is_pretrained_source(location):  # weights only, as for the Trainer's `fit(ckpt_path=hf_dir)`
-        return _load_pretrained(strategy, path, state, strict)
+        return load_pretrained_weights(strategy, path, state, strict)
     else:
         lightning_state, toc = read_checkpoint_state(path, strategy.process_group)
         record = lightning_state.get(FABRIC_NAMES)
@@ -264,10 +254,10 @@ def load_fabric_checkpoint(
             strict=strict,
             gatherer=model.gatherer,
             tiers=strategy._tiers,
-            built_on_meta=_unloaded_meta(strategy, model),
+            built_on_meta=unloaded_meta(strategy, model),
             section=section,
         )
-        _note_frozen_source(strategy, loaded)
+        note_frozen_source(strategy, loaded)
         chosen = zip(model.optimizers, section.optimizers, strict=True)  # Note [delayed update in a Fabric loop]
         loaded_optimizers = [(o, saved.optimizers[i]) for o, i in chosen if i is not None]
         strategy.optimizer_steps.restore(loaded_optimizers, counts, trainer_step)
@@ -315,94 +305,10 @@ def _load_one_file(
             strict=strict and module_name is not None,
             gatherer=model.gatherer,
             tiers=strategy._tiers,
-            built_on_meta=_unloaded_meta(strategy, model),
+            built_on_meta=unloaded_meta(strategy, model),
         )
-        _note_frozen_source(strategy, full_state)
+        note_frozen_source(strategy, full_state)
         loaded = [(zero, name) for zero, name in zip(model.optimizers, optimizer_names, strict=True) if name]
         strategy.optimizer_steps.restore(loaded, counts)
         restored += [n for n in (module_name, *optimizer_names) if n is not None]
     return restore_others(contents, state, restored, strict)
-
-
-def _load_pretrained(
-    strategy: CheckpointingStrategy, path: CheckpointPath, state: dict[str, Any], strict: bool
-) -> dict[str, Any]:
-    models = [m for m in (strategy.models.of(o) for o in state.values()) if m is not None]
-    if len(models) != 1 or len(state) != 1:
-        raise CheckpointError(
-            f"{path} holds pretrained weights of one model, and `state` holds {list(state)}. HINT: "
-            "`fabric.load_raw(path, model)`, or `fabric.load(path, {'model': model})`."
-        )
-    load_raw(strategy, path, models[0].module, strict)
-    return {}
-
-
-def _unloaded_meta(strategy: CheckpointingStrategy, model: SetUpModel) -> bool:
-    """Built on meta and only initialized: nothing loaded into it yet."""
-    return model.built_on_meta and strategy.pretrained_source is None
-
-
-def _note_frozen_source(strategy: CheckpointingStrategy, loaded: dict[str, Any]) -> None:
-    """A checkpoint whose frozen base came from a pretrained source: so did this run's, and its saves say so."""
-    frozen = loaded.get(FROZEN_KEY)
-    if isinstance(frozen, dict) and frozen.get("source") is not None:
-        strategy.pretrained_source = frozen["source"]
-
-
-def load_raw(strategy: CheckpointingStrategy, path: CheckpointPath, obj: Any, strict: bool) -> None:
-    """``fabric.load_raw(path, obj)``. A set-up model takes a full state-dict file (``torch.save(model.state_dict())``,
-    or a Lightning checkpoint, a ``.safetensors`` file or a Hugging Face directory), streamed into its shards
-    (``load_full_state_dict``), or a sharded directory's weights; a set-up optimizer takes a torch optimizer's
-    ``state_dict()`` file, by parameter position as DDP's does; anything not set up loads the file as under Fabric's
-    DDP."""
-    location = locate(path)
-    model = strategy.models.of(obj)
-    zero = strategy.models.optimizer(obj)
-    if model is None and zero is None:
-        if _is_directory(path):
-            raise CheckpointError(
-                f"{path} is a directory, and `fabric.load_raw` got a {type(obj).__name__} that was not set up, which "
-                "loads one file. HINT: load a sharded checkpoint into set-up objects, `fabric.load(path, state)`."
-            )
-        contents = load_lightning_state(location, mmap=True)
-        if isinstance(obj, Module):
-            obj.load_state_dict(contents, strict=strict)
-        else:
-            obj.load_state_dict(contents)
-        return
-    if zero is not None:
-        owner = strategy.models.model_of(zero)
-        optimizer_states = [load_lightning_state(location) if o is zero else None for o in owner.optimizers]
-        full_state = {"state_dict": {}, "optimizer_states": optimizer_states}
-        load_full_checkpoint(
-            full_state, location, owner.module, owner.optimizers, load_optimizer=True, strict=False,
-            gatherer=owner.gatherer, tiers=strategy._tiers, built_on_meta=False,
-        )  # fmt: skip
-        return
-    assert model is not None
-    if _is_directory(path) and not is_pretrained_source(location):  # a sharded checkpoint, not a HF directory
-        loaded = load_checkpoint(
-            path,
-            model.module,
-            model.optimizers,
-            strategy.process_group,
-            load_optimizer=False,
-            strict=strict,
-            gatherer=model.gatherer,
-            tiers=strategy._tiers,
-            built_on_meta=_unloaded_meta(strategy, model),
-        )
-        _note_frozen_source(strategy, loaded)
-        return
-    # A torch.save file, a .safetensors file or a Hugging Face directory: its keys under the prefix that names the
-    # model's entries (found, e.g. none for the model itself), each rank reading only its ranges.
-    load_pretrained(model.module, path, model.optimizers, model.gatherer, prefix=None, strict=strict,
-                    tiers=strategy._tiers)  # fmt: skip
-    # The frozen base came from here: checkpoints that leave it out record it (Note [frozen base restored from its
-    # source]).
-    strategy.pretrained_source = source_path(path)
-
-
-def _is_directory(path: CheckpointPath) -> bool:
-    location = locate(path)
-    return location.exists() and not location.isfile()

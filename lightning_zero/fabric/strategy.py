@@ -15,12 +15,13 @@ Thin glue, in the order a Fabric loop calls it:
   ``fabric.setup_module`` then ``fabric.setup_optimizers`` both work, at every stage: sharding keeps the parameter
   objects, Note [placeholders] in ``sharding/flat_bucket.py``).
 - ``backward`` (``ZeroFabricPrecision``), ``no_backward_sync``, ``clip_gradients_norm``/``_value``: the
-  ``ZeroOptimizer``'s reduction, accumulation and clipping over shards, as the Trainer's strategy uses them; between
-  a backward and the step ``.grad`` shows the averaged gradients (Note [gradients between backward and step] in
-  ``fabric/visible_gradients.py``).
-- ``save_checkpoint``/``load_checkpoint``: the Trainer's sharded directory (``fabric/checkpoint.py``), written in the
-  background with ``async_save`` (``fabric/async_saves.py``). ``optimizer_step`` counts each optimizer's steps, which
-  end the delayed update's warm-up (``fabric/optimizer_steps.py``).
+  ``ZeroOptimizer``'s reduction, accumulation and clipping over shards (``fabric/gradient_clipping.py``), as the
+  Trainer's strategy uses them; between a backward and the step ``.grad`` shows the averaged gradients (Note
+  [gradients between backward and step] in ``fabric/visible_gradients.py``).
+- ``save_checkpoint``/``load_checkpoint``: the Trainer's sharded directory (``fabric/checkpoint.py``; ``load_raw`` in
+  ``fabric/raw_loads.py``), written in the background with ``async_save`` (``fabric/async_saves.py``).
+  ``optimizer_step`` counts each optimizer's steps, which end the delayed update's warm-up
+  (``fabric/optimizer_steps.py``).
 
 Everything both front doors do to the engine is in ``lightning_zero.engine``, below both.
 """
@@ -57,7 +58,6 @@ from lightning_zero.engine.model_sharding import (
     serving,
     stage3_init_context,
 )
-from lightning_zero.engine.optimizer_wrapping import as_zero_optimizer
 from lightning_zero.engine.precision import to_zero_precision
 from lightning_zero.engine.presets import StartMethod, register_presets
 from lightning_zero.engine.rank_layout import world_group
@@ -66,16 +66,16 @@ from lightning_zero.engine.tier_setup import build_memory_tiers, close_memory_ti
 from lightning_zero.fabric.async_saves import FabricSaves
 from lightning_zero.fabric.backward_sync import ZeroBackwardSyncControl
 from lightning_zero.fabric.checkpoint import (
-    CheckpointPath,
     load_fabric_checkpoint,
-    load_raw,
     refuse_unrestorable_frozen_base,
     save_fabric_checkpoint,
 )
+from lightning_zero.fabric.gradient_clipping import clip_by_norm, clip_by_value
 from lightning_zero.fabric.models import SetUpModel, SetUpModels, refuse_auto, set_up_model, set_up_optimizer
 from lightning_zero.fabric.module import full_tensors
 from lightning_zero.fabric.optimizer_steps import OptimizerSteps
 from lightning_zero.fabric.precision import ZeroFabricPrecision
+from lightning_zero.fabric.raw_loads import CheckpointPath, load_raw
 from lightning_zero.fabric.visible_gradients import LoopGradients
 from lightning_zero.fabric.zero_grad import apply_zero_grad, engine_call, mark, watched
 from lightning_zero.offload.memory_tiers import MemoryTiers
@@ -319,7 +319,7 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         with serving(m.gatherer for m in self.models):
             super().barrier(*args, **kwargs)
 
-    # -- clipping over shards (Note [reduced gradients live in the optimizer] in trainer/precision.py) -------------
+    # -- clipping over shards (fabric/gradient_clipping.py) -----------------------------------------------------------
     @override
     def clip_gradients_norm(
         self,
@@ -329,23 +329,11 @@ class ZeroFabricStrategy(DDPStrategy, FabricSharded):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
-        zero = as_zero_optimizer(optimizer)
-        # Note [model.zero_grad() reaches the shards] in fabric/zero_grad.py
-        with engine_call(self.models), self._loop_gradients.kept():
-            norm = zero.clip_grad_norm_(float(max_norm), float(norm_type))
-        # A step that overflowed under loss scaling is skipped by every rank: its norm is expected to be infinite.
-        if error_if_nonfinite and not zero._found_inf and not bool(torch.isfinite(norm)):
-            raise RuntimeError(
-                f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
-                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
-                "set `error_if_nonfinite=False`"
-            )
-        return norm
+        return clip_by_norm(self.models, self._loop_gradients, optimizer, max_norm, norm_type, error_if_nonfinite)
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        with engine_call(self.models), self._loop_gradients.kept():
-            as_zero_optimizer(optimizer).clip_grad_value_(float(clip_val))
+        clip_by_value(self.models, self._loop_gradients, optimizer, clip_val)
 
     # -- checkpoints: the Trainer's sharded directory (fabric/checkpoint.py) -----------------------------------------
     @override

@@ -30,8 +30,9 @@ refused. Before each backward every ``.grad`` shown gets back what ZeRO had ther
 Inside ``fabric.no_backward_sync`` nothing is reduced yet, so nothing is shown: stage 1 keeps its full gradient buffers
 with ``.grad`` views of them, this rank's local partial sum, as DDP's ``.grad`` inside ``no_sync``; stages 2 and 3
 keep None (or a marker), as FSDP2's sharded parameters keep their ``.grad`` while it accumulates unsharded gradients.
-Gradients kept in a memory tier (on disk, Note [gradients on disk]; in host memory on an accelerator, Note [host tier
-data path]) are not in the device's memory before the step: none are shown, with a warning once. The cost is one
+The host tier's gradients (Note [host tier data path]) are shown from the device shards it copies to host memory,
+which stay until the step, as the step will read them (unscaled, clipped); stage 3's gradients on disk (Note
+[gradients on disk]) are not in memory before the step: none are shown, with a warning once. The cost is one
 Python assignment per parameter per synchronizing backward and per step (a few microseconds per tensor:
 ``benchmarks/visible_gradients.py``), plus the collectives of what the loop reads.
 """
@@ -47,7 +48,12 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_zero.comm.collectives import all_reduce_sum
-from lightning_zero.engine.sharded_gradient import GradientReads, ShardedGradient, sharded_gradients
+from lightning_zero.engine.sharded_gradient import (
+    GradientReads,
+    ShardedGradient,
+    gradients_on_disk,
+    sharded_gradients,
+)
 from lightning_zero.fabric.models import SetUpModels
 from lightning_zero.fabric.zero_grad import engine_call
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
@@ -83,7 +89,7 @@ class LoopGradients(GradientReads):
             for optimizer in model.optimizers:
                 if id(optimizer) in self._live:
                     continue
-                if optimizer.tiers is not None and any(optimizer.tiers.holds_gradient(b) for b in optimizer.buckets):
+                if gradients_on_disk(optimizer):
                     self._warn_once()  # Note [gradients on disk]
                     continue
                 watched = {id(p) for p in model.watched.get(id(optimizer), [])}
@@ -199,8 +205,8 @@ class LoopGradients(GradientReads):
         if not self._warned:
             self._warned = True
             rank_zero_warn(
-                "The gradients are kept in a memory tier until the optimizer step (on disk with ZeroConfig."
-                "offload_optimizer='disk', Note [gradients on disk]; in host memory with offload_optimizer='cpu' on "
-                "an accelerator), so between `fabric.backward` and the step no `.grad` is shown. HINT: log the total "
-                "norm `fabric.clip_gradients(...)` returns, or measure without offload_optimizer."
+                "The gradients are kept on disk until the optimizer step (stage 3 with ZeroConfig.offload_optimizer="
+                "'disk', Note [gradients on disk]), so between `fabric.backward` and the step no `.grad` is shown. "
+                "HINT: log the total norm `fabric.clip_gradients(...)` returns, or measure with "
+                "offload_optimizer='cpu' (the host tier), whose gradients are shown."
             )

@@ -108,11 +108,12 @@ class GradientMarker(Tensor):
             return args[0]
         raise RuntimeError(
             f"{func} on the `.grad` of a parameter set up by ZeroFabricStrategy where no gradient is shown: inside "
-            "`fabric.no_backward_sync` (this rank's unreduced gradients, held by ZeRO at stages 2 and 3) or after "
-            "the step consumed them. `.grad` only marks that `zero_grad()` has not been called since (Note "
-            "[model.zero_grad() reaches the shards] in lightning_zero/fabric/zero_grad.py). HINT: read gradients "
-            "after a `fabric.backward` outside `no_backward_sync` and before the step (Note [gradients between "
-            "backward and step]); `fabric.clip_gradients(...)` returns their total norm."
+            "`fabric.no_backward_sync` (this rank's unreduced gradients, held by ZeRO at stages 2 and 3), after "
+            "the step consumed them, or at stage 3 with offload_optimizer='disk' (the gradients are on disk until "
+            "the step, Note [gradients on disk]). `.grad` only marks that `zero_grad()` has not been called since "
+            "(Note [model.zero_grad() reaches the shards] in lightning_zero/fabric/zero_grad.py). HINT: read "
+            "gradients after a `fabric.backward` outside `no_backward_sync` and before the step (Note [gradients "
+            "between backward and step]); `fabric.clip_gradients(...)` returns their total norm."
         )
 
 

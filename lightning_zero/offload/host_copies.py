@@ -13,8 +13,10 @@ the device is not the host (CUDA), this is the data path (``host_tier.py`` for t
   that first waits for the compute stream, so the copy overlaps the rest of backward. The step waits for that copy's
   event on the host before it reads the gradients; a device shard is kept referenced until then;
 - **the step** runs bucket by bucket on the host masters, with torch's fused CPU kernels (Adam, AdamW, SGD,
-  Adagrad) or else the multi-tensor ones, unless the optimizer asks otherwise (Note [tier step kernels]);
-  clipping reads the host gradients for its norm and applies the coefficient as the step reads them;
+  Adagrad) or else the multi-tensor ones, unless the optimizer asks otherwise (Note [tier step kernels]); for
+  Adam and AdamW on a worker thread, with the gradient's conversion, unscaling and clipping before it and the
+  rounding after it (Note [host step threads]); clipping takes its norm on the device shards the host copies
+  are taken from, and applies the coefficient as the step reads the gradients;
 - **parameters up**: after a bucket is stepped its masters are rounded into the staging buffer and copied
   host-to-device into the parameter shard on the side stream; the compute stream waits for that event (not the
   host), so the all-gather that follows (stages 1 and 2), or stage 3's next gather, reads the updated shard;

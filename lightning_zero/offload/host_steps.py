@@ -1,16 +1,26 @@
 """``HostSteps``: when and on which thread the tiers' own bucket steps (``HostAdam``) run: exact or delayed.
 
 Note [host step threads]
-A bucket ``HostAdam`` covers is prepared on the training thread (its gradients loaded, unscaled and clipped, its
-hyperparameters read) and its update runs on a worker thread, while the training thread loads the next bucket and
-publishes the previous one (rounds its masters into the parameter shard, issues the upload and the all-gather). So
-the step of bucket k overlaps the copies of buckets k-1 and k+1; on a GPU those copies are DMA on the copy streams
-and the training thread only issues and orders them. The update itself runs on torch's intra-op threads (the fused
-kernel splits each tensor across them) by default; ``parallel="buckets"`` runs one worker per thread instead,
-each stepping whole buckets on one intra-op thread (the same kernel per bucket: bit for bit the same result). The
-two are measured against each other in ``benchmarks/host_step.py`` (``tier``, ``tier_buckets``; figures in
-``benchmarks/README.md``). The workers take the intra-op thread count of the thread that built the tiers
-(``torch.get_num_threads()``).
+What runs where in a step of the buckets ``HostAdam`` covers. The training thread, per bucket: waits for the
+gradient's copy to the host (issued in the backward, as the bucket's reduction completed), adopts edits where the
+edit check found some, points the masters' ``.grad`` at the buffers the worker will fill, reads the
+hyperparameters (``HostAdam.prepare``) and submits one task; then it publishes the previous bucket: waits for its
+task, issues the upload of its staging buffer into the parameter shard, digests the shard (Note [edits reach the
+masters]) and issues its all-gather. The worker's task for a bucket does every per-element pass of the bucket's
+step, in order: the gradient's conversion to the masters' dtype (bf16 to fp32, into one buffer per worker reused
+by every bucket it steps: ``HostTier.converted``), unscaling and clipping (``TieredGradients.set_on_masters``), the
+update (torch's fused kernel), and the rounding of the updated masters into the staging buffer
+(``HostTier.rounding``). So the update of bucket k and the passes around it overlap the training thread's publication
+of bucket k-1 and loading of bucket k+1; on a GPU the copies are DMA on the copy streams and the training thread
+only issues and orders them, and the clipping norm is taken on the device shards (``TieredGradients.norms``), so
+no pass over host memory is left on the training thread. Each pass is the one the training thread ran before, on
+the same elements, so the result is bit for bit the same. The update itself runs on torch's intra-op threads (the
+fused kernel splits each tensor across them) by default; ``parallel="buckets"`` runs one worker per thread
+instead, each stepping whole buckets on one intra-op thread (the same kernel per bucket: bit for bit the same
+result), the buckets assigned in turn (``slot``), so each worker's buffers are its own. The two are measured
+against each other in ``benchmarks/host_step.py`` (``tier``, ``tier_buckets``), the training thread's share in
+``benchmarks/host_path.py`` (figures in ``benchmarks/README.md``). The workers take the intra-op thread count
+``threads`` (by default that of the thread that built the tiers).
 
 Note [delayed parameter update]
 ``ZeroConfig.offload_overlap="delayed"`` is ZeRO-Offload's one-step delayed parameter update: after
@@ -39,6 +49,17 @@ import torch
 from lightning_zero.sharding.state_tiers import TierStep
 
 
+def chained(*parts: Callable[[], None] | None) -> Callable[[], None]:
+    """One worker task running ``parts`` (None: skipped) one after the other."""
+    steps = [p for p in parts if p is not None]
+
+    def run() -> None:
+        for step in steps:
+            step()
+
+    return run
+
+
 class HostSteps:
     """Runs the tiers' own bucket updates on one worker thread; ``delayed_after``: the ``global_step`` from which
     updates are deferred (None: exact)."""
@@ -55,17 +76,34 @@ class HostSteps:
         """The host's threads for the updates (Note [host step threads]); read when the worker starts (``close()``
         stops it: the next update starts it again)."""
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pools: list[ThreadPoolExecutor] = []
+        self._submitted = 0
         self._started: dict[int, Future[None]] = {}
         self._deferred: set[int] = set()
         self.busy_s = 0.0
-        """Seconds the worker has spent in updates so far (the GPU check's split of a step)."""
+        """Seconds the workers have spent in bucket tasks so far: the updates and the per-element passes around them
+        (Note [host step threads]; the GPU check's split of a step)."""
+
+    @property
+    def workers(self) -> int:
+        """Worker threads the updates are spread over (Note [host step threads])."""
+        return self.threads if self.parallel == "buckets" else 1
+
+    def slot(self) -> int:
+        """The worker the next update ``start`` submits will run on: it has that worker's scratch buffers to itself
+        (updates run one at a time on each worker, in the order they were started)."""
+        return self._submitted % (len(self._pools) or self.workers)
 
     def _worker(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            workers, threads = (self.threads, 1) if self.parallel == "buckets" else (1, self.threads)
-            self._pool = ThreadPoolExecutor(workers, "host-step", initializer=lambda: torch.set_num_threads(threads))
-        return self._pool
+        if not self._pools:
+            threads = 1 if self.parallel == "buckets" else self.threads
+            self._pools = [
+                ThreadPoolExecutor(1, f"host-step-{k}", initializer=lambda: torch.set_num_threads(threads))
+                for k in range(self.workers)
+            ]
+        pool = self._pools[self.slot()]
+        self._submitted += 1
+        return pool
 
     @property
     def delays(self) -> bool:
@@ -105,8 +143,9 @@ class HostSteps:
 
     def close(self) -> None:
         """Stop the worker after what it runs (an error there no longer matters: the run is over)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        for pool in self._pools:
+            pool.shutdown(wait=True)
+        self._pools = []
+        self._submitted = 0
         self._started.clear()
         self._deferred.clear()

@@ -9,13 +9,13 @@ written.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from lightning_zero.offload.host_arena import HostArena
+from lightning_zero.offload.host_arena import HostArena, huge_pages
 from lightning_zero.offload.host_copies import Copy, CopyStream
 from lightning_zero.offload.tensor_swapper import TensorSwapper
 from lightning_zero.sharding.flat_bucket import FlatBucket
@@ -44,6 +44,8 @@ class _HostBucket:
     """(hi - lo,) parameter-dtype host buffer the updated low-precision parameters are uploaded from: the gradient
     buffer's bytes (dead once the bucket is stepped) where they fit, else its own."""
     uploads: list[Copy] = field(default_factory=list)
+    rounded: bool = False
+    """Whether the worker rounds the masters into ``staging`` after this step's update (``rounding``)."""
 
 
 class HostTier:
@@ -58,6 +60,10 @@ class HostTier:
         """Every host buffer of the tier, at its exact size (Note [pinned bytes])."""
         self._buckets: dict[int, _HostBucket] = {}
         self._scratch: dict[torch.dtype, Tensor] = {}
+        self._converted: dict[tuple[int, torch.dtype], Tensor] = {}
+        self.scratch_bytes = 0
+        """Bytes of the workers' buffers for converted gradients (``converted``): one largest bucket per worker,
+        where the conversion before them allocated one per bucket stepped; not counted in ``nbytes``."""
         self.bytes_to_host = 0
         """Bytes copied from the device so far: gradients, and parameters read for edits."""
         self.bytes_to_device = 0
@@ -152,19 +158,39 @@ class HostTier:
                 if edited.any():  # host memory: no device wait. Edits are rare; the masters are then left alone
                     torch.where(edited, current, part, out=part)
 
+    def rounding(self, bucket: FlatBucket) -> Callable[[], None] | None:
+        """The rounding of the bucket's masters into its staging buffer, for the worker to run right after the
+        bucket's update (Note [host step threads]); ``write_back`` then only uploads. None: the masters are in the
+        parameter dtype (uploaded as they are)."""
+        host = self._buckets[id(bucket)]
+        if host.master.dtype == bucket.dtype:
+            return None
+        staging = self._staging(host)  # chosen here: the arena is the training thread's
+        pairs = [(staging[a - host.lo : b - host.lo], host.master[a - host.lo : b - host.lo]) for a, b in host.runs]
+        host.rounded = True
+
+        def run() -> None:
+            for values, master in pairs:
+                values.copy_(master)
+
+        return run
+
     def write_back(self, bucket: FlatBucket) -> None:
-        """After the bucket's step: its masters (rounded to the parameter dtype) into the parameter shard, on the
-        device (the compute stream waits for the copy) or in the host store."""
+        """After the bucket's step: its masters (rounded to the parameter dtype, here unless the worker did:
+        ``rounding``) into the parameter shard, on the device (the compute stream waits for the copy) or in the
+        host store."""
         host = self._buckets[id(bucket)]
         for a, b in host.runs:
             master = host.master[a - host.lo : b - host.lo]
             values = master
             if master.dtype != bucket.dtype:
                 values = self._staging(host)[a - host.lo : b - host.lo]
-                values.copy_(master)
+                if not host.rounded:
+                    values.copy_(master)
             upload = self._write_shard(host, a, values)
             if upload is not None:
                 host.uploads.append(upload)
+        host.rounded = False
 
     def close(self) -> None:
         """Every copy is done and the host buffers are unpinned (the tier's end)."""
@@ -196,6 +222,17 @@ class HostTier:
         if host.staging is None:
             host.staging = self.arena.empty(numel, dtype)
         return host.staging
+
+    def converted(self, slot: int, numel: int, dtype: torch.dtype) -> Tensor:
+        """``numel`` elements of worker ``slot``'s buffer for a bucket's gradients converted to the masters'
+        ``dtype`` (Note [host step threads]): one per worker, of the largest bucket's size, reused by every bucket
+        that worker steps (the worker runs one update at a time)."""
+        if (slot, dtype) not in self._converted:  # never copied to the device: not pinned, not in the arena
+            largest = max(h.hi - h.lo for h in self._buckets.values())
+            self._converted[slot, dtype] = torch.empty(largest, dtype=dtype)
+            huge_pages(self._converted[slot, dtype])  # Note [huge pages]: before the first write
+            self.scratch_bytes += largest * dtype.itemsize
+        return self._converted[slot, dtype][:numel]
 
     def _edit_scratch(self, dtype: torch.dtype) -> Tensor:
         if dtype not in self._scratch:

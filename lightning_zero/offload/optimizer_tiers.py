@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,7 +31,7 @@ from torch.autograd.graph import increment_version
 from lightning_zero.offload.host_adam import MOMENT_NAMES, HostAdam, choose_step_kernels
 from lightning_zero.offload.host_arena import huge_pages
 from lightning_zero.offload.host_moments import DiskMoments
-from lightning_zero.offload.host_steps import HostSteps
+from lightning_zero.offload.host_steps import HostSteps, chained
 from lightning_zero.offload.host_tier import HostTier
 from lightning_zero.offload.tensor_swapper import TensorSwapper
 from lightning_zero.offload.tiered_gradients import TieredGradients
@@ -58,6 +59,8 @@ class _Chunk:
         self.segments = segments
         self.loaded: list[Hashable] = []
         self.grad_loaded = False
+        self.fill: Callable[[], None] | None = None
+        """The worker's per-element work on the loaded gradients (``TieredGradients.set_on_masters``)."""
         self.stepping = False
         """Whether ``loaded`` was loaded for the step (Note [tier step kernels]: what it changes is marked)."""
 
@@ -200,8 +203,12 @@ class OptimizerTiers:
         if self._adam is None or self.host_steps is None or id(bucket) not in self._own:
             return TierStep.GENERIC
         opt = self._opt
-        groups = [s.group for s in opt.segments]
-        return self.host_steps.start(id(bucket), self._adam.prepare(id(bucket), opt.masters, groups))
+        update = self._adam.prepare(id(bucket), opt.masters, [s.group for s in opt.segments])
+        chunk = self._chunks.get(id(bucket), _Chunk([]))
+        if update is not None and self.host is not None and bucket in self.host:  # Note [host step threads]
+            update = chained(chunk.fill, update, self.host.rounding(bucket))
+        chunk.fill = None
+        return self.host_steps.start(id(bucket), update)
 
     def finish_step(self, bucket: FlatBucket) -> None:
         if self.host_steps is not None:
@@ -253,7 +260,9 @@ class OptimizerTiers:
             if step:  # outside a step (an EMA update) the host masters are all there is to load
                 if self._opt.edits.edited(bucket):
                     self.host.adopt_edits(bucket)
-                self.gradients.set_on_masters(chunk.segments, *self.gradients.shard(bucket))
+                slot = self.host_steps.slot() if self.host_steps is not None and id(bucket) in self._own else None
+                scratch = None if slot is None else partial(self.host.converted, slot)  # Note [host step threads]
+                chunk.fill = self.gradients.set_on_masters(chunk.segments, *self.gradients.shard(bucket), scratch)
                 chunk.grad_loaded = True
             return
         if chunk is None or self.swapper is None:

@@ -7,8 +7,9 @@ Each parameter that has a gradient (DDP's ``.grad is not None``, Note [unused pa
 of Note [no partial gradients]), and only when the LightningModule or a callback overrides
 ``on_before_optimizer_step``: a run whose hooks cannot read them pays nothing, one that overrides the hook one Python
 object per parameter per step, plus the collectives of what it reads. The hooks run on every rank, so every rank
-reads the same gradients. Gradients held in a memory tier on disk are not in memory before the step (Note [gradients
-on disk]); those stay None, with a warning the first time, naming ``lightning_zero.grad_norm``'s limits.
+reads the same gradients. The host tier's gradients are shown from the device shards it copies from (Note [host
+tier data path]). Stage 3's gradients on disk are not in memory before the step (Note [gradients on disk]); those stay
+None, with a warning the first time, naming ``lightning_zero.grad_norm``'s limits.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from lightning_zero.engine.sharded_gradient import GradientReads, ShardedGradient, sharded_gradients
+from lightning_zero.engine.sharded_gradient import (
+    GradientReads,
+    ShardedGradient,
+    gradients_on_disk,
+    sharded_gradients,
+)
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.sharded_optimizer import ZeroOptimizer
 
@@ -51,7 +57,7 @@ class VisibleGradients:
         key = tuple(id(o) for o in ready)
         if key not in self._made:
             self._made = {key: sharded_gradients(ready, _HookReads())}  # the optimizers of this fit: built once
-        if any(o.tiers is not None and any(m.grad is None for m in o.masters) for o in ready):
+        if any(gradients_on_disk(o) for o in ready):
             self._warn_once()  # Note [gradients on disk]: not in memory before the step
             return
         for param, bucket, slot, grad in self._made[key]:
@@ -68,10 +74,11 @@ class VisibleGradients:
         if not self._warned:
             self._warned = True
             rank_zero_warn(
-                "The gradients are kept in a memory tier on disk until the optimizer step (ZeroConfig."
+                "The gradients are kept on disk until the optimizer step (stage 3 with ZeroConfig."
                 "offload_optimizer='disk', Note [gradients on disk]), so `on_before_optimizer_step` hooks find "
                 "every `.grad` None. HINT: log the total norm `Trainer(gradient_clip_val=...)` clips by, or measure "
-                "without offload_optimizer='disk'; `lightning_zero.grad_norm` refuses these gradients too."
+                "with offload_optimizer='cpu' (the host tier), whose gradients are shown; `lightning_zero.grad_norm` "
+                "refuses gradients on disk too."
             )
 
 
