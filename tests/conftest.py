@@ -19,6 +19,17 @@ _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from tests import harness  # noqa: E402  (needs the path above)
+
+# What nearly every rank of the suite imports, imported once by the harness's forkserver instead of in each rank.
+harness.PRELOAD += [
+    "lightning_zero",
+    "omegaconf",  # Lightning imports it in every checkpoint save (``dump_checkpoint``)
+    "s3fs",  # ... and this in every ``ModelCheckpoint.setup`` (``_is_object_storage``), where it is installed
+    "transformers.modeling_utils",  # the Hugging Face models and peft adapters of the parity tests
+    "peft",
+]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", default=False, help="also run tests marked @pytest.mark.slow")

@@ -13,6 +13,11 @@ Design notes (why, not what):
       forkserver, preload torch             N=2: 1.4 s   N=4: 3.1 s
       forkserver, preload torch+lightning   N=2: 0.03 s  N=4: 0.04 s  (one-off ~2.6 s server start per session)
 
+  Under pytest the server also preloads what nearly every rank of the suite imports later (``PRELOAD``, extended
+  in ``tests/conftest.py``): ``lightning_zero`` itself, the modules Lightning imports lazily in every Trainer that
+  saves a checkpoint (``omegaconf``, ``s3fs`` where installed), the Hugging Face and peft modeling stacks of the
+  parity tests. Each is seconds per rank on a loaded machine, paid once per session instead.
+
   ``__main__`` is deliberately not preloaded, and ranks never re-run the pytest session (Lightning's own launcher
   re-executes the whole command line): multiprocessing at most imports the ``__main__``-guarded ``pytest`` script
   as ``__mp_main__`` (and nothing for ``python -m pytest``). Caveat: env vars read when torch is *imported* (e.g.
@@ -65,10 +70,16 @@ class DistributedTestError(RuntimeError):
         super().__init__(headline + details)
 
 
+PRELOAD = ["torch", "lightning"]
+"""What the forkserver imports once, before it forks any rank (a name not installed is skipped). The test suite adds
+what nearly every one of its ranks imports (``tests/conftest.py``); a program using the harness alone (the GPU check)
+keeps the server's start short. Changes take effect only before the server's first start."""
+
+
 def _context() -> mp.context.ForkServerContext:
     ctx = mp.get_context("forkserver")
     # Only takes effect before the server's first start; harmless afterwards.
-    ctx.set_forkserver_preload(["torch", "lightning"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
@@ -164,6 +175,7 @@ def run_distributed(
     collective_timeout: float = 30.0,
     init_process_group: bool = True,
     env: Mapping[str, str] | None = None,
+    grace: float = _GRACE_PERIOD,
 ) -> list[T]:
     """Run fn(*args) on world_size gloo processes on localhost; return each rank's return value, in rank order.
 
@@ -171,7 +183,9 @@ def run_distributed(
     the whole group (wall clock, seconds); ``collective_timeout`` is the process group timeout and is unused when
     ``init_process_group=False`` (then code in ``fn``, e.g. a Lightning Trainer, creates the group from the
     MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK/... env vars set here). Raises ``DistributedTestError``
-    naming every failed, dead or hung rank with its traceback or stack dump.
+    naming every failed, dead or hung rank with its traceback or stack dump. ``grace``: after the first failure,
+    how long the other ranks get to report their own (a test that expects every rank to fail, each through its own
+    slow path such as a teardown waiting for a process, gives them longer).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -209,7 +223,7 @@ def run_distributed(
                 procs[rank].start()
                 writer.close()  # so the reader sees EOF once the rank is gone
                 conns[rank] = reader
-            results, failures, pending = _collect(procs, conns, deadline)
+            results, failures, pending = _collect(procs, conns, deadline, grace)
         finally:
             stacks = _shutdown(procs, pending, stack_dir)
             for c in conns.values():
@@ -218,7 +232,7 @@ def run_distributed(
         return [results[r] for r in range(world_size)]
     failed = ", ".join(str(r) for r in sorted(failures))
     reason = (
-        f"still running {_GRACE_PERIOD:g} s after rank(s) {failed} failed; killed"
+        f"still running {grace:g} s after rank(s) {failed} failed; killed"
         if failures
         else f"did not finish within timeout={timeout:g} s; killed"
     )
@@ -229,7 +243,7 @@ def run_distributed(
 
 
 def _collect(
-    procs: Mapping[int, BaseProcess], conns: Mapping[int, mpc.Connection], deadline: float
+    procs: Mapping[int, BaseProcess], conns: Mapping[int, mpc.Connection], deadline: float, grace: float
 ) -> tuple[dict[int, Any], dict[int, str], list[int]]:
     """Wait for every rank's report; return (results, failures in arrival order, ranks still running)."""
     results: dict[int, Any] = {}
@@ -259,7 +273,7 @@ def _collect(
                 failures[rank] = "return value could not be unpickled in the parent:\n" + traceback.format_exc()
         if failures:
             # Others may be stuck in a collective with the failed rank: give them a moment to fail on their own.
-            deadline = min(deadline, time.monotonic() + _GRACE_PERIOD)
+            deadline = min(deadline, time.monotonic() + grace)
     return results, failures, sorted(pending)
 
 

@@ -45,11 +45,12 @@ def _run(strategy: str | dict[str, Any], root: str, precision: str, **kwargs: An
 
 
 def tiers_in_precision(
-    root: str, precision: str, stages: list[int], variants: dict[str, dict[str, Any]]
+    root: str, precision: str, stages: list[int], variants: dict[str, dict[str, Any]], ddp: bool = True
 ) -> dict[str, dict[str, Any]]:
-    """DDP, ZeRO without tiers at each of ``stages``, and every variant (``copies``: the host tier's copy path
-    forced), all in ``precision`` with clipping and accumulation."""
-    runs = {"ddp": _run("ddp", root, precision)}
+    """DDP (unless ``ddp`` is False: the caller has it from another stage's run), ZeRO without tiers at each of
+    ``stages``, and every variant (``copies``: the host tier's copy path forced), all in ``precision`` with clipping
+    and accumulation."""
+    runs = {"ddp": _run("ddp", root, precision)} if ddp else {}
     for stage in stages:
         runs[f"stage{stage}"] = _run({"stage": stage}, root, precision)
         # The kernels the optimizer's tiers choose (Note [tier step kernels]), chosen by the user here.

@@ -174,7 +174,7 @@ def _lose_the_writer(root: str) -> None:
 def test_a_lost_writer_process_fails_the_save_on_every_rank_and_commits_nothing():
     with tempfile.TemporaryDirectory() as root:
         with pytest.raises(DistributedTestError) as failed:
-            run_distributed(_lose_the_writer, 2, root, init_process_group=False, timeout=90)
+            run_distributed(_lose_the_writer, 2, root, init_process_group=False, timeout=90, grace=30)
         assert sorted(failed.value.failures) == [0, 1]
         assert all("Saving checkpoint" in failure for failure in failed.value.failures.values()), failed.value.failures
         assert "writer process exited" in failed.value.failures[0]

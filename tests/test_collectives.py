@@ -14,6 +14,7 @@ from lightning_zero.comm.buffer_pool import BufferPool
 from lightning_zero.comm.collectives import (
     NATIVE_COLLECTIVES_ENV,
     all_gather,
+    native_collectives,
     receive_buffer_numel,
     reduce_scatter,
     reduce_scatter_pieces,
@@ -39,16 +40,22 @@ def _reduce_scatter(dtype_name: str, with_scratch: bool, in_place: bool) -> bool
     for chunk in chunks[1:]:
         in_order.add_(chunk)
     output = mine[rank * SHARD : (rank + 1) * SHARD] if in_place else torch.full((SHARD,), float("nan"), dtype=dtype)
+    native = native_collectives()  # the whole session's mode (Note [native collectives])
     spare = receive_buffer_numel(output, mine, dist.group.WORLD)
-    assert spare == (world - 1 if in_place else world - 2) * SHARD  # none at all for two ranks, out of place
+    if native:  # one call into torch, which needs no receive buffer of ours
+        assert spare == 0
+    else:
+        assert spare == (world - 1 if in_place else world - 2) * SHARD  # none at all for two ranks, out of place
     scratch = torch.full((spare,), float("nan"), dtype=dtype) if with_scratch and spare else None
     pending = reduce_scatter(output, mine, dist.group.WORLD, scratch=scratch)
     assert pending.bytes_sent == (world - 1) * SHARD * mine.element_size()
+    if native:
+        assert [send.op for send in pending.sends] == ["reduce_scatter_single"], pending.sends
     pending.wait()
     tolerance = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(output.float(), expected, rtol=tolerance, atol=tolerance)
-    if dtype != torch.float16:  # fp16 is divided before the sum (Note [when to average])
-        assert torch.equal(output, in_order.div_(world))
+    if dtype != torch.float16 and not native:  # fp16 is divided before the sum (Note [when to average])
+        assert torch.equal(output, in_order.div_(world))  # gloo's own order; the native op sums in its own
     return True
 
 
@@ -98,6 +105,11 @@ def _pieces_against_flat(dtype_name: str) -> bool:
     return True
 
 
+@pytest.mark.skipif(
+    native_collectives(),
+    reason="reduce_scatter_pieces is gloo's pairwise form only; the native branch reduces a flat staged bucket "
+    "(takes_pieces is False), and its reduce-scatter sums in an order of its own",
+)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
@@ -139,6 +151,19 @@ def _all_gather(in_place: bool) -> bool:
 @pytest.mark.parametrize("in_place", [True, False])
 def test_all_gather_puts_every_shard_in_rank_order(world_size, in_place):
     assert all(run_distributed(_all_gather, world_size, in_place))
+
+
+def _every_case() -> bool:
+    for dtype_name, in_place in itertools.product(("float32", "bfloat16", "float16"), (False, True)):
+        _reduce_scatter(dtype_name, False, in_place)
+    return all(_all_gather(in_place) for in_place in (False, True))
+
+
+@pytest.mark.timeout(120)
+def test_the_native_branch_averages_and_gathers_every_case_on_four_ranks():
+    # The cases above take the session's mode (gloo's forms by default); NCCL's branch gets them all in one launch,
+    # in place (stage 1's reduction into its own chunk) and fp16's divide-first included (Note [native collectives]).
+    assert all(run_distributed(_every_case, 4, env={NATIVE_COLLECTIVES_ENV: "1"}))
 
 
 def test_buffer_pool_reuses_buffers_within_size_classes():

@@ -103,7 +103,7 @@ def test_a_failed_async_write_fails_on_every_rank_and_commits_nothing(tmp_path):
     """The writer process killed after the first save: the second fails on both ranks, raised by the teardown that
     waits for it, and only the first is in the directory."""
     with pytest.raises(DistributedTestError) as failed:
-        run_distributed(runs.lose_the_writer, 2, str(tmp_path), init_process_group=False, timeout=90)
+        run_distributed(runs.lose_the_writer, 2, str(tmp_path), init_process_group=False, timeout=90, grace=30)
     assert sorted(failed.value.failures) == [0, 1]
     for failure in failed.value.failures.values():
         assert "step-4 failed: OSError: the checkpoint writer process exited" in failure

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import pytest
@@ -44,9 +45,13 @@ def test_the_switch_accepts_on_and_off_and_names_itself_otherwise(monkeypatch):
         native_collectives()
 
 
-def _which_forms() -> dict[str, bool]:
-    group = dist.group.WORLD
-    return {device: takes_pieces(torch.device(device), group) for device in ("cpu", "cuda", "meta")}
+def _which_forms() -> dict[str, dict[str, bool]]:
+    """Per value of the switch (read at each call), whether each device's tensors take gloo's pairwise forms."""
+    group, forms = dist.group.WORLD, {}
+    for value in ("0", "1"):
+        os.environ[NATIVE_COLLECTIVES_ENV] = value  # this rank's process only
+        forms[value] = {device: takes_pieces(torch.device(device), group) for device in ("cpu", "cuda", "meta")}
+    return forms
 
 
 @pytest.mark.timeout(60)
@@ -54,7 +59,8 @@ def test_gloo_takes_its_pairwise_forms_for_host_tensors_only():
     # Gloo's isend/irecv hands a CUDA tensor's pointer to the socket and aborts the rank (Note [native
     # collectives]): ranks sharing a GPU over gloo must take the native forms, even without the switch.
     for forms in run_distributed(_which_forms, 2, timeout=30):
-        assert forms == {"cpu": True, "cuda": False, "meta": False}, forms
+        assert forms["0"] == {"cpu": True, "cuda": False, "meta": False}, forms
+        assert forms["1"] == {"cpu": False, "cuda": False, "meta": False}, forms  # the switch: never pairwise
 
 
 def _train_stages(stages: tuple[int, ...], old_torch: bool = False) -> dict[int, dict[str, Any]]:

@@ -156,8 +156,10 @@ def test_stage1_accumulation_communicates_only_on_the_last_micro_batch():
 
 @pytest.mark.timeout(240)
 def test_spawn_launcher_trains_and_returns_weights_to_the_main_process():
-    """Lightning's own multiprocessing launcher ("zero2_spawn"): no harness, results come back to this process."""
-    reference = fit("ddp_spawn", "mlp", "sgd")
+    """Lightning's own multiprocessing launcher ("zero2_spawn"): no harness, results come back to this process.
+    The DDP reference trains in the harness's ranks (forks of a preloaded server): the launcher under test is ZeRO's,
+    and a second spawn would only import torch and Lightning twice more."""
+    reference = run_distributed(fit, 2, "ddp", "mlp", "sgd", init_process_group=False)[0]
     fresh_rendezvous_port()
     sharded = fit("zero2_spawn", "mlp", "sgd")
     # The launcher returns rank 0's weights to the main process (losses stay in the children).

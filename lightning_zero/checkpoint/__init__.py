@@ -12,6 +12,7 @@
 - ``frozen``: ``exclude_frozen_parameters``: adapter-sized checkpoints, the frozen base restored from its source.
 - ``sections``: several models in one checkpoint, each under its name; a model loaded from its section.
 - ``full_save``: ``state_dict_type="full"``: one ``torch.save`` file as DDP writes it, streamed from the shards.
+- ``archive_records``: ``ArchiveRecords``, the storage records of that file's archive and the pickler naming them.
 - ``pretrained``: pretrained weights as input: safetensors files, Hugging Face directories, keys matched to the model.
 - ``module_state``: a stage-3 model's own ``state_dict()`` and ``load_state_dict()``, true for code we did not write.
 - ``model_entries``: what ``on_save_checkpoint`` hooks see of the model, and what a save writes of what they left.

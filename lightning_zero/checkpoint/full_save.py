@@ -5,17 +5,17 @@ FSDP's ``state_dict_type="full"``).
 Note [full checkpoint streamed]
 A ``torch.save`` file is a zip archive: the pickled object, in which each tensor names a storage record, and then one
 record per storage; loading needs nothing else. So rank 0 pickles Lightning's checkpoint dictionary first, with a
-reference (``_Record``) for each full parameter and element-wise optimizer state that no rank holds whole (every rank
-makes the same references). Then, bucket by bucket and parameter by parameter, in the same order on every rank, each
-rank stages its shard of the bucket (its parameter values or, where the run keeps them, its fp32 masters; then each
-optimizer state) and sends rank 0 the range it holds of each parameter; rank 0 puts the parameter together, appends it
-as its record and lets it go. A rank holds one staged shard of a bucket beyond its own state, and rank 0 one
-parameter more (a parameter lies inside a stage-3 unit), never the model. Tensors every rank holds
-(buffers, frozen parameters at stages 1 and 2, 0-d optimizer state such as Adam's ``step``, Lightning's own) are
-written by rank 0 from memory. Low-precision floating tensors are written in fp32, as ``consolidate`` does (the fp32
-masters' exact values where the run keeps them). Rank 0 writes into a hidden sibling and commits it under the final
-name (Note [atomic commit]); if writing fails there, rank 0 still takes part in every gather and every rank raises the
-error at the end, so nothing hangs and nothing is committed.
+reference (a ``Record``, ``archive_records.py``) for each full parameter and element-wise optimizer state that no rank
+holds whole (every rank makes the same references). Then, bucket by bucket and parameter by parameter, in the same order
+on every rank, each rank stages its shard of the bucket (its parameter values or, where the run keeps them, its fp32
+masters; then each optimizer state) and sends rank 0 the range it holds of each parameter; rank 0 puts the parameter
+together, appends it as its record and lets it go. A rank holds one staged shard of a bucket beyond its own state, and
+rank 0 one parameter more (a parameter lies inside a stage-3 unit), never the model. Tensors every rank holds (buffers,
+frozen parameters at stages 1 and 2, 0-d optimizer state such as Adam's ``step``, Lightning's own) are written by rank 0
+from memory. Low-precision floating tensors are written in fp32, as ``consolidate`` does (the fp32 masters' exact values
+where the run keeps them). Rank 0 writes into a hidden sibling and commits it under the final name
+(Note [atomic commit]); if writing fails there, rank 0 still takes part in every gather and every rank raises the error
+at the end, so nothing hangs and nothing is committed.
 
 Note [full checkpoint on NCCL]
 Where a shard is staged and sent depends on what the group carries: NCCL has no host backend (a host tensor sent over
@@ -31,108 +31,27 @@ of the job and the host network for every byte of the model.
 
 from __future__ import annotations
 
-import collections
 import io
 import os
-import pickle
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from os import PathLike
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_zero.checkpoint.archive_records import ArchiveRecords, DeferredTensor, RecordPickler, written_dtype
 from lightning_zero.checkpoint.files import CheckpointError, refuse_replacing_other_files, refuse_unloadable_state
 from lightning_zero.checkpoint.format import FlatChunk
 from lightning_zero.checkpoint.local_commit import commit, partial_sibling, remove_stale_siblings
 from lightning_zero.checkpoint.slices import OwnedSlice, owned_parameter_slices
 from lightning_zero.checkpoint.storage import locate
 from lightning_zero.checkpoint.tiered import Span, TierStorage
-from lightning_zero.compat import open_torch_save_archive, rebuild_tensor, storage_type
+from lightning_zero.compat import open_torch_save_archive
 from lightning_zero.sharding.activation_checkpointing import parameter_names
 from lightning_zero.sharding.flat_bucket import FlatBucket
 from lightning_zero.sharding.sharded_optimizer import ShardedParameters, ZeroOptimizer
-
-_PICKLE_PROTOCOL = 2  # torch.save's default
-
-
-class _Record(NamedTuple):
-    """A storage record of the archive (``data/<key>``): ``numel`` elements of ``dtype``."""
-
-    key: str
-    dtype: torch.dtype
-    numel: int
-
-
-class _Deferred:
-    """A full tensor of the file whose data is gathered from the shards after the pickle (Note [full checkpoint
-    streamed]); pickled as ``torch.save`` pickles a contiguous tensor."""
-
-    def __init__(self, record: _Record, shape: torch.Size) -> None:
-        self.record = record
-        self.shape = shape
-
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        stride = torch.empty(self.shape, device="meta").stride()
-        return rebuild_tensor, (self.record, 0, tuple(self.shape), stride, False, collections.OrderedDict())
-
-
-class _Pickler(pickle.Pickler):
-    """torch.save's pickler: storages as persistent ids; in-memory tensors become records written from memory."""
-
-    def __init__(self, stream: io.BytesIO, records: _Records) -> None:
-        super().__init__(stream, protocol=_PICKLE_PROTOCOL)
-        self.records = records
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, _Record):
-            return ("storage", storage_type(obj.dtype), obj.key, "cpu", obj.numel)
-        return None
-
-    def reducer_override(self, obj: Any) -> Any:
-        if not isinstance(obj, Tensor):
-            return NotImplemented
-        return self.records.in_memory(obj).__reduce_ex__(_PICKLE_PROTOCOL)
-
-
-class _Records:
-    """The archive's storage records, keyed as they are met: gathered ones by what they hold, in-memory ones (rank 0's
-    tensors) by the tensor."""
-
-    def __init__(self, as_left: Collection[int] = ()) -> None:
-        self.as_left = as_left
-        """The ``id`` of tensors written in their own dtype (a checkpoint hook's: Note [checkpoint hooks see the
-        model's values] in ``model_entries.py``)."""
-        self.known: dict[Hashable, _Record] = {}
-        self.memory: dict[str, Tensor] = {}
-        self.written: set[str] = set()
-        self._alive: list[Tensor] = []  # the in-memory tensors whose ids key ``known``
-
-    def deferred(self, what: Hashable, shape: torch.Size, dtype: torch.dtype) -> _Deferred:
-        if what not in self.known:
-            self.known[what] = _Record(str(len(self.known)), dtype, shape.numel())
-        return _Deferred(self.known[what], shape)
-
-    def in_memory(self, tensor: Tensor) -> _Deferred:
-        what = ("memory", id(tensor))
-        if what not in self.known:
-            data = tensor.detach().cpu()
-            data = (data if id(tensor) in self.as_left else data.to(_out_dtype(data.dtype))).contiguous()
-            if data.storage_offset() or data.untyped_storage().nbytes() != data.nbytes:
-                data = data.clone()  # a record holds this tensor's bytes alone, as torch.save's would
-            self.known[what] = _Record(str(len(self.known)), data.dtype, data.numel())
-            self.memory[self.known[what].key] = data
-            self._alive.append(tensor)
-        return _Deferred(self.known[what], tensor.shape)
-
-    def missing(self) -> list[str]:
-        return sorted(set(r.key for r in self.known.values()) - self.written - set(self.memory), key=int)
-
-
-def _out_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Low-precision floating tensors are written in fp32 (Note [full checkpoint streamed])."""
-    return torch.float32 if dtype.is_floating_point and dtype.itemsize < 4 else dtype
 
 
 def _param_key(param: Tensor) -> Hashable:
@@ -173,7 +92,7 @@ def save_full_checkpoint(
     rank = 0 if process_group is None else process_group.rank()
     slices = owned_parameter_slices(zero_optimizers, gatherer)
     by_param = {id(s.param): s for s in slices}
-    records = _Records(as_left)
+    records = ArchiveRecords(as_left)
     entries = module.state_dict(keep_vars=True)
     for name in ("state_dict", "current_model_state"):  # the latter: Note [Lightning's WeightAveraging]
         state = checkpoint.get(name)
@@ -203,7 +122,7 @@ def save_full_checkpoint(
             target.local.parent.mkdir(parents=True, exist_ok=True)
             remove_stale_siblings(target.local)
             stream = io.BytesIO()
-            _Pickler(stream, records).dump(checkpoint)
+            RecordPickler(stream, records).dump(checkpoint)
             writer = open_torch_save_archive(str(staged), stream.getvalue())
         except Exception as failure:  # still take part in every gather below: the other ranks wait in them
             error = f"{type(failure).__name__}: {failure}"
@@ -211,7 +130,7 @@ def save_full_checkpoint(
         held = {id(param) for _, param in bucket.slots_and_params()}
         mine = [s for s in slices if id(s.param) in held and s.stop > s.start]
         values = [(s, s.master_span if s.own_master else s.values_span) for s in mine]
-        dtype = _out_dtype(bucket.param_shard.dtype)
+        dtype = written_dtype(bucket.param_shard.dtype)
         device = staging_device(bucket.device, process_group)  # Note [full checkpoint on NCCL]
         error = _stream(
             bucket, _staged(bucket, values, tiers, dtype, device), _param_key, records, writer, error, process_group
@@ -264,9 +183,9 @@ def _lightning_state(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     return state
 
 
-def _deferred_parameter(records: _Records, param: Tensor, owned: OwnedSlice) -> _Deferred:
+def _deferred_parameter(records: ArchiveRecords, param: Tensor, owned: OwnedSlice) -> DeferredTensor:
     # The master's dtype where the run keeps fp32 masters; a frozen low-precision parameter is widened alike.
-    return records.deferred(_param_key(param), owned.shape, _out_dtype(owned.shard.dtype))
+    return records.deferred(_param_key(param), owned.shape, written_dtype(owned.shard.dtype))
 
 
 def _state_span(zero: ZeroOptimizer, s: OwnedSlice, name: str) -> Span | None:
@@ -316,7 +235,7 @@ def _torch_optimizer_states(
     flat: Mapping[tuple[int, str], torch.dtype],
     which: Mapping[tuple[int, str], Mapping[str, Tensor | None]],
     by_param: Mapping[int, OwnedSlice],
-    records: _Records,
+    records: ArchiveRecords,
 ) -> list[dict[str, Any] | None]:
     """Each optimizer's ``state_dict()`` as torch builds it under DDP: state by position in its param groups (None
     for an optimizer whose state the checkpoint leaves out)."""
@@ -390,7 +309,7 @@ def _stream(
     bucket: FlatBucket,
     local: Tensor,
     what: Any,
-    records: _Records,
+    records: ArchiveRecords,
     writer: Any,
     error: str | None,
     process_group: dist.ProcessGroup | None,

@@ -1,6 +1,6 @@
 """``OptimizerTiers``: the masters and optimizer state of the tiered buckets, loaded around each bucket's step.
 
-Implements the optimizer's ``StateTiers`` (Note [tiered step] in ``sharding/sharded_optimizer.py``). It places the
+Implements the optimizer's ``StateTiers`` (Note [tiered step] in ``sharding/state_tiers.py``). It places the
 buckets (``offload_ratio``) when the optimizer builds its masters. Per disk bucket it knows the segments, their
 masters and the tensors those masters live in: a master run (mixed precision), or the parameter shard itself (fp32
 at stage 3, in the parameter tier when ``offload_params="disk"``; at stages 1 and 2 the fp32 shard is a view of the

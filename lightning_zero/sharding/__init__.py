@@ -14,12 +14,14 @@
   ``gradient_clipping`` (by norm and value, over shards), ``gradient_presence`` (which parameters got a gradient on
   some rank: DDP's unused-parameter semantics), ``optimizer_hooks`` (torch's optimizer hooks on the wrapper) and
   ``step_chunks`` (the step bucket by bucket, each bucket's all-gather overlapping the next).
+- ``trainable_parameters``: ``TrainableParameters``, which parameters an optimizer trains, decided once at setup
+  (a parameter (un)frozen later is refused).
 - ``sharded_parameters``: ``ShardedParameters``, the protocol through which the optimizer sees a stage-3 model.
 - ``activation_checkpointing``: activation checkpointing by policy (torch's checkpoint wrapper on the layers
   selected, before stage 3 forms units), and parameter names as ``state_dict()`` gives them under the wrappers.
 - ``loss_scaler``: the cross-rank dynamic loss scaler of fp16 training.
 - ``state_tiers``: ``StateTiers``, the hooks through which memory tiers (``lightning_zero.offload``) hold masters,
-  optimizer state and gradient shards between steps.
+  optimizer state and gradient shards between steps (Note [tiered step]).
 
 Stage 3 builds on this package (its units are flat buckets reduced by the stage-2 reducer) but this package knows
 nothing of stage 3: ``ZeroOptimizer`` takes any object with the ``ShardedParameters`` protocol.

@@ -16,26 +16,8 @@ copy masters into the parameter shards -> all-gather the resident buckets in pla
 when they are next used); at stage 3, and at stages 1 and 2 with ``overlap_comm``, bucket by bucket
 (Note [step in chunks] in ``step_chunks.py``).
 Gradient clipping: ``gradient_clipping.py``; torch's optimizer hooks: Note [step hooks] in ``optimizer_hooks.py``;
-parameters without gradient: Note [unused parameters] in ``gradient_presence.py``.
-
-Note [tiered step]
-With memory tiers (``ZeroConfig.offload_optimizer``, ``lightning_zero.offload``) the masters and optimizer state of
-some buckets live in host memory or on disk between steps, and at stage 3 with the disk tier so do their reduced
-gradient shards. The step then always runs in chunks, one bucket at a time (Note [step in chunks]): the tiers load
-the bucket's masters, state and gradients (read ahead while the previous bucket is stepped), the user's optimizer
-steps them, and the tiers write back what changed (in the background) before the next bucket. Gradients of buckets
-held in a tier never become ``master.grad`` outside the step; loss scaling (``gradients_reduced``: their overflow
-check and unscaling) and clipping (``gradient_norms``, ``set_gradient_transform``) reach them through the tiers
-(Note [gradients on disk] in ``offload/tiered_grad_reducer.py``).
-
-Nothing reads a tiered bucket's masters, optimizer state or parameter shard outside ``load``/``unload``: between
-them a tensor in a tier has no memory (Note [swap lifecycle] in ``offload/tensor_swapper.py``). So the edit check
-(Note [edits reach the masters]) runs per bucket inside its window, as do the step and the copy into the shard;
-unscaling and clipping read only gradients in memory (tiered ones through the tiers, as above); an update of the
-masters' own state outside the step (``ShardedEMA``) loads just the masters and the entries it names; a swap of
-the whole model loads everything (``MemoryTiers.load_all``), and so does ``state_dict()``, which returns copies;
-checkpoints read and write the tier entries by range. Only code of the user's that reads masters or optimizer state
-by itself (a step hook on the optimizer) must hold them in memory: ``ZeroStrategy.shards_in_memory()``.
+parameters without gradient: Note [unused parameters] in ``gradient_presence.py``; memory tiers: Note [tiered step]
+in ``state_tiers.py``.
 """
 
 from __future__ import annotations
@@ -54,7 +36,6 @@ from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.compat import non_finite_check_and_unscale_
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding import gradient_clipping
-from lightning_zero.sharding.activation_checkpointing import parameter_names
 from lightning_zero.sharding.flat_bucket import build_buckets
 from lightning_zero.sharding.full_grad_reducer import FullGradReducer
 from lightning_zero.sharding.gradient_presence import GradientPresence
@@ -80,6 +61,7 @@ from lightning_zero.sharding.sharded_grad_reducer import ShardedGradReducer
 from lightning_zero.sharding.sharded_parameters import ShardedParameters as ShardedParameters  # re-exported
 from lightning_zero.sharding.state_tiers import StateTiers
 from lightning_zero.sharding.step_chunks import StepChunk, build_step_chunks, publish_in_flight, step_in_chunks
+from lightning_zero.sharding.trainable_parameters import TrainableParameters
 
 # Stages compose by choosing where gradients live; everything else is shared. (Stage 3 adds parameter gathering on
 # top of stage 2's reducer, built with the sharded model.)
@@ -120,8 +102,8 @@ class ZeroOptimizer(Optimizer):
         self._readiness = [False]  # behind `_grads_ready`
         self._found_inf = False
         self._views = [ParamGroupView(g, list(g["params"])) for g in optimizer.param_groups]
-        # Which parameters are reduced, sharded and stepped is decided here, once: see _check_requires_grad().
-        self._requires_grad = [(p, p.requires_grad) for view in self._views for p in view["params"]]
+        self.trainable = TrainableParameters(p for view in self._views for p in view["params"])
+        """Which parameters are reduced, sharded and stepped: decided here, once."""
 
         named_groups = trainable_named_groups(module, optimizer, config.elementwise_optimizers)
         group_of = {id(p): g for g, named in enumerate(named_groups) for _, p in named}
@@ -301,7 +283,7 @@ class ZeroOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.reduce_gradients()
-        self._check_requires_grad()
+        self.trainable.check(self.module, type(self.optimizer).__name__)
         self.edits.check()
         if self.tiers is None:  # with tiers: each bucket's while the tiers hold it (Note [tiered step])
             self.edits.adopt_all()  # a masked copy on the device, no host read (Note [edits reach the masters])
@@ -344,23 +326,6 @@ class ZeroOptimizer(Optimizer):
         self._forget_gradients()
         if self.tiers is not None:
             self.tiers.end_step()
-
-    def _check_requires_grad(self) -> None:
-        """Refuse a parameter (un)frozen since construction: DDP raises for a parameter that stops getting gradients;
-        we would step it with zero gradients (weight decay, momentum), or never step one unfrozen later."""
-        changed = next((p for p, trainable in self._requires_grad if p.requires_grad != trainable), None)
-        if changed is None:
-            return
-        name = parameter_names(self.module)[id(changed)]
-        was, now = ("frozen", "trainable") if changed.requires_grad else ("trainable", "frozen")
-        raise RuntimeError(
-            f"Parameter {name!r} was {was} when ZeroOptimizer sharded {type(self.optimizer).__name__} and is {now} "
-            "now. ZeRO decides once, at setup, which parameters it reduces, shards and steps: a parameter unfrozen "
-            "later would never be stepped, one frozen later would keep its place in every reduction. HINT: set "
-            "`requires_grad` before training starts (in `__init__` or "
-            "`configure_model`); to train parts of a model in turn, give each part its own optimizer and use "
-            "`toggle_optimizer`."
-        )
 
     def gather_parameters(self) -> None:
         """All-gather every resident bucket from its shard into the full flat parameters (after a step or a load)."""

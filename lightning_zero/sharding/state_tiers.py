@@ -1,7 +1,26 @@
 """``StateTiers``: the memory tiers as the optimizer sees them (implemented by ``lightning_zero.offload``).
 
-The optimizer only calls these hooks (Note [tiered step] in ``sharded_optimizer.py``); where the masters, optimizer
-state and gradient shards go, and how they move, is the tiers' business.
+The optimizer only calls these hooks (Note [tiered step]); where the masters, optimizer state and gradient shards go,
+and how they move, is the tiers' business.
+
+Note [tiered step]
+With memory tiers (``ZeroConfig.offload_optimizer``, ``lightning_zero.offload``) the masters and optimizer state of
+some buckets live in host memory or on disk between steps, and at stage 3 with the disk tier so do their reduced
+gradient shards. The step then always runs in chunks, one bucket at a time (Note [step in chunks]): the tiers load
+the bucket's masters, state and gradients (read ahead while the previous bucket is stepped), the user's optimizer
+steps them, and the tiers write back what changed (in the background) before the next bucket. Gradients of buckets
+held in a tier never become ``master.grad`` outside the step; loss scaling (``gradients_reduced``: their overflow
+check and unscaling) and clipping (``gradient_norms``, ``set_gradient_transform``) reach them through the tiers
+(Note [gradients on disk] in ``offload/tiered_grad_reducer.py``).
+
+Nothing reads a tiered bucket's masters, optimizer state or parameter shard outside ``load``/``unload``: between
+them a tensor in a tier has no memory (Note [swap lifecycle] in ``offload/tensor_swapper.py``). So the edit check
+(Note [edits reach the masters]) runs per bucket inside its window, as do the step and the copy into the shard;
+unscaling and clipping read only gradients in memory (tiered ones through the tiers, as above); an update of the
+masters' own state outside the step (``ShardedEMA``) loads just the masters and the entries it names; a swap of
+the whole model loads everything (``MemoryTiers.load_all``), and so does ``state_dict()``, which returns copies;
+checkpoints read and write the tier entries by range. Only code of the user's that reads masters or optimizer state
+by itself (a step hook on the optimizer) must hold them in memory: ``ZeroStrategy.shards_in_memory()``.
 """
 
 from __future__ import annotations

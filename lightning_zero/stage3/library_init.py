@@ -191,7 +191,10 @@ def _warn_if_initializer_unused(module: nn.Module, warned: set[type]) -> None:
 def library_inits(root: nn.Module) -> LibraryInits:
     """Find the modules of ``root`` that their library initializes (see the notes above); raise, before anything is
     allocated, for a module built on meta whose library's initialization cannot be re-created."""
-    transformers = sys.modules.get("transformers")
+    # Not ``sys.modules["transformers"].PreTrainedModel``: the package is lazy, and that attribute would import its
+    # whole modeling stack (seconds) in every process that shards any model. An instance exists only once
+    # ``transformers.modeling_utils``, which defines the class, has been imported.
+    pretrained = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
     found = LibraryInits()
     names = {id(m): n for n, m in root.named_modules()}
     seen: set[int] = set()  # a module reachable twice is initialized where the walk meets it first
@@ -212,7 +215,7 @@ def library_inits(root: nn.Module) -> LibraryInits:
         library = _library(module)
         if isinstance(module, nn.Transformer):
             in_transformer = True
-        if transformers is not None and isinstance(module, transformers.PreTrainedModel):
+        if pretrained is not None and isinstance(module, pretrained):
             owner, peft = module, None
         elif library == "peft":
             configs = getattr(module, "peft_config", configs)

@@ -26,10 +26,15 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.comm.collectives import ALL_GATHER_TAG, REDUCE_SCATTER_TAG
+from lightning_zero.comm.collectives import ALL_GATHER_TAG, REDUCE_SCATTER_TAG, native_collectives
 from lightning_zero.models.mlp import MLP
 
 FAULTS = ("raise", "kill-backward", "kill-reduce-scatter", "kill-all-gather", "stop", "hang")
+NATIVE_OPS = {
+    "kill-reduce-scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+    "kill-all-gather": ("all_gather_single", "all_gather_into_tensor"),
+}
+"""The torch ops of each kill's collective on the native branch (newer and older names)."""
 
 
 class FaultyMLP(pl.LightningModule):
@@ -50,7 +55,12 @@ class FaultyMLP(pl.LightningModule):
             return
         if self.fault == "kill-backward":
             self.model.net[0].weight.register_hook(self._kill_in_backward)
-        if self.fault in ("kill-reduce-scatter", "kill-all-gather"):
+        if self.fault in NATIVE_OPS and native_collectives():
+            # The native branch (Note [native collectives]) calls torch's op, looked up by name at each call.
+            for name in NATIVE_OPS[self.fault]:
+                if hasattr(dist, name):
+                    _die_inside(name, self, None)
+        elif self.fault in ("kill-reduce-scatter", "kill-all-gather"):
             # On gloo both are pairwise isend/irecv exchanges, told apart by their tags (comm/collectives.py).
             tag = REDUCE_SCATTER_TAG if self.fault == "kill-reduce-scatter" else ALL_GATHER_TAG
             _die_inside("isend", self, tag)
@@ -77,13 +87,14 @@ class FaultyMLP(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def _die_inside(name: str, module: FaultyMLP, tag: int) -> None:
-    """Issue the real call, then die while the peers are inside the collective it belongs to (``tag``)."""
+def _die_inside(name: str, module: FaultyMLP, tag: int | None) -> None:
+    """Issue the real call, then die while the peers are inside the collective it belongs to (``tag``; None: every
+    call of ``name``)."""
     real = getattr(dist, name)
 
     def issue_then_die(*args: Any, **kwargs: Any) -> Any:
         work = real(*args, **kwargs)
-        if module._armed() and kwargs.get("tag") == tag:
+        if module._armed() and (tag is None or kwargs.get("tag") == tag):
             module._mark_fault()
             os.kill(os.getpid(), signal.SIGKILL)
         return work
