@@ -26,6 +26,12 @@ and the table shows the median ratio over the rounds with its spread (the quarti
 each variant takes ``--steps`` steps in a row and its fastest counts (the least disturbed by other processes); wall
 time and the process's CPU time are both reported. Before each step of each variant a backward runs (not timed):
 ours, which gives ``tier`` and ``tier_copies`` their gradients, and the same before the others' steps.
+
+``--isolate`` runs each variant of a round in a process of its own, one after the other, so only one variant's
+state is in memory at a time (a 1B-parameter AdamW holds 16 GB; three side by side do not fit a 24 GiB machine):
+each process builds its variant, takes one untimed step (the moments' first touch), then ``--steps`` timed ones,
+and exits. Rounds are still paired and rotated; the backward before each step is then the variant's own (``tier``)
+or none.
 """
 
 from __future__ import annotations
@@ -104,9 +110,12 @@ def _layers(params: int, bucket: int) -> nn.Module:
     """Square linear layers without bias, four to a bucket, ``params`` parameters in all; the width a multiple of 64,
     as model widths are (a segment of a whole number of 64-byte units joins its neighbours in one kernel call:
     Note [one kernel call per bucket])."""
-    width = int((bucket // 4) ** 0.5) // 64 * 64
-    count = max(1, round(params / (width * width)))
-    return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(count)])
+    width = _width(bucket)
+    return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in _sizes(params, bucket)])
+
+
+def _width(bucket: int) -> int:
+    return int((bucket // 4) ** 0.5) // 64 * 64
 
 
 def _tier(
@@ -182,7 +191,15 @@ def main() -> None:
     parser.add_argument("--variants", default="tier,tier_copies,torch_fused,deepspeed")
     parser.add_argument("--deepspeed-python", help="a Python with deepspeed installed (its own environment)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--isolate", action="store_true", help="each variant of a round in its own process")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # an --isolate child: this variant, at --threads
     args = parser.parse_args()
+    if args.one is not None:
+        print(json.dumps(_one_variant(args)))
+        return
+    if args.isolate:
+        _report(args, _measure_isolated(args))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -238,6 +255,70 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         "times": times,
         "cpu_times": cpu_times,
         "load_average": os.getloadavg(),
+    }
+
+
+def _sizes(params: int, bucket: int) -> list[int]:
+    """The parameter tensors' sizes ``_layers`` builds (every variant steps tensors of these sizes)."""
+    width = _width(bucket)
+    return [width * width] * max(1, round(params / (width * width)))
+
+
+def _one_variant(args: argparse.Namespace) -> dict[str, Any]:
+    """An ``--isolate`` child: one untimed step, then ``--steps`` timed ones of variant ``--one``."""
+    torch.set_num_threads(int(args.threads))
+    if args.one == "deepspeed":
+        worker = _DeepSpeedWorker(args.deepspeed_python, _sizes(args.params, args.bucket))
+        try:
+            steps = [worker.step() for _ in range(1 + args.steps)]
+        finally:
+            worker.close()
+        return {"steps": steps[1:]}
+    if args.one == "torch_fused":
+        step = _torch_fused(_sizes(args.params, args.bucket))
+        return {"steps": [step() for _ in range(1 + args.steps)][1:]}
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+        try:
+            parallel = "buckets" if args.one == "tier_buckets" else "intra_op"
+            backward, step, optimizer = _tier(args.params, args.bucket, args.one == "tier_copies", parallel)
+            steps = [(backward(), step())[1] for _ in range(1 + args.steps)]
+            return {"steps": steps[1:], "buckets": len(optimizer.buckets)}
+        finally:
+            dist.destroy_process_group()
+
+
+def _measure_isolated(args: argparse.Namespace) -> dict[str, Any]:
+    """``--isolate``: rounds of children, one per variant and thread count, in an order rotated every round."""
+    wanted = [v for v in args.variants.split(",") if v != "deepspeed" or args.deepspeed_python]
+    threads = [int(t) for t in args.threads.split(",")]
+    names = [f"{name}@{t}" for t in threads for name in wanted]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu_times: dict[str, list[float]] = {name: [] for name in names}
+    buckets = 0
+    for round_ in range(args.warmup + args.rounds):
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        for label in order:
+            name, count = label.split("@")
+            child = [sys.executable, __file__, "--one", name, "--threads", count, "--steps", str(args.steps)]
+            child += ["--params", str(args.params), "--bucket", str(args.bucket)]
+            if args.deepspeed_python:
+                child += ["--deepspeed-python", args.deepspeed_python]
+            done = subprocess.run(child, check=True, capture_output=True, text=True)
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            buckets = result.get("buckets", buckets)
+            if round_ >= args.warmup:  # the fastest of the variant's timed steps: the least disturbed
+                times[label].append(min(wall for wall, _ in result["steps"]))
+                cpu_times[label].append(min(cpu for _, cpu in result["steps"]))
+    return {
+        "params": sum(_sizes(args.params, args.bucket)),
+        "buckets": buckets,
+        "tensors": _sizes(args.params, args.bucket),
+        "threads": threads,
+        "times": times,
+        "cpu_times": cpu_times,
+        "load_average": os.getloadavg(),
+        "isolated": True,
     }
 
 
